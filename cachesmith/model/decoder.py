@@ -1,0 +1,138 @@
+"""Our compact decoder: `embed`, `layers[i]`, `norm`, `head`, plus the reference full prefill.
+
+In: an HF-format model directory (Llama family or Qwen2/Qwen3), a device and a dtype.
+Out: a `Decoder` whose pieces the recompute runner drives layer by layer; `prefill` and
+`decode_step` here are the exact full-computation reference the identities are checked against.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from cachesmith.errors import InputError
+from cachesmith.model.config import ModelConfig, load_hf_config
+from cachesmith.model.kv_cache import KVCache
+from cachesmith.model.layers import DecoderLayer, RMSNorm
+from cachesmith.model.rope import RotaryEmbedding
+from cachesmith.model.weights import fingerprint, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InputError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device='cuda' was asked for but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device={device.type!r} is not supported; choose 'cpu' or 'cuda'")
+    return device
+
+
+class Decoder:
+    def __init__(self, model_dir: Path, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = "float32") -> None:
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.config = ModelConfig.from_hf(self.hf_config)
+        weights = load_weights(self.model_dir, self.config, self.device, self.dtype)
+        self.fingerprint = fingerprint(self.model_dir)
+        self.embed_weight = weights.embed  # [vocab, hidden]
+        self.head_weight = weights.head  # [vocab, hidden]
+        self.layers = [DecoderLayer(self.config, w) for w in weights.layers]
+        self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
+        self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    # -- pieces -------------------------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [num_tokens] -> hidden [num_tokens, hidden]."""
+        return self.embed_weight[token_ids]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden of the selected positions [k, hidden] -> float32 logits [k, vocab]."""
+        return torch.nn.functional.linear(hidden, self.head_weight).float()
+
+    # -- validation ---------------------------------------------------------------------------
+    def as_token_tensor(self, token_ids: Sequence[int] | torch.Tensor, field: str = "token_ids",
+                        start: int = 0) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise InputError(f"{field} must be a non-empty 1-D sequence of token ids")
+        if start + ids.numel() > self.config.max_positions:
+            raise InputError(
+                f"{field}: {start + ids.numel()} positions exceed the model's maximum of "
+                f"{self.config.max_positions}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise InputError(f"{field} holds ids outside the vocabulary [0, {self.config.vocab_size})")
+        return ids.to(self.device)
+
+    # -- reference full computation -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, start: int = 0, cache: KVCache | None = None,
+                pre_rope_keys: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Full causal pass over contiguous positions [start, start + T) with no other context.
+
+        Writes rotated K/V into `cache` (if given) and appends each layer's pre-RoPE K to
+        `pre_rope_keys` (if given). Returns the final-normed hidden [T, hidden].
+        """
+        positions = torch.arange(start, start + token_ids.numel(), device=self.device)
+        cos, sin = self.rope.cos_sin(positions)
+        h = self.embed(token_ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(layer.input_norm(h))
+            if pre_rope_keys is not None:
+                pre_rope_keys.append(k)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            if cache is not None:
+                cache.write(i, start, k, v)
+            h = h + layer.out_proj(layer.attend(q, k, v, is_causal=True))
+            h = layer.mlp_block(h)
+        if cache is not None:
+            cache.num_tokens = start + token_ids.numel()
+        return self.norm(h)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.device, self.dtype)
+
+    def prefill(self, token_ids: Sequence[int] | torch.Tensor,
+                extra_capacity: int = 0) -> tuple[torch.Tensor, KVCache]:
+        """Full prefill: float32 logits of the last position [vocab] and the filled cache."""
+        ids = self.as_token_tensor(token_ids)
+        cache = self.new_cache(ids.numel() + extra_capacity)
+        hidden = self.forward(ids, cache=cache)
+        return self.head(hidden[-1:])[0], cache
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, cache: KVCache) -> torch.Tensor:
+        """One token at position cache.num_tokens attending to the whole cache -> logits [vocab]."""
+        pos = cache.num_tokens
+        if pos >= self.config.max_positions:
+            raise InputError(f"decode reached the model's maximum of {self.config.max_positions} positions")
+        ids = torch.tensor([token_id], device=self.device)
+        cos, sin = self.rope.cos_sin(torch.tensor([pos], device=self.device))
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(layer.input_norm(h))
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            cache.write(i, pos, k, v)
+            keys, values = cache.view(i, pos + 1)
+            h = h + layer.out_proj(layer.attend(q, keys, values))
+            h = layer.mlp_block(h)
+        cache.num_tokens = pos + 1
+        return self.head(self.norm(h))[0]

@@ -1,0 +1,89 @@
+"""One decoder layer, split into separately callable pieces.
+
+The recompute runner (not this module) owns the layer loop and decides which tokens run which
+piece: `input_norm` -> `qkv` (pre-RoPE) -> rotate -> `attend` (given queries over given K/V with a
+causal-by-position mask) -> `out_proj` + residual -> `post_norm` -> `mlp` + residual.
+Tensors carry no batch dimension: rows are tokens, as in vLLM's flattened layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cachesmith.model.config import ModelConfig
+
+
+class RMSNorm:
+    """RMSNorm computed in float32 and cast back, matching transformers' Llama/Qwen norms."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight = weight  # [dim]
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # fused kernel; same arithmetic as the float32 upcast path
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def causal_by_position_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [num_q, num_k]: key j is visible to query i iff pos(j) <= pos(i)."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+class DecoderLayer:
+    """Weights of one layer; QKV and gate/up are fused so each is one matmul."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.input_norm = RMSNorm(weights["input_norm"], config.rms_norm_eps)
+        self.post_norm = RMSNorm(weights["post_norm"], config.rms_norm_eps)
+        self.qkv_weight = weights["qkv"]  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+        self.qkv_bias = weights.get("qkv_bias")
+        self.q_norm = RMSNorm(weights["q_norm"], config.rms_norm_eps) if config.is_qk_norm else None
+        self.k_norm = RMSNorm(weights["k_norm"], config.rms_norm_eps) if config.is_qk_norm else None
+        self.o_weight = weights["o"]  # [hidden, num_heads * head_dim]
+        self.gate_up_weight = weights["gate_up"]  # [2 * intermediate, hidden]
+        self.down_weight = weights["down"]  # [hidden, intermediate]
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden x [num_tokens, hidden] -> pre-RoPE q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+        cfg = self.config
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """Rotated q [Tq, H, D] over rotated k, v [Tk, Hkv, D] -> [Tq, H * D].
+
+        `mask` [Tq, Tk] (True = visible) expresses causality by true position; `is_causal` is the
+        fast path when queries and keys are the same contiguous positions.
+        """
+        # A leading batch dim of 1: torch's CPU flash kernel only takes 4-D inputs (3-D falls
+        # back to the math path, ~9x slower at 2K tokens).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=is_causal, enable_gqa=True,
+        )[0]  # [H, Tq, D]
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def out_proj(self, attn: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, H * D] -> [num_tokens, hidden]."""
+        return F.linear(attn, self.o_weight)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """Post-normed hidden [num_tokens, hidden] -> [num_tokens, hidden] (SwiGLU)."""
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down_weight)
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """Residual MLP sub-block: h + mlp(post_norm(h))."""
+        return h + self.mlp(self.post_norm(h))

@@ -1,0 +1,57 @@
+"""Rotary position embedding at explicit positions.
+
+In: pre-RoPE query or key rows `[num_tokens, num_heads, head_dim]` and their absolute positions.
+Out: the same rows rotated to those positions. Positions are explicit everywhere so that cached
+chunk K (stored pre-RoPE) can be placed at any offset with exactly the rotation a full prefill uses.
+"""
+from __future__ import annotations
+
+import torch
+
+from cachesmith.errors import ModelAssetError
+
+
+def _inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, delegated to transformers for non-default types."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        # dynamic scaling changes frequencies with sequence length, so cached K would not compose.
+        raise ModelAssetError(f"rope_type={rope_type!r} is not supported (position-independent types only)")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding:
+    """cos/sin tables computed in float32 (as transformers does) and cast to the model dtype."""
+
+    def __init__(self, hf_config, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq, self.attention_scaling = _inv_freq(hf_config)
+        self.inv_freq = inv_freq.to(device)  # [head_dim // 2]
+        self.dtype = dtype
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in the model dtype."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, num_heads, head_dim] rotated with precomputed cos/sin."""
+        half = x.shape[-1] // 2
+        rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, rotated_half, sin)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, num_heads, head_dim] pre-RoPE -> rotated to `positions` [num_tokens]."""
+        cos, sin = self.cos_sin(positions)
+        return self.apply(x, cos, sin)

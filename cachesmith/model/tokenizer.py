@@ -1,0 +1,73 @@
+"""Tokenizer wrapper: plain encoding (no special tokens added), decoding, and the chat template.
+
+In: a model directory with HF tokenizer files. Out: token id lists. `rag_prompt_parts` splits a chat
+prompt into prefix / per-document chunks / suffix, tokenized separately, so that full prefill and
+chunk reuse see exactly the same token sequence.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachesmith.errors import InputError, ModelAssetError
+
+_SLOT = "\u2063CACHESMITH_DOCUMENTS\u2063"
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    prefix_ids: list[int]
+    chunk_ids: list[list[int]]
+    suffix_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prefix_ids + [t for c in self.chunk_ids for t in c] + self.suffix_ids
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelAssetError(f"{model_dir}: tokenizer files cannot be loaded: {exc}") from exc
+
+    def encode(self, text: str, field: str = "text") -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"{field} must be a string, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template():
+            return "\n".join(m["content"] for m in messages) + "\n"
+        return self.hf.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+
+    def rag_prompt_parts(self, documents: Sequence[str], question: str,
+                         system: str | None = None, separator: str = "\n\n") -> PromptParts:
+        """Chat prompt whose user turn is the documents followed by the question."""
+        if not documents:
+            raise InputError("documents must hold at least one passage")
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, str) or not doc.strip():
+                raise InputError(f"documents[{i}] must be a non-empty string")
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("question must be a non-empty string")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": _SLOT}]
+        head, tail = self.chat_text(messages).split(_SLOT)
+        return PromptParts(
+            prefix_ids=self.encode(head),
+            chunk_ids=[self.encode(doc + separator, field=f"documents[{i}]")
+                       for i, doc in enumerate(documents)],
+            suffix_ids=self.encode(question + tail, field="question"),
+        )

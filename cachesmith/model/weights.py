@@ -1,0 +1,124 @@
+"""Read HF-format safetensors weights into per-layer dicts with fused QKV and gate/up matrices.
+
+In: a model directory (config.json + *.safetensors). Out: `ModelWeights` on the requested device and
+dtype, plus a content fingerprint used to key stored chunk KV so it is never served to another model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cachesmith.errors import ModelAssetError
+from cachesmith.model.config import ModelConfig
+
+_FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_SAMPLE_BYTES = 1 << 16
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[dict[str, torch.Tensor]]
+    norm: torch.Tensor  # [hidden]
+    head: torch.Tensor  # [vocab, hidden]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelAssetError(f"{model_dir} holds no *.safetensors weight file")
+    return files
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json, each weight file's header and size, and sampled blocks of its data.
+
+    Hashing every byte of a multi-GB model would cost seconds per load; the header fixes names,
+    shapes and offsets, and the samples catch a different checkpoint of the same shape.
+    """
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for path in weight_files(model_dir):
+        size = path.stat().st_size
+        digest.update(path.name.encode() + struct.pack("<Q", size))
+        with path.open("rb") as fh:
+            header_len = struct.unpack("<Q", fh.read(8))[0]
+            digest.update(fh.read(min(header_len, size)))
+            for i in range(_FINGERPRINT_SAMPLES):
+                fh.seek(size * i // _FINGERPRINT_SAMPLES)
+                digest.update(fh.read(_FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    tensors[name.removeprefix("model.")] = fh.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for truncated files
+            raise ModelAssetError(f"{path} is corrupt or truncated: {exc}") from exc
+    return tensors
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str, model_dir: Path) -> torch.Tensor:
+    try:
+        return tensors.pop(name)
+    except KeyError:
+        raise ModelAssetError(f"{model_dir}: weight {name!r} is missing") from None
+
+
+def load_weights(model_dir: Path, config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> ModelWeights:
+    raw = _read_all(model_dir)
+
+    def take(name: str) -> torch.Tensor:
+        return _take(raw, name, model_dir).to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layer = {
+            "input_norm": take(p + "input_layernorm.weight"),
+            "post_norm": take(p + "post_attention_layernorm.weight"),
+            "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            "o": take(p + "self_attn.o_proj.weight"),
+            "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            "down": take(p + "mlp.down_proj.weight"),
+        }
+        if config.is_qkv_bias:
+            layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        if config.is_qk_norm:
+            layer["q_norm"] = take(p + "self_attn.q_norm.weight")
+            layer["k_norm"] = take(p + "self_attn.k_norm.weight")
+        layers.append(layer)
+    embed = take("embed_tokens.weight")
+    head = embed if config.is_tied_embeddings and "lm_head.weight" not in raw else take("lm_head.weight")
+    weights = ModelWeights(embed=embed, layers=layers, norm=take("norm.weight"), head=head)
+    _check_shapes(weights, config, model_dir)
+    return weights
+
+
+def _check_shapes(w: ModelWeights, cfg: ModelConfig, model_dir: Path) -> None:
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    expected = {
+        "embed_tokens": (w.embed.shape, (cfg.vocab_size, cfg.hidden_size)),
+        "layers.0 qkv": (w.layers[0]["qkv"].shape, (qkv_rows, cfg.hidden_size)),
+        "layers.0 gate_up": (w.layers[0]["gate_up"].shape, (2 * cfg.intermediate_size, cfg.hidden_size)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ModelAssetError(f"{model_dir}: weight {name} has shape {tuple(got)}, config says {want}")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelAssetError(f"{path} cannot be read: {exc}") from exc
