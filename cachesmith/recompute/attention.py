@@ -1,0 +1,76 @@
+"""Attention of scattered query rows over a mixed (cached + fresh) KV, and explicit probabilities.
+
+In: rotated queries at sorted true positions, the layer's full K/V buffer. Out: attention outputs,
+or the softmax probabilities the QCI signal sums.
+
+A single masked call over the full key length does twice the work of a causal pass for rows spread
+over the sequence. `ScatteredAttention` splits the sorted query rows into blocks and gives each
+block only the keys up to its last position, so the work approaches the causal half.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cachesmith.model.layers import DecoderLayer
+
+DEFAULT_NUM_BLOCKS = 8
+
+
+class ScatteredAttention:
+    """Block plan for query rows at sorted `q_positions` (CPU); masks are built once, reused per layer."""
+
+    def __init__(self, q_positions: torch.Tensor, device: torch.device, num_suffix: int,
+                 num_blocks: int = DEFAULT_NUM_BLOCKS) -> None:
+        num_q = q_positions.numel()
+        num_scattered = num_q - num_suffix
+        groups = min(num_blocks, num_scattered)
+        bounds = [num_scattered * g // groups for g in range(groups + 1)] if groups else [0]
+        bounds.append(num_q)  # the suffix is its own block: it sees every key
+        self.blocks: list[tuple[int, int, int, torch.Tensor]] = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b <= a:
+                continue
+            num_keys = int(q_positions[b - 1]) + 1
+            mask = torch.arange(num_keys)[None, :] <= q_positions[a:b, None]  # [b - a, num_keys]
+            self.blocks.append((a, b, num_keys, mask.to(device)))
+
+    def __call__(self, layer: DecoderLayer, q: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """q [num_q, H, D]; keys/values [S, Hkv, D] -> [num_q, H * D]."""
+        outs = [layer.attend(q[a:b], keys[:m], values[:m], mask=mask) for a, b, m, mask in self.blocks]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, q_positions: torch.Tensor,
+                    k_positions: torch.Tensor) -> torch.Tensor:
+    """Softmax probabilities of q [n, H, D] over keys [Sk, Hkv, D] -> [H, n, Sk] (float32).
+
+    Causal by true position. GQA is handled by folding the query heads of one KV head together,
+    so K is never repeated.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    rep = num_heads // num_kv_heads
+    qg = q.float().reshape(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)  # [Hkv, rep, n, D]
+    kg = keys.float().permute(1, 2, 0)  # [Hkv, D, Sk]
+    scores = torch.matmul(qg.reshape(num_kv_heads, rep * n, head_dim), kg) / math.sqrt(head_dim)
+    scores = scores.view(num_kv_heads, rep, n, -1)
+    visible = k_positions[None, :] <= q_positions[:, None]  # [n, Sk]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1).reshape(num_heads, n, -1)
+
+
+def attend_with_probs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      q_positions: torch.Tensor, k_positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [n, H * D] (model dtype) and probabilities [H, n, Sk] for few queries."""
+    probs = attention_probs(q, keys, q_positions, k_positions)  # [H, n, Sk]
+    num_heads, n, _ = probs.shape
+    num_kv_heads, head_dim = values.shape[1], values.shape[2]
+    rep = num_heads // num_kv_heads
+    pg = probs.view(num_kv_heads, rep * n, -1)
+    out = torch.matmul(pg, values.float().transpose(0, 1))  # [Hkv, rep * n, D]
+    out = out.view(num_heads, n, head_dim).transpose(0, 1).reshape(n, -1)
+    return out.to(q.dtype), probs

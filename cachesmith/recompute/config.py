@@ -1,0 +1,105 @@
+"""The `(S, w, p, r)` recompute plan and the named baseline presets (DESIGN.md §2).
+
+In: a signal name, warm-up depth, probe length and default coverage. Out: a validated, frozen
+`RecomputeConfig`; `validate_for(num_layers)` checks the depth against a concrete model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from cachesmith.errors import ConfigError
+
+
+class Signal(str, Enum):
+    KV_DEV = "kv_dev"
+    QCI = "qci"
+    QCI_LAST = "qci_last"
+    POSITION = "position"
+
+
+KV_DEV_TARGETS = ("k", "v", "kv")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    signal: Signal
+    warmup: int
+    probe: int
+    coverage: float
+    kv_dev_target: str = "kv"
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "signal", Signal(self.signal))
+        except ValueError:
+            raise ConfigError(f"signal={self.signal!r} is not one of {[s.value for s in Signal]}") from None
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 0")
+        if not isinstance(self.probe, int) or self.probe < 0:
+            raise ConfigError(f"probe={self.probe!r} must be an integer >= 0")
+        check_coverage(self.coverage, "coverage")
+        if self.signal is Signal.POSITION and self.probe:
+            raise ConfigError(f"probe={self.probe} must be 0 for signal 'position' (it needs no probe)")
+        if self.kv_dev_target not in KV_DEV_TARGETS:
+            raise ConfigError(f"kv_dev_target={self.kv_dev_target!r} is not one of {KV_DEV_TARGETS}")
+
+    def validate_for(self, num_layers: int) -> None:
+        if self.warmup + self.probe > num_layers:
+            raise ConfigError(f"warmup + probe = {self.warmup + self.probe} exceeds the model's "
+                              f"{num_layers} layers")
+
+    def is_full_prefill(self, num_layers: int) -> bool:
+        return self.warmup >= num_layers
+
+    def label(self) -> str:
+        return f"({self.signal.value},{self.warmup},{self.probe},{self.coverage:.0%})"
+
+
+def check_coverage(coverage: float, field: str) -> float:
+    if not isinstance(coverage, (int, float)) or math.isnan(coverage) or not 0.0 <= coverage <= 1.0:
+        raise ConfigError(f"{field}={coverage!r} must be a fraction in [0, 1]")
+    return float(coverage)
+
+
+def full_prefill(num_layers: int) -> RecomputeConfig:
+    return RecomputeConfig(Signal.POSITION, num_layers, 0, 1.0)
+
+
+def full_reuse() -> RecomputeConfig:
+    return RecomputeConfig(Signal.POSITION, 0, 0, 0.0)
+
+
+def cacheblend(coverage: float) -> RecomputeConfig:
+    return RecomputeConfig(Signal.KV_DEV, 1, 0, coverage)
+
+
+def epic(coverage: float) -> RecomputeConfig:
+    return RecomputeConfig(Signal.POSITION, 0, 0, coverage)
+
+
+def prophetkv(coverage: float, num_layers: int) -> RecomputeConfig:
+    return RecomputeConfig(Signal.QCI, 0, num_layers, coverage)
+
+
+def fusionrag(coverage: float, num_layers: int) -> RecomputeConfig:
+    return RecomputeConfig(Signal.QCI_LAST, 0, num_layers, coverage)
+
+
+PRESET_NAMES = ("full_prefill", "full_reuse", "cacheblend", "epic", "prophetkv", "fusionrag")
+
+
+def preset(name: str, coverage: float, num_layers: int) -> RecomputeConfig:
+    """A named baseline at `coverage` (ignored by full_prefill / full_reuse)."""
+    makers = {
+        "full_prefill": lambda: full_prefill(num_layers),
+        "full_reuse": full_reuse,
+        "cacheblend": lambda: cacheblend(coverage),
+        "epic": lambda: epic(coverage),
+        "prophetkv": lambda: prophetkv(coverage, num_layers),
+        "fusionrag": lambda: fusionrag(coverage, num_layers),
+    }
+    if name not in makers:
+        raise ConfigError(f"preset={name!r} is not one of {list(PRESET_NAMES)}")
+    return makers[name]()

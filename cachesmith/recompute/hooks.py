@@ -1,0 +1,85 @@
+"""Per-layer hooks around the runner's layer loop, and a statistics recorder built on them.
+
+`before_layer(layer, phase)` runs before a layer pass reads cached KV: the transfer engine blocks
+there until that layer's KV has arrived. `after_layer(info)` runs after each pass and may return
+lowered coverages {request index: coverage} for the remaining Patch layers (runtime monitor).
+Timing lives here, outside the hot path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("warmup", "probe", "patch")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    layer: int
+    phase: str
+    num_computed_tokens: int  # rows that ran the layer's linear parts
+    kv_bytes_read: int  # bytes of cached K/V rows this pass uses (what a transfer must deliver)
+
+
+class RunnerHooks:
+    """No-op base; subclasses override what they need."""
+
+    def before_layer(self, layer: int, phase: str) -> None:
+        return None
+
+    def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
+        return None
+
+
+class HookChain(RunnerHooks):
+    """Several hooks in order; the lowest coverage any of them asks for wins."""
+
+    def __init__(self, *hooks: RunnerHooks) -> None:
+        self.hooks = [h for h in hooks if h is not None]
+
+    def before_layer(self, layer: int, phase: str) -> None:
+        for h in self.hooks:
+            h.before_layer(layer, phase)
+
+    def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
+        merged: dict[int, float] = {}
+        for h in self.hooks:
+            for idx, cov in (h.after_layer(info) or {}).items():
+                merged[idx] = min(cov, merged.get(idx, cov))
+        return merged or None
+
+
+@dataclass(frozen=True)
+class LayerStat:
+    layer: int
+    phase: str
+    seconds: float
+    num_computed_tokens: int
+    kv_bytes_read: int
+
+
+@dataclass
+class LayerStatsRecorder(RunnerHooks):
+    """Wall time, tokens computed and KV bytes read of every layer pass."""
+
+    device: torch.device = torch.device("cpu")
+    stats: list[LayerStat] = field(default_factory=list)
+    _start: float = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_layer(self, layer: int, phase: str) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def after_layer(self, info: LayerInfo) -> None:
+        self._sync()
+        self.stats.append(LayerStat(info.layer, info.phase, time.perf_counter() - self._start,
+                                    info.num_computed_tokens, info.kv_bytes_read))
+
+    def total_seconds(self, phase: str | None = None) -> float:
+        return sum(s.seconds for s in self.stats if phase is None or s.phase == phase)

@@ -1,0 +1,282 @@
+"""The batch runner: executes a `(S, w, p, r)` plan layer by layer for heterogeneous requests.
+
+In: a list of `RecomputeRequest` and one `RecomputeConfig` (shared S, w, p; per-request r).
+Out: one `RecomputeOutput` per request: last-position logits, the assembled KV cache (ready for
+greedy decoding), the recomputed context indices, scores and the layer-0 QCI entropy.
+
+Linear parts run batched over every computed row of the batch; attention runs per request over
+its mixed KV, causal by true position. Phases (DESIGN.md §2): WarmUp [0, w) computes everything;
+Probe builds scores (qci / qci_last rewind to w afterwards; kv_dev probe layers are full layers, so
+its Patch starts at w + p, see docs/decisions.md); Patch recomputes selected rows + the suffix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachesmith.model import Decoder, KVCache
+from cachesmith.recompute import signals
+from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs, attention_probs
+from cachesmith.recompute.config import RecomputeConfig, Signal
+from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
+from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence,
+                                           cached_pre_rope, fill_cached_rows)
+
+
+@dataclass
+class RecomputeOutput:
+    logits: torch.Tensor  # [vocab] float32, last position
+    cache: KVCache  # assembled KV of all S positions, ready for decoding
+    selected: torch.Tensor  # context indices recomputed in the last Patch layer (CPU, sorted)
+    scores: torch.Tensor | None  # [N] selection scores (None for warm-up-only plans)
+    qci_entropy: float | None  # normalized entropy of layer-0 QCI scores (when w >= 1)
+    num_context: int
+    num_suffix: int
+
+    @property
+    def first_token(self) -> int:
+        return int(torch.argmax(self.logits))
+
+
+@dataclass
+class _PatchRows:
+    """Rows a request computes in Patch layers: selected context + suffix, sorted by position."""
+    positions: torch.Tensor  # [num_rows] on the model device
+    cos: torch.Tensor  # [num_rows, 1, head_dim]
+    sin: torch.Tensor
+    attention: ScatteredAttention
+
+
+class BatchRunner:
+    def __init__(self, model: Decoder) -> None:
+        self.model = model
+        cfg = model.config
+        self._row_bytes = cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+
+    # -- public --------------------------------------------------------------------------------
+    def run(self, requests: list[RecomputeRequest], config: RecomputeConfig,
+            hooks: RunnerHooks | None = None) -> list[RecomputeOutput]:
+        num_layers = self.model.num_layers
+        config.validate_for(num_layers)
+        hooks = hooks or RunnerHooks()
+        seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
+        with torch.inference_mode():
+            h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
+            for layer in range(min(config.warmup, num_layers)):
+                h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
+            if config.warmup >= num_layers:
+                return self._finish(seqs, h, [s.num_tokens for s in seqs])
+            patch_start, h, projections = self._probe(config, seqs, h, hooks)
+            if patch_start == num_layers:  # a kv_dev probe that reached the last layer: all full
+                return self._finish(seqs, h, [s.num_tokens for s in seqs])
+            rows = [self._patch_rows(s) for s in seqs]
+            index = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))])
+            h_sel = h[index.to(h.device)]  # [sum (k_i + n_i), hidden]
+            for layer in range(patch_start, num_layers):
+                pre = projections if layer == patch_start else None
+                h_sel, rows = self._patch_layer(layer, seqs, rows, h_sel, hooks, pre)
+            return self._finish(seqs, h_sel, [r.positions.numel() for r in rows])
+
+    # -- phases --------------------------------------------------------------------------------
+    def _probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
+               hooks: RunnerHooks):
+        """Score and select. Returns (first Patch layer, hidden rows, projections reusable there)."""
+        if config.signal is Signal.KV_DEV:
+            return self._kv_dev_probe(config, seqs, h, hooks)
+        is_position = config.signal is Signal.POSITION
+        if is_position:
+            scores = [signals.position_scores(s) for s in seqs]
+        elif config.signal is Signal.QCI:
+            scores = self._qci_probe(seqs, self._suffix_rows(seqs, h),
+                                     range(config.warmup, config.warmup + config.probe), hooks)
+        else:
+            scores = self._qci_last_probe(seqs, h, config.warmup, hooks)
+        for s, sc in zip(seqs, scores):
+            s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
+            s.is_position_signal = is_position
+            s.selected = signals.select(s, s.coverage, is_position)
+        return config.warmup, h, None
+
+    def _kv_dev_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
+                      hooks: RunnerHooks):
+        scores = [torch.zeros(s.num_context, device=self.model.device) for s in seqs]
+        start = config.warmup + config.probe
+        for layer in range(config.warmup, start):
+            h, devs = self._full_layer(layer, seqs, h, hooks, "probe", dev_target=config.kv_dev_target)
+            scores = [a + b for a, b in zip(scores, devs)]
+        if start == self.model.num_layers:
+            return start, h, None
+        layer = self.model.layers[start]
+        q, k, v = layer.qkv(layer.input_norm(h))  # all rows; the selected ones are reused in Patch
+        for i, (s, a) in enumerate(zip(seqs, self._offsets(seqs))):
+            ctx = slice(a + s.context_start, a + s.suffix_start)
+            ck, cv = cached_pre_rope(s, start)
+            scores[i] = scores[i] + signals.kv_deviation(k[ctx], v[ctx], ck, cv, config.kv_dev_target)
+        for s, sc in zip(seqs, scores):
+            s.scores, s.ranking = sc, signals.rank(sc)
+            s.selected = signals.select(s, s.coverage, False)
+        rows = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(h.device)
+        return start, h, (q[rows], k[rows], v[rows])
+
+    def _full_layer(self, index: int, seqs: list[Sequence], h: torch.Tensor, hooks: RunnerHooks,
+                    phase: str, want_entropy: bool = False, dev_target: str | None = None):
+        """Every row of every request computed exactly (WarmUp, or a kv_dev Probe layer)."""
+        hooks.before_layer(index, phase)
+        layer, rope = self.model.layers[index], self.model.rope
+        q, k, v = layer.qkv(layer.input_norm(h))
+        outs, devs, kv_rows = [], [], 0
+        for s, a in zip(seqs, self._offsets(seqs)):
+            b = a + s.num_tokens
+            qi, ki = rope.apply(q[a:b], s.cos, s.sin), rope.apply(k[a:b], s.cos, s.sin)
+            s.cache.write(index, 0, ki, v[a:b])
+            outs.append(layer.attend(qi, ki, v[a:b], is_causal=True))
+            if want_entropy:
+                s.qci_entropy = self._entropy(s, qi, ki)
+            if dev_target is not None:
+                ck, cv = cached_pre_rope(s, index)
+                ctx = slice(a + s.context_start, a + s.suffix_start)
+                devs.append(signals.kv_deviation(k[ctx], v[ctx], ck, cv, dev_target))
+                kv_rows += s.num_context
+        h = layer.mlp_block(h + layer.out_proj(torch.cat(outs)))
+        self._after(hooks, index, phase, h.shape[0], kv_rows)
+        return h, devs
+
+    def _entropy(self, s: Sequence, q: torch.Tensor, k: torch.Tensor) -> float:
+        pos = torch.arange(s.num_tokens, device=q.device)
+        sfx = slice(s.suffix_start, s.num_tokens)
+        probs = attention_probs(q[sfx], k, pos[sfx], pos)
+        return signals.normalized_entropy(signals.qci_from_probs(probs, s))
+
+    def _qci_probe(self, seqs: list[Sequence], hq: torch.Tensor, layers: range,
+                   hooks: RunnerHooks) -> list[torch.Tensor]:
+        """Query rows `hq` only, over the cached context; probabilities summed over probe layers,
+        heads and query tokens. The cache rows it writes are all rewritten by Patch (the rewind)."""
+        scores = [torch.zeros(s.num_context, device=self.model.device) for s in seqs]
+        rope = self.model.rope
+        for index in layers:
+            hooks.before_layer(index, "probe")
+            layer = self.model.layers[index]
+            q, k, v = layer.qkv(layer.input_norm(hq))
+            outs, a = [], 0
+            for i, s in enumerate(seqs):
+                b, sfx = a + s.num_suffix, slice(s.suffix_start, s.num_tokens)
+                fill_cached_rows(self.model, s, index)
+                s.cache.write(index, s.suffix_start, rope.apply(k[a:b], s.cos[sfx], s.sin[sfx]), v[a:b])
+                keys, values = s.cache.view(index, s.num_tokens)
+                pos = torch.arange(s.num_tokens, device=hq.device)
+                qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
+                out, probs = attend_with_probs(qi, keys, values, pos[sfx], pos)
+                scores[i] += signals.qci_from_probs(probs, s)
+                outs.append(out)
+                a = b
+            hq = layer.mlp_block(hq + layer.out_proj(torch.cat(outs)))
+            self._after(hooks, index, "probe", hq.shape[0], sum(s.suffix_start for s in seqs))
+        return scores
+
+    def _qci_last_probe(self, seqs: list[Sequence], h: torch.Tensor, start: int,
+                        hooks: RunnerHooks) -> list[torch.Tensor]:
+        """FusionRAG: query rows run [start, L-1) over the prefix and themselves only, then the
+        last layer scores their attention over the cached context."""
+        last = self.model.num_layers - 1
+        hq, rope = self._suffix_rows(seqs, h), self.model.rope
+        for index in range(start, last):
+            hooks.before_layer(index, "probe")
+            layer = self.model.layers[index]
+            q, k, v = layer.qkv(layer.input_norm(hq))
+            outs, a = [], 0
+            for s in seqs:
+                b, sfx = a + s.num_suffix, slice(s.suffix_start, s.num_tokens)
+                keys, values = rope.apply(k[a:b], s.cos[sfx], s.sin[sfx]), v[a:b]
+                if s.request.prefix is not None:  # exact, so the query-only pass may see it
+                    pre = s.request.prefix
+                    pk = rope.apply(pre.keys[index], s.cos[:s.num_prefix], s.sin[:s.num_prefix])
+                    keys, values = torch.cat([pk, keys]), torch.cat([pre.values[index], values])
+                kpos = torch.cat([torch.arange(s.num_prefix), torch.arange(s.suffix_start, s.num_tokens)])
+                kpos = kpos.to(hq.device)
+                qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
+                outs.append(attend_with_probs(qi, keys, values, kpos[s.num_prefix:], kpos)[0])
+                a = b
+            hq = layer.mlp_block(hq + layer.out_proj(torch.cat(outs)))
+            self._after(hooks, index, "probe", hq.shape[0], sum(s.num_prefix for s in seqs))
+        return self._qci_probe(seqs, hq, range(last, last + 1), hooks)
+
+    def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[_PatchRows],
+                     h_sel: torch.Tensor, hooks: RunnerHooks, pre=None):
+        """Selected context rows + suffix rows recomputed over the mixed KV of the layer."""
+        hooks.before_layer(index, "patch")
+        layer, rope = self.model.layers[index], self.model.rope
+        q, k, v = pre if pre is not None else layer.qkv(layer.input_norm(h_sel))
+        outs, a, kv_rows = [], 0, 0
+        for s, r in zip(seqs, rows):
+            b = a + r.positions.numel()
+            kv_rows += fill_cached_rows(self.model, s, index) - s.selected.numel()
+            s.cache.keys[index].index_copy_(0, r.positions, rope.apply(k[a:b], r.cos, r.sin))
+            s.cache.values[index].index_copy_(0, r.positions, v[a:b])
+            keys, values = s.cache.view(index, s.num_tokens)
+            outs.append(r.attention(layer, rope.apply(q[a:b], r.cos, r.sin), keys, values))
+            a = b
+        h_sel = layer.mlp_block(h_sel + layer.out_proj(torch.cat(outs)))
+        lowered = self._after(hooks, index, "patch", h_sel.shape[0], kv_rows)
+        if lowered:
+            h_sel, rows = self._lower_coverage(seqs, rows, h_sel, lowered)
+        return h_sel, rows
+
+    def _lower_coverage(self, seqs, rows, h_sel, lowered: dict[int, float]):
+        """Shrink selections (runtime monitor): dropped tokens keep cached KV in later layers."""
+        keep, a = [], 0
+        for i, (s, r) in enumerate(zip(seqs, rows)):
+            n = r.positions.numel()
+            if i in lowered and lowered[i] < s.coverage:
+                old = s.selected
+                s.coverage = lowered[i]
+                s.selected = signals.select(s, s.coverage, s.is_position_signal)
+                mask = torch.isin(old, s.selected)
+                keep.append(a + torch.cat([mask.nonzero().flatten(), torch.arange(old.numel(), n)]))
+                rows[i] = self._patch_rows(s)
+            else:
+                keep.append(torch.arange(a, a + n))
+            a += n
+        return h_sel[torch.cat(keep).to(h_sel.device)], rows
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _after(self, hooks: RunnerHooks, layer: int, phase: str, num_rows: int, kv_rows: int):
+        return hooks.after_layer(LayerInfo(layer, phase, num_rows, 2 * kv_rows * self._row_bytes))
+
+    @staticmethod
+    def _offsets(seqs: list[Sequence]) -> list[int]:
+        out, a = [], 0
+        for s in seqs:
+            out.append(a)
+            a += s.num_tokens
+        return out
+
+    @staticmethod
+    def _row_index(s: Sequence, offset: int) -> torch.Tensor:
+        """Rows (in the all-rows layout) of the selected context tokens and the suffix."""
+        return offset + torch.cat([s.context_start + s.selected, torch.arange(s.suffix_start, s.num_tokens)])
+
+    def _suffix_rows(self, seqs: list[Sequence], h: torch.Tensor) -> torch.Tensor:
+        index = torch.cat([a + torch.arange(s.suffix_start, s.num_tokens)
+                           for s, a in zip(seqs, self._offsets(seqs))])
+        return h[index.to(h.device)]
+
+    def _patch_rows(self, s: Sequence) -> _PatchRows:
+        positions = self._row_index(s, 0)
+        dev = positions.to(self.model.device)
+        return _PatchRows(dev, s.cos[dev], s.sin[dev],
+                          ScatteredAttention(positions, self.model.device, s.num_suffix))
+
+    def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):
+        last, a = [], 0
+        for n in rows_per_seq:
+            a += n
+            last.append(a - 1)
+        logits = self.model.head(self.model.norm(h[last]))  # [num_requests, vocab]
+        outputs = []
+        for i, s in enumerate(seqs):
+            s.cache.num_tokens = s.num_tokens
+            selected = s.selected if s.selected is not None else torch.arange(s.num_context)
+            outputs.append(RecomputeOutput(logits[i], s.cache, selected, s.scores, s.qci_entropy,
+                                           s.num_context, s.num_suffix))
+        return outputs
