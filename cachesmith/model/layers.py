@@ -60,6 +60,21 @@ class DecoderLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def q(self, x: torch.Tensor) -> torch.Tensor:
+        """Query only: normed hidden [T, hidden] -> pre-RoPE q [T, H, D]."""
+        bias = None if self.qkv_bias is None else self.qkv_bias[: self._q_size]
+        q = F.linear(x, self.qkv_weight[: self._q_size], bias).view(-1, self.config.num_heads,
+                                                                     self.config.head_dim)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value only (what KV deviation needs): -> pre-RoPE k, v [T, Hkv, D]."""
+        cfg = self.config
+        bias = None if self.qkv_bias is None else self.qkv_bias[self._q_size:]
+        k, v = F.linear(x, self.qkv_weight[self._q_size:], bias).split(self._kv_size, dim=-1)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return (k if self.k_norm is None else self.k_norm(k)), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         """Rotated q [Tq, H, D] over rotated k, v [Tk, Hkv, D] -> [Tq, H * D].

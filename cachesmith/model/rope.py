@@ -45,11 +45,21 @@ class RotaryEmbedding:
         return cos[:, None, :], sin[:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, num_heads, head_dim] rotated with precomputed cos/sin."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, num_heads, head_dim] rotated with precomputed cos/sin (into `out` if given,
+        e.g. straight into a KV cache buffer)."""
+        # Written per half instead of cat(-x2, x1): no extra [T, H, D] temporaries (cos and sin
+        # hold each frequency twice, so either half of them serves both halves of x).
         half = x.shape[-1] // 2
-        rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, rotated_half, sin)
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[..., :half], sin[..., :half]
+        out = torch.empty_like(x) if out is None else out
+        torch.mul(x1, c, out=out[..., :half])
+        out[..., :half].addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=out[..., half:])
+        out[..., half:].addcmul_(x1, s)
+        return out
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, num_heads, head_dim] pre-RoPE -> rotated to `positions` [num_tokens]."""

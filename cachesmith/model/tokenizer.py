@@ -53,8 +53,10 @@ class Tokenizer:
                                            add_generation_prompt=add_generation_prompt)
 
     def rag_prompt_parts(self, documents: Sequence[str], question: str,
-                         system: str | None = None, separator: str = "\n\n") -> PromptParts:
-        """Chat prompt whose user turn is the documents followed by the question."""
+                         system: str | None = None, separator: str = "\n\n",
+                         answer_prefix: str = "") -> PromptParts:
+        """Chat prompt whose user turn is the documents followed by the question; `answer_prefix`
+        opens the assistant turn (part of the always-computed suffix)."""
         if not documents:
             raise InputError("documents must hold at least one passage")
         for i, doc in enumerate(documents):
@@ -69,5 +71,5 @@ class Tokenizer:
             prefix_ids=self.encode(head),
             chunk_ids=[self.encode(doc + separator, field=f"documents[{i}]")
                        for i, doc in enumerate(documents)],
-            suffix_ids=self.encode(question + tail, field="question"),
+            suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )

@@ -5,7 +5,7 @@ or the softmax probabilities the QCI signal sums.
 
 A single masked call over the full key length does twice the work of a causal pass for rows spread
 over the sequence. `ScatteredAttention` splits the sorted query rows into blocks and gives each
-block only the keys up to its last position, so the work approaches the causal half.
+block only the keys up to its last position, so the work moves toward the causal half.
 """
 from __future__ import annotations
 
@@ -15,25 +15,37 @@ import torch
 
 from cachesmith.model.layers import DecoderLayer
 
-DEFAULT_NUM_BLOCKS = 8
+
+
+def default_num_blocks(device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks per request for scattered attention, from measurements on the CPU flash kernel
+    (docs/decisions.md): in float32 four blocks cut the work best; in bfloat16 every extra call
+    costs more than the keys it saves, so one block."""
+    return 4 if device.type == "cpu" and dtype == torch.float32 else 1
 
 
 class ScatteredAttention:
     """Block plan for query rows at sorted `q_positions` (CPU); masks are built once, reused per layer."""
 
-    def __init__(self, q_positions: torch.Tensor, device: torch.device, num_suffix: int,
-                 num_blocks: int = DEFAULT_NUM_BLOCKS) -> None:
+    def __init__(self, q_positions: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 num_suffix: int, num_blocks: int | None = None) -> None:
+        num_blocks = default_num_blocks(device, dtype) if num_blocks is None else num_blocks
         num_q = q_positions.numel()
         num_scattered = num_q - num_suffix
         groups = min(num_blocks, num_scattered)
         bounds = [num_scattered * g // groups for g in range(groups + 1)] if groups else [0]
-        bounds.append(num_q)  # the suffix is its own block: it sees every key
+        if num_blocks > 1 or not groups:
+            bounds.append(num_q)  # the suffix is its own block: it sees every key
+        else:
+            bounds[-1] = num_q  # one call for everything
         self.blocks: list[tuple[int, int, int, torch.Tensor]] = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b <= a:
                 continue
             num_keys = int(q_positions[b - 1]) + 1
-            mask = torch.arange(num_keys)[None, :] <= q_positions[a:b, None]  # [b - a, num_keys]
+            visible = torch.arange(num_keys)[None, :] <= q_positions[a:b, None]  # [b - a, num_keys]
+            # additive float mask, built once: SDPA would convert a boolean one on every call
+            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
             self.blocks.append((a, b, num_keys, mask.to(device)))
 
     def __call__(self, layer: DecoderLayer, q: torch.Tensor, keys: torch.Tensor,

@@ -108,7 +108,8 @@ class BatchRunner:
         if start == self.model.num_layers:
             return start, h, None
         layer = self.model.layers[start]
-        q, k, v = layer.qkv(layer.input_norm(h))  # all rows; the selected ones are reused in Patch
+        x = layer.input_norm(h)
+        k, v = layer.kv(x)  # all rows; the selected ones are reused in Patch
         for i, (s, a) in enumerate(zip(seqs, self._offsets(seqs))):
             ctx = slice(a + s.context_start, a + s.suffix_start)
             ck, cv = cached_pre_rope(s, start)
@@ -117,7 +118,7 @@ class BatchRunner:
             s.scores, s.ranking = sc, signals.rank(sc)
             s.selected = signals.select(s, s.coverage, False)
         rows = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(h.device)
-        return start, h, (q[rows], k[rows], v[rows])
+        return start, h, (layer.q(x[rows]), k[rows], v[rows])
 
     def _full_layer(self, index: int, seqs: list[Sequence], h: torch.Tensor, hooks: RunnerHooks,
                     phase: str, want_entropy: bool = False, dev_target: str | None = None):
@@ -138,7 +139,7 @@ class BatchRunner:
                 ctx = slice(a + s.context_start, a + s.suffix_start)
                 devs.append(signals.kv_deviation(k[ctx], v[ctx], ck, cv, dev_target))
                 kv_rows += s.num_context
-        h = layer.mlp_block(h + layer.out_proj(torch.cat(outs)))
+        h = layer.mlp_block(h.add_(layer.out_proj(torch.cat(outs))))
         self._after(hooks, index, phase, h.shape[0], kv_rows)
         return h, devs
 
@@ -170,7 +171,7 @@ class BatchRunner:
                 scores[i] += signals.qci_from_probs(probs, s)
                 outs.append(out)
                 a = b
-            hq = layer.mlp_block(hq + layer.out_proj(torch.cat(outs)))
+            hq = layer.mlp_block(hq.add_(layer.out_proj(torch.cat(outs))))
             self._after(hooks, index, "probe", hq.shape[0], sum(s.suffix_start for s in seqs))
         return scores
 
@@ -197,7 +198,7 @@ class BatchRunner:
                 qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
                 outs.append(attend_with_probs(qi, keys, values, kpos[s.num_prefix:], kpos)[0])
                 a = b
-            hq = layer.mlp_block(hq + layer.out_proj(torch.cat(outs)))
+            hq = layer.mlp_block(hq.add_(layer.out_proj(torch.cat(outs))))
             self._after(hooks, index, "probe", hq.shape[0], sum(s.num_prefix for s in seqs))
         return self._qci_probe(seqs, hq, range(last, last + 1), hooks)
 
@@ -216,7 +217,7 @@ class BatchRunner:
             keys, values = s.cache.view(index, s.num_tokens)
             outs.append(r.attention(layer, rope.apply(q[a:b], r.cos, r.sin), keys, values))
             a = b
-        h_sel = layer.mlp_block(h_sel + layer.out_proj(torch.cat(outs)))
+        h_sel = layer.mlp_block(h_sel.add_(layer.out_proj(torch.cat(outs))))
         lowered = self._after(hooks, index, "patch", h_sel.shape[0], kv_rows)
         if lowered:
             h_sel, rows = self._lower_coverage(seqs, rows, h_sel, lowered)
@@ -265,7 +266,7 @@ class BatchRunner:
         positions = self._row_index(s, 0)
         dev = positions.to(self.model.device)
         return _PatchRows(dev, s.cos[dev], s.sin[dev],
-                          ScatteredAttention(positions, self.model.device, s.num_suffix))
+                          ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix))
 
     def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):
         last, a = [], 0

@@ -98,7 +98,7 @@ def fill_cached_rows(model: Decoder, seq: Sequence, layer: int) -> int:
     keys, values = seq.cache.keys[layer], seq.cache.values[layer]
     for start, entry in seq.segments:
         end = start + entry.num_tokens
-        keys[start:end] = model.rope.apply(entry.keys[layer], seq.cos[start:end], seq.sin[start:end])
+        model.rope.apply(entry.keys[layer], seq.cos[start:end], seq.sin[start:end], out=keys[start:end])
         values[start:end] = entry.values[layer]
     return seq.suffix_start
 

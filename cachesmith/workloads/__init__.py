@@ -1,0 +1,1 @@
+"""Workloads: real passages, word lists and task instances (prefix + chunks + question + gold)."""
