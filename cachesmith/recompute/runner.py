@@ -107,6 +107,7 @@ class BatchRunner:
             scores = [a + b for a, b in zip(scores, devs)]
         if start == self.model.num_layers:
             return start, h, None
+        hooks.before_layer(start, "patch")  # the scoring reads this Patch layer's cached KV
         layer = self.model.layers[start]
         x = layer.input_norm(h)
         k, v = layer.kv(x)  # all rows; the selected ones are reused in Patch
@@ -204,8 +205,10 @@ class BatchRunner:
 
     def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[_PatchRows],
                      h_sel: torch.Tensor, hooks: RunnerHooks, pre=None):
-        """Selected context rows + suffix rows recomputed over the mixed KV of the layer."""
-        hooks.before_layer(index, "patch")
+        """Selected context rows + suffix rows recomputed over the mixed KV of the layer.
+        With `pre` (kv_dev's projections) the layer's before-hook already ran during scoring."""
+        if pre is None:
+            hooks.before_layer(index, "patch")
         layer, rope = self.model.layers[index], self.model.rope
         q, k, v = pre if pre is not None else layer.qkv(layer.input_norm(h_sel))
         outs, a, kv_rows = [], 0, 0

@@ -62,3 +62,27 @@ def test_hooks_see_phases_and_monitor_can_lower_coverage(model):
     num_cached = fill_cached_rows(model, scratch, 2)
     assert max_diff(out.cache.view(2)[0][:num_cached], scratch.cache.view(2, num_cached)[0]) == 0.0
     assert out.cache.num_tokens == num_cached + len(req.suffix_ids)
+
+
+class _Tracer(RunnerHooks):
+    def __init__(self):
+        self.events = []
+
+    def before_layer(self, layer, phase):
+        self.events.append(("before", layer, phase))
+
+    def after_layer(self, info):
+        self.events.append(("after", info.layer, info.phase))
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.label())
+def test_every_layer_pass_is_bracketed_by_both_hooks(model, plan):
+    req, _ = make_request(model, seed=60)
+    tracer = _Tracer()
+    BatchRunner(model).run([req], plan, tracer)
+    events = tracer.events
+    assert [e[0] for e in events] == ["before", "after"] * (len(events) // 2)
+    assert all(b[1:] == a[1:] for b, a in zip(events[::2], events[1::2]))
+    patched = [e[1] for e in events[::2] if e[2] == "patch"]
+    start = plan.warmup + plan.probe if plan.signal is Signal.KV_DEV else plan.warmup
+    assert patched == list(range(start, model.num_layers))
