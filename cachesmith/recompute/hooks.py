@@ -1,8 +1,10 @@
 """Per-layer hooks around the runner's layer loop, and a statistics recorder built on them.
 
 `before_layer(layer, phase)` runs before a layer pass reads cached KV: the transfer engine blocks
-there until that layer's KV has arrived. `after_layer(info)` runs after each pass and may return
-lowered coverages {request index: coverage} for the remaining Patch layers (runtime monitor).
+there until that layer's KV has arrived. `after_selection(selected)` tells which context rows each
+request recomputes (the rest are reused, so their KV must be loaded), again whenever a monitor lowers
+coverage. `after_layer(info)` runs after each pass and may return lowered coverages
+{request index: coverage} for the remaining Patch layers (runtime monitor).
 Timing lives here, outside the hot path.
 """
 from __future__ import annotations
@@ -29,6 +31,9 @@ class RunnerHooks:
     def before_layer(self, layer: int, phase: str) -> None:
         return None
 
+    def after_selection(self, selected: list[torch.Tensor]) -> None:
+        return None
+
     def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
         return None
 
@@ -42,6 +47,10 @@ class HookChain(RunnerHooks):
     def before_layer(self, layer: int, phase: str) -> None:
         for h in self.hooks:
             h.before_layer(layer, phase)
+
+    def after_selection(self, selected: list[torch.Tensor]) -> None:
+        for h in self.hooks:
+            h.after_selection(selected)
 
     def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
         merged: dict[int, float] = {}

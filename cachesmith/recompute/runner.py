@@ -96,6 +96,7 @@ class BatchRunner:
             s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
             s.is_position_signal = is_position
             s.selected = signals.select(s, s.coverage, is_position)
+        hooks.after_selection([s.selected for s in seqs])
         return config.warmup, h, None
 
     def _kv_dev_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
@@ -118,6 +119,7 @@ class BatchRunner:
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = sc, signals.rank(sc)
             s.selected = signals.select(s, s.coverage, False)
+        hooks.after_selection([s.selected for s in seqs])
         rows = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(h.device)
         return start, h, (layer.q(x[rows]), k[rows], v[rows])
 
@@ -224,6 +226,7 @@ class BatchRunner:
         lowered = self._after(hooks, index, "patch", h_sel.shape[0], kv_rows)
         if lowered:
             h_sel, rows = self._lower_coverage(seqs, rows, h_sel, lowered)
+            hooks.after_selection([s.selected for s in seqs])
         return h_sel, rows
 
     def _lower_coverage(self, seqs, rows, h_sel, lowered: dict[int, float]):

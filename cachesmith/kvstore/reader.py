@@ -1,0 +1,101 @@
+"""Reading entries from any byte source: whole entries, one layer, or a subset of a layer's rows.
+
+In: a `RangeSource` (disk file, memory bytes, redis string). Out: verified tensors, written straight
+into caller-owned staging buffers when possible (no intermediate copy for full-layer reads).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Protocol
+
+import torch
+
+from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, EntryHeader, parse_header
+from cachesmith.model import ChunkKV
+
+
+class RangeSource(Protocol):
+    size: int
+
+    def readinto(self, offset: int, buffer: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def read_bytes(source: RangeSource, offset: int, length: int) -> bytes:
+    buf = bytearray(max(0, min(length, source.size - offset)))
+    n = source.readinto(offset, memoryview(buf)) if buf else 0
+    return bytes(buf[:n])
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (bfloat16 through an int16 view)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
+
+
+class EntryReader:
+    def __init__(self, source: RangeSource) -> None:
+        self.source = source
+        self.tier = None  # set by the store: the tier this entry was read from
+        self.header: EntryHeader = parse_header(lambda o, n: read_bytes(source, o, n))
+        if source.size < self.header.total_bytes:
+            raise CorruptEntry(f"entry truncated: {source.size} of {self.header.total_bytes} bytes")
+
+    def close(self) -> None:
+        self.source.close()
+
+    def _read_run(self, layer: int, is_value: bool, run: tuple[int, int], out: torch.Tensor) -> int:
+        """Rows of blocks [run) into `out` (contiguous [rows, Hkv, D]); verifies each block."""
+        h = self.header
+        first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
+        view = _byte_view(out)
+        got = self.source.readinto(h.offset(layer, is_value, first), view)
+        if got != len(view):
+            raise CorruptEntry(f"short read in layer {layer}: {got} of {len(view)} bytes")
+        crcs = h.checksums[layer][is_value]
+        step = BLOCK_ROWS * h.row_bytes
+        for i, block in enumerate(range(*run)):
+            if zlib.crc32(view[i * step:(i + 1) * step]) != crcs[block]:
+                raise CorruptEntry(f"checksum mismatch in layer {layer} block {block}")
+        return end - first
+
+    def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> int:
+        """Fill k_out/v_out [T, Hkv, D] of `layer` (only `rows` when given). Returns bytes read."""
+        h = self.header
+        num_blocks = -(-h.num_tokens // BLOCK_ROWS)
+        blocks = list(range(num_blocks)) if rows is None else sorted(set((rows // BLOCK_ROWS).tolist()))
+        nbytes = 0
+        for run in _runs(blocks):
+            first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
+            for is_value, out in ((False, k_out), (True, v_out)):
+                if rows is None:
+                    self._read_run(layer, is_value, run, out[first:end])
+                else:
+                    tmp = out.new_empty((end - first, *out.shape[1:]))
+                    self._read_run(layer, is_value, run, tmp)
+                    wanted = rows[(rows >= first) & (rows < end)]
+                    out[wanted] = tmp[wanted - first]
+                nbytes += (end - first) * h.row_bytes
+        return nbytes
+
+    def read_chunk(self) -> ChunkKV:
+        h = self.header
+        shape = (h.num_layers, h.num_tokens, h.num_kv_heads, h.head_dim)
+        keys = torch.empty(shape, dtype=h.torch_dtype)
+        values = torch.empty(shape, dtype=h.torch_dtype)
+        for layer in range(h.num_layers):
+            self.read_layer_into(layer, keys[layer], values[layer])
+        return ChunkKV(h.token_ids, keys, values, h.model_fingerprint)

@@ -1,0 +1,153 @@
+"""The tiered chunk store: reads through memory -> disk -> redis, fills faster tiers on the way back.
+
+In: a model and a chunk's token ids (or a key). Out: verified entries (`EntryReader`) or `ChunkKV`s.
+A corrupt, truncated or foreign entry is logged, evicted from the tier that held it, and treated as
+a miss, so the caller recomputes the chunk instead of serving it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachesmith.errors import ConfigError
+from cachesmith.kvstore.entry_format import CorruptEntry, serialize
+from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key
+from cachesmith.kvstore.reader import EntryReader, read_bytes
+from cachesmith.kvstore.tiers import DiskTier, MemoryTier, RedisTier, Tier
+from cachesmith.model import ChunkKV, Decoder, prefill_chunk
+from cachesmith.model.assets import cachesmith_home
+
+log = logging.getLogger(__name__)
+TIER_NAMES = ("memory", "disk", "redis")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    tiers: tuple[str, ...] = ("memory", "disk")  # fastest first
+    root: Path | None = None  # disk tier root; default $CACHESMITH_HOME/kv
+    memory_bytes: int = 1 << 30
+    redis_url: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tiers if t not in TIER_NAMES]
+        if unknown or not self.tiers or len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError(f"tiers={self.tiers!r}: each of {TIER_NAMES} at most once, at least one")
+        if "redis" in self.tiers and not self.redis_url:
+            raise ConfigError("tiers include 'redis' but redis_url is not set")
+        if self.memory_bytes <= 0:
+            raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive")
+
+
+@dataclass
+class StoreStats:
+    hits: Counter = field(default_factory=Counter)  # by tier name
+    misses: int = 0
+    evicted_corrupt: int = 0
+    bytes_written: int = 0
+
+    def hit_rate(self) -> float:
+        total = sum(self.hits.values()) + self.misses
+        return sum(self.hits.values()) / total if total else 0.0
+
+
+class ChunkStore:
+    def __init__(self, config: StoreConfig | None = None, tiers: Sequence[Tier] | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.tiers = list(tiers) if tiers is not None else self._build(self.config)
+        self.stats = StoreStats()
+
+    @staticmethod
+    def _build(cfg: StoreConfig) -> list[Tier]:
+        makers = {"memory": lambda: MemoryTier(cfg.memory_bytes),
+                  "disk": lambda: DiskTier(cfg.root or cachesmith_home() / "kv"),
+                  "redis": lambda: RedisTier(cfg.redis_url)}
+        return [makers[name]() for name in cfg.tiers]
+
+    @staticmethod
+    def key_for(model: Decoder, token_ids: Sequence[int]) -> str:
+        return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids)
+
+    def _verify(self, reader: EntryReader, key: str, model: Decoder | None) -> None:
+        h = reader.header
+        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids) != key:
+            raise CorruptEntry("entry does not match its key")
+        if model is None:
+            return
+        cfg = model.config
+        want = (model.fingerprint, dtype_name(model.dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        got = (h.model_fingerprint, h.dtype, h.num_layers, h.num_kv_heads, h.head_dim)
+        if got != want:
+            raise CorruptEntry(f"entry is for (model, dtype, layers, kv heads, head dim) {got}, not {want}")
+
+    def _evict(self, tier: Tier, key: str, exc: Exception) -> None:
+        log.warning("store: %s entry %s is unusable (%s); evicted, it will be recomputed", tier.name, key[:12], exc)
+        self.stats.evicted_corrupt += 1
+        tier.delete(key)
+
+    def open(self, key: str, model: Decoder | None = None) -> EntryReader | None:
+        """A verified reader from the fastest tier holding `key`, filling faster tiers on the way."""
+        validate_key(key)
+        for i, tier in enumerate(self.tiers):
+            source = tier.source(key)
+            if source is None:
+                continue
+            try:
+                reader = EntryReader(source)
+                self._verify(reader, key, model)
+            except (CorruptEntry, ValueError, KeyError) as exc:
+                source.close()
+                self._evict(tier, key, exc)
+                continue
+            reader.tier = tier
+            self.stats.hits[tier.name] += 1
+            if i > 0:
+                data = read_bytes(source, 0, source.size)
+                for faster in self.tiers[:i]:
+                    faster.put(key, data)
+            return reader
+        self.stats.misses += 1
+        return None
+
+    def get(self, key: str, model: Decoder | None = None) -> ChunkKV | None:
+        """The whole entry as a `ChunkKV`, or None (a miss, or every holder was corrupt)."""
+        for _ in self.tiers:
+            reader = self.open(key, model)
+            if reader is None:
+                return None
+            try:
+                return reader.read_chunk()
+            except CorruptEntry as exc:  # a data block failed: evict from that tier, try the next
+                self._evict(reader.tier, key, exc)
+            finally:
+                reader.close()
+        return None
+
+    def put(self, chunk: ChunkKV) -> str:
+        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids)
+        data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values)
+        written = [tier.put(key, data) for tier in self.tiers]
+        self.stats.bytes_written += len(data) * sum(written)
+        return key
+
+    def contains(self, key: str) -> bool:
+        validate_key(key)
+        return any(t.contains(key) for t in self.tiers)
+
+    def delete(self, key: str) -> None:
+        validate_key(key)
+        for tier in self.tiers:
+            tier.delete(key)
+
+    def ensure(self, model: Decoder, token_ids: Sequence[int]) -> tuple[str, bool]:
+        """Key of a stored, verified entry for `token_ids`, computing and storing it on a miss.
+        Returns (key, was_computed)."""
+        key = self.key_for(model, token_ids)
+        reader = self.open(key, model)
+        if reader is not None:
+            reader.close()
+            return key, False
+        self.put(prefill_chunk(model, list(token_ids)))
+        return key, True

@@ -1,0 +1,226 @@
+"""Store tiers: byte stores holding serialized entries. Memory (LRU by bytes), disk (one file per
+chunk, atomic writes), and redis (shared across processes and machines).
+
+Each tier answers `source(key)` with a `RangeSource` (or None), so one layer or a few rows can be read
+without reading the rest. Failures to write return False and log; they never raise into serving.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from pathlib import Path
+
+from cachesmith.errors import InputError
+from cachesmith.kvstore.keys import validate_key
+
+log = logging.getLogger(__name__)
+
+
+class BytesSource:
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+        self.size = len(data)
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        n = max(0, min(len(buffer), self.size - offset))
+        buffer[:n] = self.data[offset:offset + n]
+        return n
+
+    def close(self) -> None:
+        return None
+
+
+class FileSource:
+    def __init__(self, path: Path) -> None:
+        self.fd = -1  # so close() is safe when the open below fails
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        total = 0
+        while total < len(buffer):
+            n = os.preadv(self.fd, [buffer[total:]], offset + total)
+            if n == 0:
+                break
+            total += n
+        return total
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Tier(ABC):
+    name: str
+
+    @abstractmethod
+    def source(self, key: str): ...
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+
+class MemoryTier(Tier):
+    name = "memory"
+
+    def __init__(self, max_bytes: int = 2 << 30) -> None:
+        if max_bytes <= 0:
+            raise InputError(f"memory tier max_bytes={max_bytes} must be positive")
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def source(self, key: str):
+        with self._lock:
+            data = self._entries.get(key)
+            if data is None:
+                return None
+            self._entries.move_to_end(key)
+        return BytesSource(data)
+
+    def put(self, key: str, data: bytes) -> bool:
+        if len(data) > self.max_bytes:
+            return False
+        with self._lock:
+            if key in self._entries:
+                self.num_bytes -= len(self._entries.pop(key))
+            self._entries[key] = data
+            self.num_bytes += len(data)
+            while self.num_bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.num_bytes -= len(old)
+        return True
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            data = self._entries.pop(key, None)
+            if data is not None:
+                self.num_bytes -= len(data)
+
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        validate_key(key)
+        path = (self.root / key[:2] / f"{key}.cskv").resolve()
+        if self.root not in path.parents:
+            raise InputError(f"key {key!r} maps outside the store root {self.root}")
+        return path
+
+    def source(self, key: str):
+        try:
+            return FileSource(self.path(key))
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> bool:
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+            return True
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            level = "disk full" if exc.errno == errno.ENOSPC else "write failed"
+            log.warning("disk tier: %s for %s (%s); serving continues without it", level, key[:12], exc)
+            return False
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def keys(self) -> list[str]:
+        return sorted(p.stem for p in self.root.glob("*/*.cskv"))
+
+
+class RedisTier(Tier):
+    """Entries as redis strings; GETRANGE reads a layer or a row range. Unreachable -> warn, skip."""
+
+    name = "redis"
+    PREFIX = "cachesmith:kv:"
+
+    def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0) -> None:
+        import redis
+
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+    @property
+    def is_available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, default):
+        if not self.is_available:
+            return default
+        try:
+            return fn()
+        except self._errors as exc:
+            self._down_until = time.monotonic() + self.retry_after_s
+            log.warning("redis tier %s unreachable (%s); using local tiers for %.0f s",
+                        self.url, exc, self.retry_after_s)
+            return default
+
+    def source(self, key: str):
+        name = self.PREFIX + validate_key(key)
+        size = self._call(lambda: self.client.strlen(name), 0)
+        return _RedisSource(self, name, size) if size else None
+
+    def put(self, key: str, data: bytes) -> bool:
+        name = self.PREFIX + validate_key(key)
+        return bool(self._call(lambda: self.client.set(name, data), False))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self.client.delete(self.PREFIX + validate_key(key)), None)
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call(lambda: self.client.exists(self.PREFIX + validate_key(key)), 0))
+
+
+class _RedisSource:
+    def __init__(self, tier: RedisTier, name: str, size: int) -> None:
+        self.tier, self.name, self.size = tier, name, size
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        if not len(buffer):
+            return 0
+        data = self.tier._call(lambda: self.tier.client.getrange(self.name, offset, offset + len(buffer) - 1), b"")
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,78 @@
+"""The tiered store: read-through with fill, eviction of bad entries, recompute on a miss."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cachesmith.errors import InputError
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.kvstore.entry_format import serialize
+from cachesmith.model import Decoder, prefill_chunk
+
+
+def _ids(n=120, seed=0):
+    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_read_through_fills_faster_tiers(model, tmp_path):
+    disk_only = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    chunk = prefill_chunk(model, _ids())
+    key = disk_only.put(chunk)
+    store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path))
+    assert not store.tiers[0].contains(key)
+    got = store.get(key, model)
+    assert torch.equal(got.keys, chunk.keys) and got.token_ids == chunk.token_ids
+    assert store.tiers[0].contains(key) and store.stats.hits["disk"] == 1
+    store.get(key, model)
+    assert store.stats.hits["memory"] == 1
+
+
+def test_ensure_computes_once_and_keys_by_model_dtype_tokens(model, tmp_path):
+    store = ChunkStore(StoreConfig(root=tmp_path))
+    key, computed = store.ensure(model, _ids())
+    assert computed and store.ensure(model, _ids()) == (key, False)
+    assert store.key_for(model, _ids(seed=1)) != key
+    low = Decoder(model.model_dir, dtype="bfloat16")
+    assert store.key_for(low, _ids()) != key
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_bad_entries_are_evicted_and_recomputed(model, tmp_path, damage, caplog):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    chunk = prefill_chunk(model, _ids())
+    key = store.put(chunk)
+    path = store.tiers[0].path(key)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-7] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # a well-formed entry for another model, stored under this key
+        alien = dataclasses.replace(chunk, model_fingerprint="0" * 32)
+        data = bytearray(serialize(key, alien.model_fingerprint, alien.token_ids, alien.keys, alien.values))
+    path.write_bytes(bytes(data))
+    assert store.get(key, model) is None
+    assert "evicted" in caplog.text and not path.exists() and store.stats.evicted_corrupt == 1
+    key2, computed = store.ensure(model, _ids())
+    assert key2 == key and computed and torch.equal(store.get(key, model).values, chunk.values)
+
+
+def test_entry_for_another_shape_is_never_served(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    chunk = prefill_chunk(model, _ids())
+    key = store.put(chunk)
+    other = Decoder(model.model_dir)  # same weights, but pretend its config differs
+    object.__setattr__(other.config, "num_kv_heads", 4)
+    assert store.get(key, other) is None and not store.contains(key)
+
+
+def test_bad_keys_and_configs_are_named(model, tmp_path):
+    store = ChunkStore(StoreConfig(root=tmp_path))
+    with pytest.raises(InputError, match="not a chunk key"):
+        store.get("../secret")
+    with pytest.raises(Exception, match="tiers"):
+        StoreConfig(tiers=("tape",))
+    with pytest.raises(Exception, match="redis_url"):
+        StoreConfig(tiers=("redis",))

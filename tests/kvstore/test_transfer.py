@@ -1,0 +1,135 @@
+"""The transfer engine: staged runs equal in-memory runs, only reused rows cross the link, the
+bandwidth cap and prefetch behave, and faults only slow or recompute."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cachesmith.errors import ConfigError
+from cachesmith.kvstore import ChunkStore, KeyedRequest, Link, StoreConfig, TransferConfig, TransferEngine, layer_needs
+from cachesmith.recompute import BatchRunner, RecomputeConfig, RunnerHooks, Signal
+from tests.recompute.helpers import make_request, max_diff
+
+PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 0, 1, 0.3),
+         RecomputeConfig(Signal.QCI, 1, 1, 0.3), RecomputeConfig(Signal.QCI_LAST, 0, 3, 0.3),
+         RecomputeConfig(Signal.POSITION, 0, 0, 0.3), RecomputeConfig(Signal.QCI, 3, 0, 0.3)]
+
+
+def _stored(model, store, seeds=(1, 2)):
+    reqs, keyed = [], []
+    for seed in seeds:
+        req, _ = make_request(model, seed=seed, chunk_lens=(70, 40, 30))
+        reqs.append(req)
+        keyed.append(KeyedRequest([store.put(c) for c in req.chunks], req.suffix_ids, store.put(req.prefix)))
+    return reqs, keyed
+
+
+@pytest.mark.parametrize("is_prefetch", [True, False])
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.label())
+def test_staged_batch_equals_in_memory_batch(model, tmp_path, plan, is_prefetch):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    reqs, keyed = _stored(model, store)
+    ref = BatchRunner(model).run(reqs, plan)
+    engine = TransferEngine(store, model, TransferConfig(is_prefetch=is_prefetch))
+    with engine.stage(keyed, plan) as batch:
+        out = BatchRunner(model).run(batch.requests, plan, batch)
+    for a, b in zip(out, ref):
+        assert max_diff(a.logits, b.logits) == 0.0 and torch.equal(a.selected, b.selected)
+
+
+def test_patch_layers_move_only_reused_rows(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    reqs, keyed = _stored(model, store, seeds=(3,))
+    plan = RecomputeConfig(Signal.POSITION, 0, 0, 0.5)  # selection known before any layer
+    moved = []
+
+    class Spy(Link):
+        def consume(self, nbytes):
+            moved.append(nbytes)
+            return 0.0
+
+    engine = TransferEngine(store, model)
+    engine.link = Spy(None)
+    with engine.stage(keyed, plan) as batch:
+        out = BatchRunner(model).run(batch.requests, plan, batch)[0]
+    row = 2 * model.config.num_kv_heads * model.config.head_dim * 4  # K + V, float32
+    reused = 140 - out.selected.numel()
+    assert sum(moved) == model.num_layers * (reused + reqs[0].prefix.num_tokens) * row
+
+
+def test_layer_needs_follow_the_phases():
+    L = 30
+    assert layer_needs(RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1), L) == ({1}, range(2, 30))
+    assert layer_needs(RecomputeConfig(Signal.QCI, 2, 3, 0.1), L) == ({2, 3, 4}, range(2, 30))
+    assert layer_needs(RecomputeConfig(Signal.QCI_LAST, 0, 30, 0.1), L) == ({29}, range(0, 30))
+    assert layer_needs(RecomputeConfig(Signal.POSITION, 30, 0, 1.0), L) == (set(), range(0))
+
+
+def test_bandwidth_cap_and_prefetch(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    _, keyed = _stored(model, store)
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.2)
+
+    def run(cfg):
+        engine = TransferEngine(store, model, cfg)
+        start = time.perf_counter()
+        with engine.stage(keyed, plan) as batch:
+            BatchRunner(model).run(batch.requests, plan, batch)
+        return time.perf_counter() - start, batch.stall_s, engine
+
+    fast, _, eng = run(TransferConfig())
+    slow, stall, capped = run(TransferConfig(bandwidth_gbps=0.0005))  # 0.5 MB/s
+    seconds_on_link = capped.stats.bytes_loaded / 0.5e6
+    assert slow > fast and stall > 0.5 * seconds_on_link * 0.4
+    assert capped.stats.effective_gbps < 0.001 < eng.stats.effective_gbps
+    _, stall_off, _ = run(TransferConfig(bandwidth_gbps=0.0005, is_prefetch=False))
+    assert stall_off >= stall * 0.9  # without prefetch nothing overlaps with compute
+
+
+def test_link_slowed_mid_batch_only_slows_it(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    reqs, keyed = _stored(model, store, seeds=(4,))
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+    ref = BatchRunner(model).run(reqs, plan)[0]
+    engine = TransferEngine(store, model, TransferConfig(bandwidth_gbps=1.0))
+
+    class SlowDown(RunnerHooks):
+        def after_layer(self, info):
+            if info.layer == 1:
+                engine.link.set_bandwidth(0.0002)
+
+    from cachesmith.recompute import HookChain
+
+    with engine.stage(keyed, plan) as batch:
+        start = time.perf_counter()
+        out = BatchRunner(model).run(batch.requests, plan, HookChain(batch, SlowDown()))[0]
+        elapsed = time.perf_counter() - start
+    assert max_diff(out.logits, ref.logits) == 0.0 and elapsed > 0.05
+
+
+def test_corrupt_block_mid_batch_is_recomputed(model, tmp_path, caplog):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    reqs, keyed = _stored(model, store, seeds=(5,))
+    plan = RecomputeConfig(Signal.QCI, 0, 2, 0.3)
+    ref = BatchRunner(model).run(reqs, plan)[0]
+    engine = TransferEngine(store, model)
+    with engine.stage(keyed, plan) as batch:  # headers verified; now damage a data block on disk
+        path = store.tiers[0].path(keyed[0].chunk_keys[0])
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        out = BatchRunner(model).run(batch.requests, plan, batch)[0]
+    assert "recomputed" in caplog.text and engine.stats.num_recomputed == 1
+    assert max_diff(out.logits, ref.logits) < 1e-5
+    assert store.get(keyed[0].chunk_keys[0], model) is not None  # stored anew, intact
+
+
+def test_missing_chunk_and_bad_config_are_named(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    engine = TransferEngine(store, model)
+    with pytest.raises(Exception, match=r"requests\[0\].chunks\[0\]: chunk 0000"):
+        engine.stage([KeyedRequest(["0" * 64], [5, 6])], RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1))
+    with pytest.raises(ConfigError, match="bandwidth_gbps"):
+        TransferConfig(bandwidth_gbps=0)
