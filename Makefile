@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test setup system-deps bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,11 +16,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The redis tier's tests run a real redis-server (Debian package); install it when missing.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+
 demo: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/cachesmith demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -m pytest -q
 

@@ -3,6 +3,7 @@
   cachesmith models fetch|list|path NAME
   cachesmith demo [--dtype bfloat16]
   cachesmith ask --doc FILE ... --question TEXT [--method cacheblend --coverage 0.15]
+  cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
 """
 from __future__ import annotations
 
@@ -55,6 +56,31 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(args: argparse.Namespace):
+    from cachesmith.kvstore import ChunkStore, StoreConfig
+
+    return ChunkStore(StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url))
+
+
+def _precompute(args: argparse.Namespace) -> int:
+    from cachesmith.kvstore.precompute import precompute_corpus
+    from cachesmith.model import Decoder, Tokenizer, resolve_model
+
+    path = resolve_model(args.model)
+    report = precompute_corpus(Path(args.corpus), Decoder(path, args.device, args.dtype), Tokenizer(path),
+                               _store(args))
+    print(f"{report.num_passages} passages: {report.num_computed} computed, {report.num_skipped} already "
+          f"stored; {report.num_tokens} tokens in {report.seconds:.1f} s ({report.tokens_per_s:.0f} tokens/s); "
+          f"{report.bytes_written / 1e6:.1f} MB written")
+    return 0
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store-root", type=Path, default=None, help="disk tier root (default $CACHESMITH_HOME/kv)")
+    p.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk", "redis"])
+    p.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name or HF-format directory")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -82,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--coverage", type=float, default=0.15)
     ask.add_argument("--max-new-tokens", type=int, default=48)
     ask.set_defaults(func=_ask)
+    pre = sub.add_parser("precompute", help="store the KV of every passage of a JSONL corpus")
+    pre.add_argument("corpus", help="JSONL: one passage per line (a string or {\"text\": ...})")
+    _add_model_args(pre)
+    _add_store_args(pre)
+    pre.set_defaults(func=_precompute)
     return parser
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cachesmith import cli
+from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import BatchRunner, RecomputeRequest, preset
@@ -18,8 +19,9 @@ QUESTION = "What is the special magic number for velvet-canyon?"
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    return RagPipeline("smollm2-135m")
+def pipe(tmp_path_factory):
+    store = ChunkStore(StoreConfig(root=tmp_path_factory.mktemp("kv")))
+    return RagPipeline("smollm2-135m", store=store)
 
 
 def test_full_prefill_plan_answers_like_plain_prefill(pipe):
@@ -73,3 +75,18 @@ def test_cli_ask_answers(tmp_path, capsys):
                      "--method", "full_prefill", "--max-new-tokens", "24"]) == 0
     captured = capsys.readouterr()
     assert "5176024" in captured.out and "TTFT" in captured.err
+
+
+def test_precompute_cli_is_resumable_and_reports(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('"The first passage of the corpus."\n{"text": "A second passage, as an object."}\n\n')
+    args = ["precompute", str(corpus), "--store-root", str(tmp_path / "kv"), "--tiers", "disk"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 passages: 2 computed, 0 already stored" in out and "tokens/s" in out and "MB written" in out
+    assert len(list((tmp_path / "kv").glob("*/*.cskv"))) == 2
+    assert cli.main(args) == 0
+    assert "0 computed, 2 already stored" in capsys.readouterr().out
+    corpus.write_text('"fine"\n{"title": "no text"}\n')
+    assert cli.main(args) == 2
+    assert "corpus.jsonl:2" in capsys.readouterr().err

@@ -4,8 +4,9 @@
   data: for each layer, K [T, Hkv, D] then V [T, Hkv, D], row-major, in the entry's dtype.
 
 One layer, or any subset of its token rows, is a known byte range, so a reader fetches only what a
-layer needs. Checksums (crc32) cover blocks of `BLOCK_ROWS` rows of each layer's K and V, so a
-partial read still verifies everything it returns.
+layer needs. Checksums cover blocks of `BLOCK_ROWS` rows of each layer's K and V, so a
+partial read still verifies everything it returns. Blocks use xxh3-64 (about 5x faster than crc32
+here, so verification does not halve the read rate); the header uses crc32.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from cachesmith.errors import CachesmithError
 from cachesmith.kvstore.keys import dtype_name
@@ -64,6 +66,10 @@ class EntryHeader:
         return self.offset(self.num_layers, False)
 
 
+def block_checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def _as_bytes(t: torch.Tensor) -> bytes:
     t = t.contiguous().cpu()
     if t.dtype == torch.bfloat16:
@@ -73,7 +79,7 @@ def _as_bytes(t: torch.Tensor) -> bytes:
 
 def _block_crcs(raw: bytes, row_bytes: int) -> tuple[int, ...]:
     step = BLOCK_ROWS * row_bytes
-    return tuple(zlib.crc32(raw[i:i + step]) for i in range(0, len(raw), step))
+    return tuple(block_checksum(raw[i:i + step]) for i in range(0, len(raw), step))
 
 
 def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, values: torch.Tensor) -> bytes:

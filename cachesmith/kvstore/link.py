@@ -29,14 +29,15 @@ class Link:
             self._rate = None if gbps is None else gbps * 1e9
 
     def consume(self, nbytes: int) -> float:
-        """Block until `nbytes` have passed the link; returns the seconds waited."""
+        """Block until `nbytes` have passed the link. Returns the `time.monotonic()` at which they
+        started to pass (after the reservations queued before them), for bandwidth estimates."""
         with self._lock:
-            if self._rate is None:
-                return 0.0
             now = time.monotonic()
+            if self._rate is None:
+                return now
             start = max(self._free_at, now - self._burst_s)
             self._free_at = start + nbytes / self._rate
             wait = self._free_at - now
         if wait > 0:
             time.sleep(wait)
-        return max(wait, 0.0)
+        return max(start, now)

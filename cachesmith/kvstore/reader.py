@@ -5,12 +5,11 @@ into caller-owned staging buffers when possible (no intermediate copy for full-l
 """
 from __future__ import annotations
 
-import zlib
 from typing import Protocol
 
 import torch
 
-from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, EntryHeader, parse_header
+from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, EntryHeader, block_checksum, parse_header
 from cachesmith.model import ChunkKV
 
 
@@ -67,7 +66,7 @@ class EntryReader:
         crcs = h.checksums[layer][is_value]
         step = BLOCK_ROWS * h.row_bytes
         for i, block in enumerate(range(*run)):
-            if zlib.crc32(view[i * step:(i + 1) * step]) != crcs[block]:
+            if block_checksum(view[i * step:(i + 1) * step]) != crcs[block]:
                 raise CorruptEntry(f"checksum mismatch in layer {layer} block {block}")
         return end - first
 

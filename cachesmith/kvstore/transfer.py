@@ -204,10 +204,9 @@ class BatchTransfer(RunnerHooks):
 
     def _load(self, layer: int, seg: _Segment, rows: torch.Tensor | None) -> None:
         num_rows = seg.chunk.num_tokens if rows is None else rows.numel()
-        start = time.perf_counter()
-        self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
+        on_link = self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
         nbytes = seg.reader.read_layer_into(layer, seg.chunk.keys[layer], seg.chunk.values[layer], rows)
-        self.engine.record_load(nbytes, time.perf_counter() - start)
+        self.engine.record_load(nbytes, time.monotonic() - on_link)
 
     # -- runner hooks ------------------------------------------------------------------------
     def after_selection(self, selected: list[torch.Tensor]) -> None:

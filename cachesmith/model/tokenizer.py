@@ -40,6 +40,10 @@ class Tokenizer:
             raise InputError(f"{field} must be a string, got {type(text).__name__}")
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def chunk_ids(self, document: str, separator: str = "\n\n", field: str = "document") -> list[int]:
+        """Token ids of one document as a chunk: exactly what a prompt built from it contains."""
+        return self.encode(document + separator, field=field)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
@@ -69,7 +73,7 @@ class Tokenizer:
         head, tail = self.chat_text(messages).split(_SLOT)
         return PromptParts(
             prefix_ids=self.encode(head),
-            chunk_ids=[self.encode(doc + separator, field=f"documents[{i}]")
+            chunk_ids=[self.chunk_ids(doc, separator, field=f"documents[{i}]")
                        for i, doc in enumerate(documents)],
             suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )
