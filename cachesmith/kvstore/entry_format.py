@@ -27,6 +27,7 @@ BLOCK_ROWS = 64
 _FIXED = struct.Struct("<4sIII")
 _ALIGN = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class CorruptEntry(CachesmithError):
@@ -52,7 +53,7 @@ class EntryHeader:
 
     @property
     def row_bytes(self) -> int:
-        return self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.torch_dtype).element_size()
+        return self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
 
     @property
     def tensor_bytes(self) -> int:

@@ -18,6 +18,8 @@ class RangeSource(Protocol):
 
     def readinto(self, offset: int, buffer: memoryview) -> int: ...
 
+    def readinto_many(self, offset: int, buffers: list[memoryview]) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -55,39 +57,44 @@ class EntryReader:
     def close(self) -> None:
         self.source.close()
 
-    def _read_run(self, layer: int, is_value: bool, run: tuple[int, int], out: torch.Tensor) -> int:
-        """Rows of blocks [run) into `out` (contiguous [rows, Hkv, D]); verifies each block."""
-        h = self.header
-        first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
-        view = _byte_view(out)
-        got = self.source.readinto(h.offset(layer, is_value, first), view)
-        if got != len(view):
-            raise CorruptEntry(f"short read in layer {layer}: {got} of {len(view)} bytes")
-        crcs = h.checksums[layer][is_value]
-        step = BLOCK_ROWS * h.row_bytes
+    def _verify(self, layer: int, is_value: bool, run: tuple[int, int], view: memoryview) -> None:
+        crcs = self.header.checksums[layer][is_value]
+        step = BLOCK_ROWS * self.header.row_bytes
         for i, block in enumerate(range(*run)):
             if block_checksum(view[i * step:(i + 1) * step]) != crcs[block]:
                 raise CorruptEntry(f"checksum mismatch in layer {layer} block {block}")
-        return end - first
+
+    def _read_run(self, layer: int, run: tuple[int, int], k_out: torch.Tensor, v_out: torch.Tensor) -> int:
+        """K and V rows of blocks [run) into contiguous k_out/v_out; every block verified."""
+        h = self.header
+        first = run[0] * BLOCK_ROWS
+        views = [_byte_view(k_out), _byte_view(v_out)]
+        if run == (0, -(-h.num_tokens // BLOCK_ROWS)):  # a whole layer: K then V, one read
+            got = self.source.readinto_many(h.offset(layer, False), views)
+        else:
+            got = sum(self.source.readinto(h.offset(layer, is_v, first), view)
+                      for is_v, view in enumerate(views))
+        if got != 2 * len(views[0]):
+            raise CorruptEntry(f"short read in layer {layer}: {got} of {2 * len(views[0])} bytes")
+        for is_value, view in enumerate(views):
+            self._verify(layer, bool(is_value), run, view)
+        return got
 
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,
                         rows: torch.Tensor | None = None) -> int:
         """Fill k_out/v_out [T, Hkv, D] of `layer` (only `rows` when given). Returns bytes read."""
         h = self.header
         num_blocks = -(-h.num_tokens // BLOCK_ROWS)
-        blocks = list(range(num_blocks)) if rows is None else sorted(set((rows // BLOCK_ROWS).tolist()))
+        if rows is None:
+            return self._read_run(layer, (0, num_blocks), k_out, v_out)
         nbytes = 0
-        for run in _runs(blocks):
+        for run in _runs(sorted(set((rows // BLOCK_ROWS).tolist()))):
             first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
-            for is_value, out in ((False, k_out), (True, v_out)):
-                if rows is None:
-                    self._read_run(layer, is_value, run, out[first:end])
-                else:
-                    tmp = out.new_empty((end - first, *out.shape[1:]))
-                    self._read_run(layer, is_value, run, tmp)
-                    wanted = rows[(rows >= first) & (rows < end)]
-                    out[wanted] = tmp[wanted - first]
-                nbytes += (end - first) * h.row_bytes
+            k_tmp = k_out.new_empty((end - first, *k_out.shape[1:]))
+            v_tmp = v_out.new_empty((end - first, *v_out.shape[1:]))
+            nbytes += self._read_run(layer, run, k_tmp, v_tmp)
+            wanted = rows[(rows >= first) & (rows < end)]
+            k_out[wanted], v_out[wanted] = k_tmp[wanted - first], v_tmp[wanted - first]
         return nbytes
 
     def read_chunk(self) -> ChunkKV:

@@ -22,7 +22,20 @@ from cachesmith.kvstore.keys import validate_key
 log = logging.getLogger(__name__)
 
 
-class BytesSource:
+class _SequentialReads:
+    """readinto_many for sources without scatter reads: consecutive readinto calls."""
+
+    def readinto_many(self, offset: int, buffers: list[memoryview]) -> int:
+        total = 0
+        for buf in buffers:
+            n = self.readinto(offset + total, buf)
+            total += n
+            if n < len(buf):
+                break
+        return total
+
+
+class BytesSource(_SequentialReads):
     def __init__(self, data: bytes) -> None:
         self.data = memoryview(data)
         self.size = len(data)
@@ -36,7 +49,7 @@ class BytesSource:
         return None
 
 
-class FileSource:
+class FileSource(_SequentialReads):
     def __init__(self, path: Path) -> None:
         self.fd = -1  # so close() is safe when the open below fails
         self.fd = os.open(path, os.O_RDONLY)
@@ -51,6 +64,13 @@ class FileSource:
             total += n
         return total
 
+    def readinto_many(self, offset: int, buffers: list[memoryview]) -> int:
+        """One scatter read (preadv) for consecutive ranges, e.g. a layer's K and V."""
+        total = os.preadv(self.fd, buffers, offset)
+        if total < sum(len(b) for b in buffers):  # a short read: finish buffer by buffer
+            return total + super().readinto_many(offset + total, _rest(buffers, total))
+        return total
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -58,6 +78,17 @@ class FileSource:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _rest(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    out = []
+    for buf in buffers:
+        if skip >= len(buf):
+            skip -= len(buf)
+            continue
+        out.append(buf[skip:])
+        skip = 0
+    return out
 
 
 class Tier(ABC):
@@ -211,7 +242,7 @@ class RedisTier(Tier):
         return bool(self._call(lambda: self.client.exists(self.PREFIX + validate_key(key)), 0))
 
 
-class _RedisSource:
+class _RedisSource(_SequentialReads):
     def __init__(self, tier: RedisTier, name: str, size: int) -> None:
         self.tier, self.name, self.size = tier, name, size
 
