@@ -26,7 +26,13 @@ def _qwen2():
     return Qwen2ForCausalLM(Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
 
 
-TINY_ARCHITECTURES = {"llama": _llama, "qwen3": _qwen3, "qwen2": _qwen2}
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=None,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+TINY_ARCHITECTURES = {"llama": _llama, "qwen3": _qwen3, "qwen2": _qwen2, "mistral": _mistral}
 
 
 def save_tiny_model(arch: str, path: Path, seed: int = 0):
