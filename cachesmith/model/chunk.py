@@ -36,9 +36,6 @@ class ChunkKV:
     def dtype(self) -> torch.dtype:
         return self.keys.dtype
 
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
     def keys_at(self, model: Decoder, layer: int, offset: int) -> torch.Tensor:
         """Rotated K [num_tokens, Hkv, D] of `layer` placed at positions offset..offset+T-1."""
         positions = torch.arange(offset, offset + self.num_tokens, device=self.keys.device)

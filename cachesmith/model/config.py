@@ -46,11 +46,6 @@ class ModelConfig:
             raise ModelAssetError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        """Bytes of K plus V for one token in one layer, at 1 byte per element (multiply by dtype size)."""
-        return 2 * self.num_kv_heads * self.head_dim
-
     @staticmethod
     def from_hf(hf_config) -> "ModelConfig":
         model_type = getattr(hf_config, "model_type", None)

@@ -40,7 +40,3 @@ class KVCache:
         """K, V [end, Hkv, D] of `layer` (default: all valid rows)."""
         end = self.num_tokens if end is None else end
         return self.keys[layer][:end], self.values[layer][:end]
-
-    def nbytes(self) -> int:
-        row = self.keys[0][0].numel() * self.keys[0].element_size()
-        return 2 * len(self.keys) * self.num_tokens * row

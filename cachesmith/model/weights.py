@@ -6,7 +6,6 @@ dtype, plus a content fingerprint used to key stored chunk KV so it is never ser
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,10 +114,3 @@ def _check_shapes(w: ModelWeights, cfg: ModelConfig, model_dir: Path) -> None:
     for name, (got, want) in expected.items():
         if tuple(got) != want:
             raise ModelAssetError(f"{model_dir}: weight {name} has shape {tuple(got)}, config says {want}")
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelAssetError(f"{path} cannot be read: {exc}") from exc

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from cachesmith.model.layers import DecoderLayer
+from cachesmith.model.layers import DecoderLayer, causal_by_position_mask
 
 
 
@@ -43,7 +43,7 @@ class ScatteredAttention:
             if b <= a:
                 continue
             num_keys = int(q_positions[b - 1]) + 1
-            visible = torch.arange(num_keys)[None, :] <= q_positions[a:b, None]  # [b - a, num_keys]
+            visible = causal_by_position_mask(q_positions[a:b], torch.arange(num_keys))  # [b - a, num_keys]
             # additive float mask, built once: SDPA would convert a boolean one on every call
             mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
             self.blocks.append((a, b, num_keys, mask.to(device)))
@@ -69,7 +69,7 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, q_positions: torch.Tens
     kg = keys.float().permute(1, 2, 0)  # [Hkv, D, Sk]
     scores = torch.matmul(qg.reshape(num_kv_heads, rep * n, head_dim), kg) / math.sqrt(head_dim)
     scores = scores.view(num_kv_heads, rep, n, -1)
-    visible = k_positions[None, :] <= q_positions[:, None]  # [n, Sk]
+    visible = causal_by_position_mask(q_positions, k_positions)  # [n, Sk]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1).reshape(num_heads, n, -1)
 
