@@ -128,6 +128,7 @@ class BatchTransfer(RunnerHooks):
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self.stall_s = 0.0
+        self._last_patched = -1  # Patch layers up to here have run: later selections skip them
         self._workers = [threading.Thread(target=self._work, daemon=True)
                          for _ in range(engine.config.num_workers)]
         for t in self._workers:
@@ -219,10 +220,13 @@ class BatchTransfer(RunnerHooks):
                 reused[local - seg.context_start] = False
                 rows = reused.nonzero().flatten()
                 for layer in self.patch_layers:
-                    self._need(layer, seg, rows)
+                    if layer > self._last_patched:
+                        self._need(layer, seg, rows)
 
     def before_layer(self, layer: int, phase: str) -> None:
         start = time.perf_counter()
+        if phase == "patch":
+            self._last_patched = layer
         for seg, rows in self._deferred.pop(layer, []):
             self._issue(layer, seg, rows)
         with self._cond:

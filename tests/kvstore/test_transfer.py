@@ -136,3 +136,30 @@ def test_missing_chunk_and_bad_config_are_named(model, tmp_path):
         engine.stage([KeyedRequest(["0" * 64], [5, 6])], RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1))
     with pytest.raises(ConfigError, match="bandwidth_gbps"):
         TransferConfig(bandwidth_gbps=0)
+
+
+class _Lower(RunnerHooks):
+    """A runtime monitor that drops every recomputed context row after the first Patch layer."""
+
+    def __init__(self):
+        self.seen = False
+
+    def after_layer(self, info):
+        if info.phase == "patch" and not self.seen:
+            self.seen = True
+            return {0: 0.0}
+        return None
+
+
+@pytest.mark.parametrize("plan", PLANS[:5], ids=lambda p: p.label())
+def test_lowered_coverage_loads_the_rows_it_now_reuses(model, tmp_path, plan):
+    from cachesmith.recompute import HookChain
+
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    reqs, keyed = _stored(model, store, seeds=(6,))
+    ref = BatchRunner(model).run(reqs, plan, _Lower())[0]
+    engine = TransferEngine(store, model)
+    with engine.stage(keyed, plan) as batch:
+        out = BatchRunner(model).run(batch.requests, plan, HookChain(batch, _Lower()))[0]
+    assert out.selected.numel() == 0
+    assert max_diff(out.logits, ref.logits) == 0.0
