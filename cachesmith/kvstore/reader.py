@@ -82,7 +82,9 @@ class EntryReader:
 
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,
                         rows: torch.Tensor | None = None) -> int:
-        """Fill k_out/v_out [T, Hkv, D] of `layer` (only `rows` when given). Returns bytes read."""
+        """Fill k_out/v_out [T, Hkv, D] of `layer`, or with `rows` only the 64-row blocks holding
+        them (their other rows get their stored values too: harmless, and no scatter copy).
+        Returns bytes read."""
         h = self.header
         num_blocks = -(-h.num_tokens // BLOCK_ROWS)
         if rows is None:
@@ -90,11 +92,7 @@ class EntryReader:
         nbytes = 0
         for run in _runs(sorted(set((rows // BLOCK_ROWS).tolist()))):
             first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
-            k_tmp = k_out.new_empty((end - first, *k_out.shape[1:]))
-            v_tmp = v_out.new_empty((end - first, *v_out.shape[1:]))
-            nbytes += self._read_run(layer, run, k_tmp, v_tmp)
-            wanted = rows[(rows >= first) & (rows < end)]
-            k_out[wanted], v_out[wanted] = k_tmp[wanted - first], v_tmp[wanted - first]
+            nbytes += self._read_run(layer, run, k_out[first:end], v_out[first:end])
         return nbytes
 
     def read_chunk(self) -> ChunkKV:

@@ -28,7 +28,7 @@ class RecomputeConfig:
     warmup: int
     probe: int
     coverage: float
-    kv_dev_target: str = "kv"
+    kv_dev_target: str = "v"  # measured best of k / v / kv on the multi-needle task (decisions.md)
 
     def __post_init__(self) -> None:
         try:
