@@ -98,8 +98,9 @@ class Decoder:
             if pre_rope_keys is not None:
                 pre_rope_keys.append(k)
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            if cache is not None:
-                cache.write(i, start, k, v)
+            if cache is not None:  # attend over the cache's contiguous copy: V sliced out of the
+                cache.write(i, start, k, v)  # fused QKV output has a wide row stride (slower SDPA)
+                k, v = cache.keys[i][start:start + k.shape[0]], cache.values[i][start:start + k.shape[0]]
             h = h + layer.out_proj(layer.attend(q, k, v, is_causal=True))
             h = layer.mlp_block(h)
         if cache is not None:

@@ -32,7 +32,7 @@ def causal_by_position_mask(q_positions: torch.Tensor, k_positions: torch.Tensor
 
 
 class DecoderLayer:
-    """Weights of one layer; QKV and gate/up are fused so each is one matmul."""
+    """Weights of one layer; Q, K and V are fused into one matmul."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.config = config
@@ -43,7 +43,8 @@ class DecoderLayer:
         self.q_norm = RMSNorm(weights["q_norm"], config.rms_norm_eps) if config.is_qk_norm else None
         self.k_norm = RMSNorm(weights["k_norm"], config.rms_norm_eps) if config.is_qk_norm else None
         self.o_weight = weights["o"]  # [hidden, num_heads * head_dim]
-        self.gate_up_weight = weights["gate_up"]  # [2 * intermediate, hidden]
+        self.gate_weight = weights["gate"]  # [intermediate, hidden]
+        self.up_weight = weights["up"]  # [intermediate, hidden]
         self.down_weight = weights["down"]  # [hidden, intermediate]
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
@@ -96,9 +97,11 @@ class DecoderLayer:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Post-normed hidden [num_tokens, hidden] -> [num_tokens, hidden] (SwiGLU)."""
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        # in place on the fused output: a fresh [T, intermediate] tensor costs page faults on CPU
-        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down_weight)
+        # Two matmuls rather than a fused gate/up: the down projection then reads a contiguous
+        # input (measured faster at 4K tokens), and SiLU * up runs in place (a fresh
+        # [T, intermediate] tensor costs page faults on CPU).
+        gate = F.silu(F.linear(x, self.gate_weight), inplace=True)
+        return F.linear(gate.mul_(F.linear(x, self.up_weight)), self.down_weight)
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """Residual MLP sub-block h + mlp(post_norm(h)), added into `h` in place and returned."""

@@ -1,4 +1,4 @@
-"""Read HF-format safetensors weights into per-layer dicts with fused QKV and gate/up matrices.
+"""Read HF-format safetensors weights into per-layer dicts with a fused QKV matrix.
 
 In: a model directory (config.json + *.safetensors). Out: `ModelWeights` on the requested device and
 dtype, plus a content fingerprint used to key stored chunk KV so it is never served to another model.
@@ -88,7 +88,8 @@ def load_weights(model_dir: Path, config: ModelConfig, device: torch.device,
             "post_norm": take(p + "post_attention_layernorm.weight"),
             "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
             "o": take(p + "self_attn.o_proj.weight"),
-            "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            "gate": take(p + "mlp.gate_proj.weight"),
+            "up": take(p + "mlp.up_proj.weight"),
             "down": take(p + "mlp.down_proj.weight"),
         }
         if config.is_qkv_bias:
@@ -109,7 +110,7 @@ def _check_shapes(w: ModelWeights, cfg: ModelConfig, model_dir: Path) -> None:
     expected = {
         "embed_tokens": (w.embed.shape, (cfg.vocab_size, cfg.hidden_size)),
         "layers.0 qkv": (w.layers[0]["qkv"].shape, (qkv_rows, cfg.hidden_size)),
-        "layers.0 gate_up": (w.layers[0]["gate_up"].shape, (2 * cfg.intermediate_size, cfg.hidden_size)),
+        "layers.0 gate": (w.layers[0]["gate"].shape, (cfg.intermediate_size, cfg.hidden_size)),
     }
     for name, (got, want) in expected.items():
         if tuple(got) != want:

@@ -134,7 +134,8 @@ class BatchRunner:
             b = a + s.num_tokens
             qi, ki = rope.apply(q[a:b], s.cos, s.sin), rope.apply(k[a:b], s.cos, s.sin)
             s.cache.write(index, 0, ki, v[a:b])
-            outs.append(layer.attend(qi, ki, v[a:b], is_causal=True))
+            keys, values = s.cache.view(index, s.num_tokens)  # contiguous V: faster SDPA
+            outs.append(layer.attend(qi, keys, values, is_causal=True))
             if want_entropy:
                 s.qci_entropy = self._entropy(s, qi, ki)
             if dev_target is not None:
