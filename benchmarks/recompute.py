@@ -1,7 +1,8 @@
 """Selective recomputation on the packaged model: speed of every preset, accuracy vs coverage.
 
-Speed: TTFT of each preset at r in {5,15,30,50}% against our full prefill, at 1K/2K/4K context
-tokens in 256-512-token chunks, float32 and bfloat16; `ideal_fraction` = w/L + (1-w/L)(rN+n)/(N+n).
+Speed: TTFT of each preset at r in {5,15,30,50}% against our full prefill (timed interleaved with
+each plan), at 1K/2K/4K context tokens in 256-512-token chunks, float32 and bfloat16;
+`ideal_fraction` = w/L + (1-w/L)(rN+n)/(N+n).
 Accuracy: the multi-needle task (several needles in different chunks, ask for one key) over
 --instances instances, including the kv_dev K / V / K+V study. Accuracy results are cached on disk
 (JSONL), so an interrupted run resumes. `--json` prints {"speed": [...], "accuracy": [...]}.
@@ -54,12 +55,15 @@ def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int
         for n_ctx in sizes:
             req, flat = _speed_request(pipe, n_ctx, random.Random(n_ctx))
             n = len(req.suffix_ids)
-            full = median([timed(lambda: pipe.model.prefill(flat)) for _ in range(repeats)])
             plans = [("full_reuse", 0.0)] + [(m, r) for m in methods for r in COVERAGES]
             for method, r in tqdm(plans, desc=f"speed {dtype} {n_ctx}", file=sys.stderr):
                 plan = preset(method, r, L)
                 pipe.runner.run([req], plan)  # warm
-                t = median([timed(lambda: pipe.runner.run([req], plan)) for _ in range(repeats)])
+                runs, fulls = [], []
+                for _ in range(repeats):  # interleaved with full prefill: drift hits both sides
+                    runs.append(timed(lambda: pipe.runner.run([req], plan)))
+                    fulls.append(timed(lambda: pipe.model.prefill(flat)))
+                t, full = median(runs), median(fulls)
                 w = min(plan.warmup, L) if plan.signal.value != "kv_dev" else plan.warmup + plan.probe
                 ideal = w / L + (1 - w / L) * (r * n_ctx + n) / (n_ctx + n)
                 rows.append({"method": method, "coverage": r, "context_tokens": n_ctx, "dtype": dtype,

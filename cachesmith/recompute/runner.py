@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cachesmith.model import Decoder, KVCache
-from cachesmith.recompute import signals
+from cachesmith.recompute import signals, split_attention
 from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs, attention_probs
 from cachesmith.recompute.config import RecomputeConfig, Signal
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
@@ -45,7 +45,7 @@ class _PatchRows:
     positions: torch.Tensor  # [num_rows] on the model device
     cos: torch.Tensor  # [num_rows, 1, head_dim]
     sin: torch.Tensor
-    attention: ScatteredAttention
+    attention: ScatteredAttention | split_attention.SplitAttention
 
 
 class BatchRunner:
@@ -272,8 +272,12 @@ class BatchRunner:
     def _patch_rows(self, s: Sequence) -> _PatchRows:
         positions = self._row_index(s, 0)
         dev = positions.to(self.model.device)
-        return _PatchRows(dev, s.cos[dev], s.sin[dev],
-                          ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix))
+        cfg = self.model.config
+        if split_attention.is_available(self.model.device, self.model.dtype):
+            attention = split_attention.SplitAttention(positions, s.num_suffix, cfg.num_heads, cfg.num_kv_heads)
+        else:
+            attention = ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix)
+        return _PatchRows(dev, s.cos[dev], s.sin[dev], attention)
 
     def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):
         last, a = [], 0

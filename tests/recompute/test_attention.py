@@ -46,3 +46,15 @@ def test_attention_probs_equal_direct_softmax():
     ref = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     assert (probs - ref).abs().max().item() < 1e-6
     assert torch.allclose(probs.sum(-1), torch.ones(4, positions.numel()))
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 16, 40])
+def test_split_attention_equals_one_masked_call(layer, num_blocks):
+    from cachesmith.recompute.split_attention import SplitAttention, is_available
+
+    assert is_available(torch.device("cpu"), torch.float32)
+    positions, q, k, v = _inputs(seed=2)
+    ref = layer.attend(q, k, v, mask=causal_by_position_mask(positions, torch.arange(k.shape[0])))
+    plan = SplitAttention(positions, num_suffix=5, num_heads=4, num_kv_heads=2, num_blocks=num_blocks)
+    assert (plan(layer, q, k, v) - ref).abs().max().item() < 1e-5
+    assert any(lo > 0 for _, _, lo, _, _ in plan.blocks)  # the merged (prefix + diagonal) path ran
