@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, timed  # noqa: E402
+from common import emit, median, print_table, random_request, timed  # noqa: E402
 
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine  # noqa: E402
 from cachesmith.kvstore.reader import EntryReader  # noqa: E402
@@ -92,12 +92,8 @@ def run_read(model: Decoder, root: Path, num_entries: int, tokens: int) -> dict:
 
 def run_stall(model: Decoder, tok: Tokenizer, root: Path, caps: list[float], repeats: int) -> list[dict]:
     store = ChunkStore(StoreConfig(tiers=("disk",), root=root))
-    rng = random.Random(1)
-    prefix = tok.rag_prompt_parts(["x"], "q").prefix_ids
-    chunks = [[rng.randrange(model.config.vocab_size) for _ in range(512)] for _ in range(4)]
-    keyed = KeyedRequest([store.put(prefill_chunk(model, c)) for c in chunks],
-                         [rng.randrange(model.config.vocab_size) for _ in range(32)],
-                         store.put(prefill_chunk(model, prefix)))
+    req, _ = random_request(model, tok.rag_prompt_parts(["x"], "q").prefix_ids, 2048, random.Random(1))
+    keyed = KeyedRequest([store.put(c) for c in req.chunks], req.suffix_ids, store.put(req.prefix))
     plan = preset("cacheblend", 0.15, model.num_layers)
     runner, rows = BatchRunner(model), []
     for cap in caps:

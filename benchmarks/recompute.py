@@ -20,30 +20,15 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, timed  # noqa: E402
+from common import emit, median, print_table, random_request, timed  # noqa: E402
 
-from cachesmith.model import greedy_decode, prefill_chunk  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.recompute import RecomputeRequest, preset  # noqa: E402
+from cachesmith.recompute import preset  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402
 from cachesmith.workloads.needles import multi_needle  # noqa: E402
 
 COVERAGES = [0.05, 0.15, 0.30, 0.50]
 SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]
-
-
-def _speed_request(pipe: RagPipeline, context_tokens: int, rng: random.Random) -> tuple[RecomputeRequest, list[int]]:
-    model, vocab = pipe.model, pipe.model.config.vocab_size
-    prefix = pipe.prompt(["x"], "q").prefix_ids
-    sizes, left = [], context_tokens
-    while left > 0:
-        size = min(left, rng.randint(256, 512))
-        sizes.append(size)
-        left -= size
-    chunks = [[rng.randrange(vocab) for _ in range(s)] for s in sizes]
-    suffix = [rng.randrange(vocab) for _ in range(32)]
-    req = RecomputeRequest([prefill_chunk(model, c) for c in chunks], suffix, prefill_chunk(model, prefix))
-    return req, prefix + [t for c in chunks for t in c] + suffix
 
 
 def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int,
@@ -53,7 +38,8 @@ def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int
         pipe = RagPipeline(model_name, "cpu", dtype)
         L = pipe.model.num_layers
         for n_ctx in sizes:
-            req, flat = _speed_request(pipe, n_ctx, random.Random(n_ctx))
+            prefix = pipe.prompt(["x"], "q").prefix_ids
+            req, flat = random_request(pipe.model, prefix, n_ctx, random.Random(n_ctx))
             n = len(req.suffix_ids)
             plans = [("full_reuse", 0.0)] + [(m, r) for m in methods for r in COVERAGES]
             for method, r in tqdm(plans, desc=f"speed {dtype} {n_ctx}", file=sys.stderr):

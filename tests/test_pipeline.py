@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cachesmith import cli
 from cachesmith.kvstore import ChunkStore, StoreConfig

@@ -95,7 +95,7 @@ class BatchRunner:
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
             s.is_position_signal = is_position
-            s.selected = signals.select(s, s.coverage, is_position)
+            s.selected = signals.select(s, s.coverage)
         hooks.after_selection([s.selected for s in seqs])
         return config.warmup, h, None
 
@@ -118,7 +118,7 @@ class BatchRunner:
             scores[i] = scores[i] + signals.kv_deviation(k[ctx], v[ctx], ck, cv, config.kv_dev_target)
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = sc, signals.rank(sc)
-            s.selected = signals.select(s, s.coverage, False)
+            s.selected = signals.select(s, s.coverage)
         hooks.after_selection([s.selected for s in seqs])
         rows = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(h.device)
         return start, h, (layer.q(x[rows]), k[rows], v[rows])
@@ -238,7 +238,7 @@ class BatchRunner:
             if i in lowered and lowered[i] < s.coverage:
                 old = s.selected
                 s.coverage = lowered[i]
-                s.selected = signals.select(s, s.coverage, s.is_position_signal)
+                s.selected = signals.select(s, s.coverage)
                 mask = torch.isin(old, s.selected)
                 keep.append(a + torch.cat([mask.nonzero().flatten(), torch.arange(old.numel(), n)]))
                 rows[i] = self._patch_rows(s)

@@ -44,6 +44,7 @@ class Sequence:
     scores: torch.Tensor | None = None  # [N] selection scores
     is_position_signal: bool = False
     qci_entropy: float | None = None
+    filled_layers: set[int] = field(default_factory=set)  # layers whose cached rows are in `cache`
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +95,11 @@ def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index
 
 def fill_cached_rows(model: Decoder, seq: Sequence, layer: int) -> int:
     """Place the cached K (rotated to its assembled positions) and V of prefix and chunks into the
-    layer's cache buffer. Returns the number of rows written."""
+    layer's cache buffer, once: a QCI probe fills a layer, and Patch revisits it after the rewind
+    (probes only write suffix rows, which Patch rewrites). Returns the number of cached rows."""
+    if layer in seq.filled_layers:
+        return seq.suffix_start
+    seq.filled_layers.add(layer)
     keys, values = seq.cache.keys[layer], seq.cache.values[layer]
     for start, entry in seq.segments:
         end = start + entry.num_tokens

@@ -66,13 +66,13 @@ def num_selected(coverage: float, num_context: int) -> int:
     return min(num_context, math.ceil(coverage * num_context - 1e-9))
 
 
-def select(seq: Sequence, coverage: float, is_position: bool) -> torch.Tensor:
+def select(seq: Sequence, coverage: float) -> torch.Tensor:
     """Sorted context indices recomputed at `coverage`.
 
     `position` follows EPIC: the first ceil(r * |c|) tokens of every chunk but the first. Every
     other signal takes the top ceil(r * N) of the ranking. At r = 100% every context token is taken.
     """
-    if is_position and coverage < 1.0:
+    if seq.is_position_signal and coverage < 1.0:
         picks = []
         bounds = seq.chunk_starts + [seq.num_context]
         for a, b in list(zip(bounds[:-1], bounds[1:]))[1:]:

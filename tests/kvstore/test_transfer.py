@@ -82,7 +82,8 @@ def test_bandwidth_cap_and_prefetch(model, tmp_path):
     fast, _, eng = run(TransferConfig())
     slow, stall, capped = run(TransferConfig(bandwidth_gbps=0.0005))  # 0.5 MB/s
     seconds_on_link = capped.stats.bytes_loaded / 0.5e6
-    assert slow > fast and stall > 0.5 * seconds_on_link * 0.4
+    # probe + patch loads wait on the 0.5 MB/s link; prefetch hides part of it behind compute
+    assert slow > fast and stall > 0.2 * seconds_on_link
     assert capped.stats.effective_gbps < 0.001 < eng.stats.effective_gbps
     _, stall_off, _ = run(TransferConfig(bandwidth_gbps=0.0005, is_prefetch=False))
     assert stall_off >= stall * 0.9  # without prefetch nothing overlaps with compute

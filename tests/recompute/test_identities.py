@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cachesmith.model import Decoder, greedy_decode
 from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal, preset
