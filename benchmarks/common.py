@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import random
 
 import torch
+
+from cachesmith.profiler.synthetic import random_request
+
+__all__ = ["emit", "median", "print_table", "random_request", "timed"]
 
 
 def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
@@ -47,19 +50,3 @@ def emit(payload, as_json: bool, out: str | None, table: Callable[[], None]) -> 
         table()
 
 
-def random_request(model, prefix_ids: list[int], context_tokens: int, rng: random.Random,
-                   num_suffix: int = 32):
-    """A request of random tokens: the chat prefix, chunks of 256-512 tokens summing to
-    `context_tokens`, a suffix. Returns (RecomputeRequest with precomputed chunks, flat token ids)."""
-    from cachesmith.model import prefill_chunk
-    from cachesmith.recompute import RecomputeRequest
-
-    vocab = model.config.vocab_size
-    sizes, left = [], context_tokens
-    while left > 0:
-        sizes.append(min(left, rng.randint(256, 512)))
-        left -= sizes[-1]
-    chunks = [[rng.randrange(vocab) for _ in range(s)] for s in sizes]
-    suffix = [rng.randrange(vocab) for _ in range(num_suffix)]
-    req = RecomputeRequest([prefill_chunk(model, c) for c in chunks], suffix, prefill_chunk(model, prefix_ids))
-    return req, prefix_ids + [t for c in chunks for t in c] + suffix

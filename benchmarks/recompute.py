@@ -26,6 +26,7 @@ from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.recompute import preset  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402
 from cachesmith.workloads.needles import multi_needle  # noqa: E402
+from cachesmith.workloads.scoring import score  # noqa: E402
 
 COVERAGES = [0.05, 0.15, 0.30, 0.50]
 SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]
@@ -91,7 +92,7 @@ def run_accuracy(model_name: str, dtype: str, num_instances: int, cache_path: Pa
                 if key not in done:
                     ans = pipe.answer(inst.documents, inst.question, plan, max_new_tokens=10,
                                       answer_prefix=inst.answer_prefix)
-                    done[key] = inst.is_correct(ans.text)
+                    done[key] = score(inst, ans.text).passed
                     fh.write(json.dumps({"key": key, "correct": done[key], "answer": ans.text}) + "\n")
                     fh.flush()
                 bar.update()

@@ -27,6 +27,7 @@ class Answer:
     num_suffix_tokens: int
     num_recomputed: int
     plan: str
+    qci_entropy: float | None = None  # normalized entropy of layer-0 QCI scores (plans with w >= 1)
 
 
 class RagPipeline:
@@ -41,8 +42,9 @@ class RagPipeline:
         self.store = store or ChunkStore(StoreConfig())
         self.transfer = TransferEngine(self.store, self.model, transfer)
 
-    def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "") -> PromptParts:
-        return self.tokenizer.rag_prompt_parts(documents, question, system=self.system,
+    def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "",
+               system: str | None = None) -> PromptParts:
+        return self.tokenizer.rag_prompt_parts(documents, question, system=system or self.system,
                                                answer_prefix=answer_prefix)
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
@@ -50,9 +52,10 @@ class RagPipeline:
         key, _ = self.store.ensure(self.model, token_ids)
         return self.store.get(key, self.model)
 
-    def precompute(self, documents: Sequence[str], question: str = "?") -> tuple[int, float]:
+    def precompute(self, documents: Sequence[str], question: str = "?",
+                   system: str | None = None) -> tuple[int, float]:
         """Store the KV of every document and the prompt prefix. Returns (new tokens, seconds)."""
-        parts = self.prompt(documents, question)
+        parts = self.prompt(documents, question, system=system)
         start, num_tokens = time.perf_counter(), 0
         for ids in [parts.prefix_ids, *parts.chunk_ids]:
             if ids and self.store.ensure(self.model, ids)[1]:
@@ -65,9 +68,9 @@ class RagPipeline:
         return KeyedRequest(keys, parts.suffix_ids, prefix, extra_capacity=max_new_tokens)
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig,
-               max_new_tokens: int = 32, answer_prefix: str = "") -> Answer:
+               max_new_tokens: int = 32, answer_prefix: str = "", system: str | None = None) -> Answer:
         """Answer from stored chunk KV; TTFT covers staging, transfer waits and the recompute."""
-        parts = self.prompt(documents, question, answer_prefix)
+        parts = self.prompt(documents, question, answer_prefix, system)
         request = self.keyed_request(parts, max_new_tokens)  # misses are prefilled here, off the clock
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
@@ -78,4 +81,4 @@ class RagPipeline:
             ttft = time.perf_counter() - start
         ids = greedy_decode(self.model, out.logits, out.cache, max_new_tokens)
         return Answer(self.tokenizer.decode(ids).strip(), ids, ttft, out.num_context, out.num_suffix,
-                      int(out.selected.numel()), plan.label())
+                      int(out.selected.numel()), plan.label(), out.qci_entropy)

@@ -1,1 +1,11 @@
-"""Workloads: real passages, word lists and task instances (prefix + chunks + question + gold)."""
+"""Workloads: real passages, task generators (PR, MSQ, VT, MV, MIX), scoring, quality gates,
+dataset cards and arrival traces. See `tasks.generate` and README "Workloads"."""
+from cachesmith.workloads.gates import FidelityGate, QualityGate, TaskGate, make_gate
+from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.workloads.scoring import Score, score
+from cachesmith.workloads.tasks import MIX_TASKS, TASKS, WorkloadError, generate, generate_many
+from cachesmith.workloads.trace import Trace, TraceConfig, TraceRequest, make_trace, rate_for_utilization
+
+__all__ = ["FidelityGate", "MIX_TASKS", "QualityGate", "Score", "TASKS", "TaskGate", "Trace", "TraceConfig",
+           "TraceRequest", "WorkloadError", "WorkloadInstance", "generate", "generate_many", "make_gate",
+           "make_trace", "rate_for_utilization", "score"]

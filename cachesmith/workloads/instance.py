@@ -1,7 +1,16 @@
-"""A workload instance: documents (one per chunk), a question, gold answers and metadata."""
+"""A workload instance: a prefix (instruction), documents (one passage per chunk), a question (the
+suffix), gold answers and metadata; with its JSON line form, the format `cachesmith bench
+--workload FILE.jsonl` reads (README, "Workload files").
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cachesmith.errors import InputError
+
+_REQUIRED = ("documents", "question", "gold")
 
 
 @dataclass(frozen=True)
@@ -10,8 +19,46 @@ class WorkloadInstance:
     documents: tuple[str, ...]
     question: str
     gold: tuple[str, ...]
+    variant: str = "default"
+    prefix: str = ""  # system instruction before the documents; "" keeps the model's default
     answer_prefix: str = ""  # opens the assistant turn, so a short greedy decode suffices
-    metadata: dict = field(default_factory=dict)
+    max_new_tokens: int = 16
+    metadata: dict[str, Any] = field(default_factory=dict)
 
-    def is_correct(self, answer: str) -> bool:
-        return any(g in answer for g in self.gold)
+    def __post_init__(self) -> None:
+        if not self.documents:
+            raise InputError(f"{self.task}: documents must hold at least one chunk")
+        if not self.gold:
+            raise InputError(f"{self.task}: gold must hold at least one answer")
+        if self.max_new_tokens < 1:
+            raise InputError(f"{self.task}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.variant}/{self.metadata.get('seed', '?')}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "instance") -> "WorkloadInstance":
+        if not isinstance(raw, dict):
+            raise InputError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        missing = [k for k in _REQUIRED if k not in raw]
+        if missing:
+            raise InputError(f"{where}: missing field(s) {', '.join(missing)}")
+        docs, gold = raw["documents"], raw["gold"]
+        if not isinstance(docs, list) or not all(isinstance(d, str) and d.strip() for d in docs):
+            raise InputError(f"{where}: documents must be a list of non-empty strings")
+        if isinstance(gold, str):
+            gold = [gold]
+        if not isinstance(gold, list) or not all(isinstance(g, str) for g in gold):
+            raise InputError(f"{where}: gold must be a string or a list of strings")
+        if not isinstance(raw["question"], str) or not raw["question"].strip():
+            raise InputError(f"{where}: question must be a non-empty string")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InputError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        return cls(**{**raw, "documents": tuple(docs), "gold": tuple(gold),
+                      "task": raw.get("task", "custom")})

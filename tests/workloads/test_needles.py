@@ -6,6 +6,7 @@ import pytest
 from cachesmith.registry_fetch import FetchError
 from cachesmith.workloads import corpus as corpus_mod
 from cachesmith.workloads.needles import multi_needle
+from cachesmith.workloads.scoring import score
 from cachesmith.workloads.words import word_lists
 
 
@@ -25,7 +26,7 @@ def test_instances_are_deterministic_and_well_formed(synthetic):
     assert sum("special magic number" in d for d in a.documents) == 4
     key = a.question.split("for ")[1].split(" mentioned")[0]
     assert key in a.documents[a.metadata["evidence_chunk"]] and key in a.answer_prefix
-    assert a.is_correct(f"is {a.gold[0]}.") and not a.is_correct(a.metadata["distractors"][0])
+    assert score(a, f"is {a.gold[0]}.").passed and not score(a, a.metadata["distractors"][0]).passed
 
 
 def test_keys_share_no_word(synthetic):

@@ -1,0 +1,177 @@
+"""The budget-aware recomputation planner (paper §5.1).
+
+In: a batch of `PlanRequest`s (context/suffix/prefix tokens and each request's QCI entropy after
+the first WarmUp layer) and a budget in seconds. Out: a `BatchPlan`: signal S (entropy threshold,
+batch majority), rank depth split (w, p) maximizing feasible coverage under the transfer-aware cost
+model, per-request coverages from the greedy marginal-gain allocation, predicted TTFT and expected
+passes. Outside the budget band [TTFT(S,1,1,r_min), TTFT(S,1,1,r_max)] a static plan is returned.
+Never touches tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachesmith.errors import ConfigError, InputError
+from cachesmith.planner.allocate import allocate, expected_passes
+from cachesmith.planner.cost_model import BatchShape, CostModel
+from cachesmith.planner.demand import DemandModel
+from cachesmith.planner.grid import ttft_grid
+from cachesmith.planner.profile import Profile
+from cachesmith.recompute import RecomputeConfig
+
+COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    r_min: float = 0.05  # budget floor: TTFT of (S, 1, 1, r_min)
+    r_max: float = 0.50  # saturation: TTFT of (S, 1, 1, r_max)
+    max_rank_fraction: float = 0.5  # deepest rank depth considered, as a fraction of the layers
+    num_splits: int = 4  # (w, p) splits tried per rank depth
+    entropy_threshold: float | None = None  # None: the profile's
+    bandwidth_gbps: float | None = None  # None: the profile's fastest tier (the monitor updates it)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.r_min < self.r_max <= 1:
+            raise ConfigError(f"need 0 < r_min ({self.r_min}) < r_max ({self.r_max}) <= 1")
+        if not 0 < self.max_rank_fraction <= 1:
+            raise ConfigError(f"max_rank_fraction={self.max_rank_fraction} must be in (0, 1]")
+        if self.num_splits < 1:
+            raise ConfigError(f"num_splits={self.num_splits} must be >= 1")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    context_tokens: int
+    suffix_tokens: int
+    prefix_tokens: int = 0
+    qci_entropy: float | None = None  # normalized entropy of layer-0 QCI scores, in [0, 1]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    signal: str
+    warmup: int
+    probe: int
+    coverages: tuple[float, ...]
+    predicted_ttft_s: float
+    expected_passes: float
+    budget_s: float
+    floor_s: float
+    saturation_s: float
+    status: str  # "planned", "below_floor" or "above_saturation" (static plan)
+    decision_s: float = 0.0
+
+    @property
+    def rank_depth(self) -> int:
+        return self.warmup + self.probe
+
+    def recompute_config(self) -> RecomputeConfig:
+        """The batch's shared (S, w, p); each request's own coverage goes on its request."""
+        return RecomputeConfig(self.signal, self.warmup, self.probe, max(self.coverages))
+
+
+class Planner:
+    def __init__(self, profile: Profile, config: PlannerConfig | None = None) -> None:
+        self.profile = profile
+        self.config = config or PlannerConfig()
+        self.cost = CostModel(profile, self.config.bandwidth_gbps)
+        self.demand = DemandModel(profile.demand)
+        self.theta = self.config.entropy_threshold if self.config.entropy_threshold is not None \
+            else profile.entropy_threshold
+        L = profile.num_layers
+        deepest = max(2, int(self.config.max_rank_fraction * L))
+        # every depth up to 6, then a geometric-ish grid: demand changes slowly with depth there
+        self.depths = sorted({d for d in [*range(2, 7), *np.geomspace(6, deepest, 6).round().astype(int)]
+                              if 2 <= d <= deepest})
+
+    def set_bandwidth(self, gbps: float) -> None:
+        """The runtime monitor's measured link bandwidth replaces the profiled one."""
+        self.cost = self.cost.with_bandwidth(gbps)
+
+    def choose_signal(self, requests: list[PlanRequest]) -> str:
+        votes = [r.qci_entropy > self.theta for r in requests if r.qci_entropy is not None]
+        if not votes:
+            return "kv_dev"
+        return "kv_dev" if 2 * sum(votes) > len(votes) else "qci"
+
+    def shape(self, requests: list[PlanRequest]) -> BatchShape:
+        if not requests:
+            raise InputError("batch is empty: the planner needs at least one request")
+        return BatchShape(tuple(r.context_tokens for r in requests), tuple(r.suffix_tokens for r in requests),
+                          tuple(r.prefix_tokens for r in requests))
+
+    def band(self, shape: BatchShape, signal: str) -> tuple[float, float]:
+        t = self.cost.ttft(shape, signal, 1, 1, np.array([[self.config.r_min] * shape.num_requests,
+                                                          [self.config.r_max] * shape.num_requests]))
+        return float(t[0]), float(t[1])
+
+    def _splits(self, depth: int) -> tuple[tuple[int, int], ...]:
+        ws = np.unique(np.linspace(1, depth - 1, min(self.config.num_splits, depth - 1)).round().astype(int))
+        return tuple((int(w), depth - int(w)) for w in ws)
+
+    def plan(self, requests: list[PlanRequest], budget_s: float) -> BatchPlan:
+        start = time.perf_counter()
+        if not isinstance(budget_s, (int, float)) or not budget_s > 0:
+            raise InputError(f"budget_s={budget_s!r} must be a positive number of seconds")
+        shape = self.shape(requests)
+        signal = self.choose_signal(requests)
+        floor, saturation = self.band(shape, signal)
+        R = shape.num_requests
+        if budget_s < floor or budget_s > saturation:
+            r = self.config.r_min if budget_s < floor else self.config.r_max
+            ttft = floor if budget_s < floor else saturation
+            passes = float(self.demand.pass_probability(signal, 2, [r] * R).sum())  # static (S,1,1,r)
+            return BatchPlan(signal, 1, 1, (r,) * R, ttft, passes, budget_s, floor, saturation,
+                             "below_floor" if budget_s < floor else "above_saturation",
+                             time.perf_counter() - start)
+        best = self._search(shape, signal, budget_s)
+        (w, p), coverages, ttft, passes = best
+        return BatchPlan(signal, w, p, tuple(coverages), ttft, passes, budget_s, floor, saturation,
+                         "planned", time.perf_counter() - start)
+
+    def best_splits(self, shape: BatchShape, signal: str, budget_s: float,
+                    depths: list[int] | None = None) -> dict[int, tuple[tuple[int, int], float, float]]:
+        """Per rank depth: the (w, p) split with the highest feasible uniform coverage, that
+        coverage (-1 where none fits) and its TTFT. Ties go to the shallower WarmUp."""
+        depths = depths or self.depths
+        pairs = tuple(pair for d in depths for pair in self._splits(d))
+        ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID)  # [J, K]
+        feasible = ttft <= budget_s
+        # the highest feasible coverage per pair: monotone in the budget even where a slow link
+        # makes TTFT fall with coverage (fewer reused rows to load)
+        max_index = np.where(feasible.any(1), feasible.shape[1] - 1 - np.argmax(feasible[:, ::-1], 1), -1)
+        out = {}
+        for depth in depths:
+            js = [j for j, (w, p) in enumerate(pairs) if w + p == depth]
+            j = max(js, key=lambda i: (max_index[i], -pairs[i][0]))
+            k = max_index[j]
+            out[int(depth)] = ((int(pairs[j][0]), int(pairs[j][1])), float(COVERAGE_GRID[k]) if k >= 0 else -1.0,
+                               float(ttft[j, k]) if k >= 0 else float("inf"))
+        return out
+
+    def _search(self, shape: BatchShape, signal: str, budget_s: float):
+        """Candidates per rank depth: its best split's uniform plan (known to fit) and the
+        allocation of the same tokens (checked). The feasible one with the most expected passes
+        wins (ties: the shallower depth, uniform first); the answer is exact over this set, so
+        it never falls as the budget grows."""
+        candidates = []
+        for depth, ((w, p), r, t) in self.best_splits(shape, signal, budget_s).items():
+            if r < 0:
+                continue
+            cdf = self.demand.cdf(signal, depth)
+            uniform = [r] * shape.num_requests
+            candidates.append((expected_passes(uniform, cdf), -depth, 1, (w, p), uniform, t))
+            alloc = allocate(shape.context_tokens, r * sum(shape.context_tokens), cdf)
+            candidates.append((expected_passes(alloc, cdf), -depth, 0, (w, p), alloc, None))
+        for passes, _, _, pair, coverages, t in sorted(candidates, key=lambda c: c[:3], reverse=True):
+            if t is None:
+                t = float(self.cost.ttft(shape, signal, pair[0], pair[1], np.array(coverages))[0])
+            if t <= budget_s:
+                return pair, coverages, t, passes
+        cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%
+        t = float(self.cost.ttft(shape, signal, 1, 1, np.array(cov))[0])
+        return (1, 1), cov, t, float(self.demand.pass_probability(signal, 2, cov).sum())

@@ -1,0 +1,1 @@
+"""Offline profiling for the planner: compute costs, tier bandwidths, demand distributions."""

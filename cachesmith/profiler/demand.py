@@ -1,0 +1,114 @@
+"""Demand profiling (paper §5.1, Fig. 2/7): for each profiling request, the minimum sufficient
+coverage (5% grid, binary search) per signal at the anchor rank depths (5%, 20%, 50% of the layers,
+p = 1, so w = depth - 1), plus its layer-0 QCI entropy; and the entropy threshold that best
+routes requests to the signal that needs less coverage.
+
+In: a `RagPipeline` and workload instances (default: synthetic PR). Out: `DemandCurve`s and theta.
+Long and offline: every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
+so a stopped run resumes, and a progress bar counts requests.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner.profile import NEVER, DemandCurve
+from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.workloads.card import _digest, answer_instance
+from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.workloads.scoring import score
+
+ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
+GRID_STEPS = 20  # 5% steps
+SIGNALS = ("kv_dev", "qci")
+
+
+def anchor_depths(num_layers: int, fractions=ANCHOR_FRACTIONS) -> list[int]:
+    return sorted({max(2, round(f * num_layers)) for f in fractions})
+
+
+@dataclass
+class DemandProfiler:
+    pipe: RagPipeline
+    cache_path: Path
+    max_new_tokens: int = 4  # the gate reads the first few answer tokens
+
+    def __post_init__(self) -> None:
+        self.cache: dict[str, dict] = {}
+        if self.cache_path.exists():
+            for line in self.cache_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                    self.cache[rec["key"]] = rec
+                except (ValueError, KeyError):
+                    continue  # a line cut short by an interrupted run
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _eval(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
+        key = f"{_digest(inst)}/{tag}"
+        if key not in self.cache:
+            short = WorkloadInstance(**{**inst.__dict__, "max_new_tokens": min(inst.max_new_tokens,
+                                                                                 self.max_new_tokens)})
+            ans = answer_instance(self.pipe, short, plan)
+            rec = {"key": key, "passed": score(inst, ans.text).passed, "entropy": ans.qci_entropy}
+            with self.cache_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.cache[key] = rec
+        return self.cache[key]
+
+    def min_coverage(self, inst: WorkloadInstance, signal: str, depth: int) -> float:
+        """Smallest grid coverage that passes (monotone assumption), NEVER if none does."""
+        L = self.pipe.model.num_layers
+        if not self._eval(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]:
+            return NEVER
+
+        def passes(step: int) -> bool:
+            plan = RecomputeConfig(signal, depth - 1, 1, step / GRID_STEPS)
+            return self._eval(inst, plan, f"{signal}/{depth}/{step}")["passed"]
+
+        if passes(0):
+            return 0.0
+        lo, hi = 0, GRID_STEPS  # fails at lo; r = 100% equals full prefill, which passes
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if passes(mid) else (mid, hi)
+        return hi / GRID_STEPS
+
+    def entropy(self, inst: WorkloadInstance) -> float:
+        plan = RecomputeConfig("kv_dev", 1, 1, 0.0)
+        return float(self._eval(inst, plan, "kv_dev/2/0")["entropy"])
+
+    def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True):
+        depths = anchor_depths(self.pipe.model.num_layers)
+        demands = {(s, d): [] for s in signals for d in depths}
+        entropies = []
+        for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
+            for s in signals:
+                for d in depths:
+                    demands[(s, d)].append(self.min_coverage(inst, s, d))
+            entropies.append(self.entropy(inst))
+        curves = tuple(DemandCurve(s, d, tuple(v)) for (s, d), v in demands.items())
+        mid = depths[len(depths) // 2]
+        theta = fit_threshold(entropies, demands.get(("kv_dev", mid), []), demands.get(("qci", mid), []))
+        return curves, theta, entropies
+
+
+def fit_threshold(entropies: list[float], kv_dev: list[float], qci: list[float], default: float = 0.5) -> float:
+    """theta maximizing how often "kv_dev if H > theta else qci" picks the signal needing less
+    coverage (ties and requests that never pass say nothing)."""
+    labelled = [(h, a < b) for h, a, b in zip(entropies, kv_dev, qci)
+                if a != b and not (math.isinf(a) and math.isinf(b))]
+    if not labelled:
+        return default
+    cuts = sorted({h for h, _ in labelled})
+    candidates = [cuts[0] - 1e-6] + [(a + b) / 2 for a, b in zip(cuts, cuts[1:])] + [cuts[-1] + 1e-6]
+
+    def correct(theta: float) -> int:
+        return sum((h > theta) == prefers_kv for h, prefers_kv in labelled)
+
+    return float(max(candidates, key=lambda t: (correct(t), -abs(t - default))))

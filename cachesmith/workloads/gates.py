@@ -1,0 +1,48 @@
+"""Quality gates: whether one answer counts as good for QSA. Selectable per run by name.
+
+- `task`: the task's own metric passes (EM, paragraph number, set F1 > 0.5, ...).
+- `fidelity`: the answer agrees with the full-prefill answer to the same prompt (the canonical
+  extracted answers are equal), whatever the gold says: "did reuse change the answer?".
+In: the instance, the answer text and, for fidelity, the full-prefill answer text. Out: a bool.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from cachesmith.errors import InputError
+from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.workloads.scoring import score
+
+
+class QualityGate(Protocol):
+    name: str
+    needs_reference: bool
+
+    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool: ...
+
+
+class TaskGate:
+    name = "task"
+    needs_reference = False
+
+    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool:
+        return score(inst, answer).passed
+
+
+class FidelityGate:
+    name = "fidelity"
+    needs_reference = True
+
+    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool:
+        if reference is None:
+            raise InputError(f"{inst.name}: the fidelity gate needs the full-prefill answer (reference)")
+        return score(inst, answer).extracted == score(inst, reference).extracted
+
+
+GATES: dict[str, type] = {"task": TaskGate, "fidelity": FidelityGate}
+
+
+def make_gate(name: str) -> QualityGate:
+    if name not in GATES:
+        raise InputError(f"gate={name!r}: must be one of {', '.join(GATES)}")
+    return GATES[name]()

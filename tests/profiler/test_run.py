@@ -1,0 +1,49 @@
+"""`cachesmith profile` end to end at toy sizes: every part written, the profile loads for this
+model only, and a second run resumes from the saved parts and cached answers."""
+from __future__ import annotations
+
+import pytest
+
+from cachesmith import cli
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import Planner, PlanRequest, Profile, ProfileError
+from cachesmith.profiler import run as run_mod
+from cachesmith.profiler.run import ProfileConfig, run_profile
+
+pytestmark = pytest.mark.real_model
+
+
+def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
+    config = ProfileConfig(num_requests=2, max_tokens=256, tiers=("memory",))
+    out = tmp_path / "p.json"
+    profile = run_profile(pipe, config, out, show_progress=False)
+    loaded = Profile.load(out, pipe.model.fingerprint, "float32", "cpu")
+    assert loaded == profile and loaded.num_layers == 30
+    assert loaded.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
+    assert loaded.tier_gbps["memory"] > 0 and "ttft_rel_err_mean" in loaded.fit_error
+    assert {(c.signal, c.rank_depth) for c in loaded.demand} == {(s, d) for s in ("kv_dev", "qci") for d in (2, 6, 15)}
+    assert all(len(c.demands) == 2 for c in loaded.demand)
+    for name in ("costs", "bandwidth", "validation"):
+        assert (tmp_path / f"p.{name}.json").exists()
+    plan = Planner(loaded).plan([PlanRequest(200, 20, 0, 0.5)], 10.0)
+    assert plan.predicted_ttft_s <= 10.0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished part was measured again")
+
+    monkeypatch.setattr(run_mod, "measure", refuse)
+    monkeypatch.setattr(run_mod, "tier_bandwidth", refuse)
+    monkeypatch.setattr(run_mod, "validation_error", refuse)
+    monkeypatch.setattr(pipe, "answer", refuse)
+    assert run_profile(pipe, config, out, show_progress=False) == profile
+    with pytest.raises(ProfileError, match="dtype"):
+        Profile.load(out, pipe.model.fingerprint, "bfloat16", "cpu")
+
+
+def test_profile_cli_rejects_bad_sizes(capsys):
+    assert cli.main(["profile", "--num-requests", "0"]) == 2
+    assert "num_requests=0" in capsys.readouterr().err
+    assert cli.main(["profile", "--task", "pr", "--variant", "abstract"]) == 2
+    assert "unknown variant 'abstract'" in capsys.readouterr().err
