@@ -47,10 +47,12 @@ def _envelope(cdf: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
     return v, np.diff(y[v]) / np.diff(v)
 
 
-def allocate(context_tokens: Sequence[int], token_budget: float, cdf: Sequence[float]) -> list[float]:
-    """Per-request coverage (multiples of 5%) with sum(coverage * context) <= token_budget."""
+def allocate(context_tokens: Sequence[int], token_budget: float, cdf: Sequence[float],
+             envelope: tuple[np.ndarray, np.ndarray] | None = None) -> list[float]:
+    """Per-request coverage (multiples of 5%) with sum(coverage * context) <= token_budget.
+    `envelope` (from `concave_envelope(cdf)`) may be passed in by callers that cache it."""
     ctx = np.asarray(context_tokens, float)
-    vertices, slopes = concave_envelope(cdf)
+    vertices, slopes = envelope if envelope is not None else concave_envelope(cdf)
     if slopes.size == 0:
         return [0.0] * ctx.size
     steps = np.diff(vertices)  # grid steps per segment
@@ -63,9 +65,9 @@ def allocate(context_tokens: Sequence[int], token_budget: float, cdf: Sequence[f
     level = np.zeros(ctx.size, dtype=int)
     req, seg = np.unravel_index(order[:num], ratio.shape)
     np.maximum.at(level, req, vertices[seg + 1])
-    return [round(float(lv) * STEP, 4) for lv in level]
+    return np.round(level * STEP, 4).tolist()
 
 
 def expected_passes(coverages: Sequence[float], cdf: Sequence[float]) -> float:
-    index = np.clip(np.floor(np.asarray(coverages, float) / STEP + 1e-9).astype(int), 0, NUM_STEPS)
-    return float(np.asarray(cdf, float)[index].sum())
+    index = (np.asarray(coverages, float) * (1 / STEP) + 1e-9).astype(int)
+    return float(np.asarray(cdf, float)[np.minimum(index, NUM_STEPS)].sum())

@@ -1,70 +1,71 @@
 """Vectorized TTFT over many (w, p) splits and a coverage grid at once: the planner's inner loop.
 
 In: a `CostModel`, a `BatchShape`, a signal, J (w, p) pairs and K uniform coverages. Out: TTFT
-[J, K]. Same walk as `CostModel.schedule` (tests hold them equal), but every split and coverage
-advance together one step at a time, so a decision costs tens of numpy calls instead of thousands.
+[J, K]. The same walk as `CostModel.schedule` (tests hold them equal), in closed form: a plan is
+a few runs of identical layer passes (WarmUp, Probe, Patch), and over m identical passes of
+compute c whose loads of b seconds each are queued at once on a link free at time a, the last
+pass ends at max(t + m*c, a + b + c + (m - 1) * max(b, c)). So a decision costs a few dozen numpy
+calls however deep the model is.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from cachesmith.planner.cost_model import BatchShape, CostModel, _seconds, execution_steps, step_features
-
-# step codes: (layer kind, what it loads)
-CODES = (("pad", "none"), ("full", "none"), ("full", "full"), ("qci_probe", "full"), ("query_only", "prefix"),
-         ("score_patch", "full"), ("patch", "none"), ("patch", "reused"))
-_CODE = {kl: i for i, kl in enumerate(CODES)}
+from cachesmith.planner.cost_model import BatchShape, CostModel, _seconds, step_features
 
 
-@lru_cache(maxsize=256)
-def encode(signal: str, pairs: tuple[tuple[int, int], ...], num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [J, S], selection step [J]: the step after which the selection is known, -1 = start)."""
-    seqs, sel = [], []
-    for w, p in pairs:
-        steps = execution_steps(signal, w, p, num_layers)
-        seqs.append([_CODE[(s.kind, s.load)] for s in steps])
-        kinds = [s.kind for s in steps]
-        if "score_patch" in kinds:
-            sel.append(kinds.index("score_patch"))
-        elif "patch" in kinds:
-            sel.append(kinds.index("patch") - 1)
-        else:
-            sel.append(len(steps))  # never: no patch step
-    width = max(len(s) for s in seqs)
-    codes = np.zeros((len(seqs), width), dtype=np.int64)
-    for j, s in enumerate(seqs):
-        codes[j, :len(s)] = s
-    return codes, np.array(sel)
+def _run(t, link, m, c, b=None, ready=0.0):
+    """(end of compute, link free time) after m identical passes; m is [J, 1], c and b [J|1, K]."""
+    if b is None:
+        return t + m * c, link
+    a = np.maximum(link, ready)
+    busy = m > 0
+    end = np.maximum(t + m * c, a + b + c + (m - 1) * np.maximum(b, c))
+    return np.where(busy, end, t), np.where(busy, a + m * b, link)
 
 
 def ttft_grid(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tuple[int, int], ...],
               coverage_grid: np.ndarray) -> np.ndarray:
-    codes, sel_step = encode(signal, pairs, model.num_layers)
-    K, R = coverage_grid.size, shape.num_requests
-    cov = np.repeat(coverage_grid[:, None], R, axis=1)  # [K, R]
-    profile = model.profile
-    compute = np.zeros((len(CODES), K))
-    nbytes = np.zeros((len(CODES), K))
-    for code, (kind, load) in enumerate(CODES):
-        if kind != "pad":
-            compute[code] = _seconds(profile.layer_costs[kind], step_features(kind, shape, cov))
-            nbytes[code] = model._bytes(load, shape, cov)
-    _, _, _, n = shape.arrays()
-    t0 = _seconds(profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
-    J = codes.shape[0]
-    t = np.full((J, K), t0)
-    link = np.zeros((J, K))
-    sel = np.where((sel_step == -1)[:, None], t0, np.inf) * np.ones((J, K))
-    bw = model.bandwidth_gbps * 1e9
-    is_reused = np.array([load == "reused" for _, load in CODES])
-    for s in range(codes.shape[1]):
-        code = codes[:, s]
-        load = nbytes[code]  # [J, K]
-        has_load = load > 0
-        ready = np.where(is_reused[code][:, None], sel, 0.0)
-        link = np.where(has_load, np.maximum(link, ready) + load / bw, link)
-        t = np.where(has_load, np.maximum(t, link), t) + compute[code]
-        sel = np.where((sel_step == s)[:, None], t, sel)
+    """TTFT [J, K] for uniform coverages [K]."""
+    cov = np.repeat(np.asarray(coverage_grid, float)[:, None], shape.num_requests, axis=1)
+    return ttft_rows(model, shape, signal, pairs, cov)
+
+
+def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tuple[int, int], ...],
+              cov: np.ndarray) -> np.ndarray:
+    """TTFT [J, K] for per-request coverage rows cov [K, R]."""
+    L = model.num_layers
+    w = np.array([p[0] for p in pairs], float)[:, None]  # [J, 1]
+    p = np.array([p[1] for p in pairs], float)[:, None]
+    costs, bw = model.profile.layer_costs, model.bandwidth_gbps * 1e9
+
+    def compute(kind):  # [1, K]
+        return _seconds(costs[kind], step_features(kind, shape, cov))[None, :]
+
+    def load(kind):  # [1, K] seconds on the link
+        return (model._bytes(kind, shape, cov) / bw)[None, :]
+
+    n = shape.arrays()[3]
+    t0 = _seconds(model.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
+    t = np.full((len(pairs), cov.shape[0]), t0)
+    link = np.zeros_like(t)
+    t, link = _run(t, link, w, compute("full"))
+    patch, reused = compute("patch"), load("reused")
+    if signal == "qci":
+        t, link = _run(t, link, p, compute("qci_probe"), load("full"))
+        selection = t
+        t, link = _run(t, link, p, patch)
+        t, link = _run(t, link, L - w - p, patch, reused, selection)
+    elif signal == "kv_dev":
+        t, link = _run(t, link, p, compute("full"), load("full"))
+        scoring = (w + p < L).astype(float)
+        t, link = _run(t, link, scoring, compute("score_patch"), load("full"))
+        t, link = _run(t, link, np.maximum(L - w - p - 1, 0), patch, reused, t)
+    elif signal == "qci_last":
+        t, link = _run(t, link, L - 1 - w, compute("query_only"), load("prefix"))
+        t, link = _run(t, link, np.ones_like(w), compute("qci_probe"), load("full"))
+        t, link = _run(t, link, L - 1 - w, patch, reused, t)
+        t, link = _run(t, link, np.ones_like(w), patch)
+    else:  # position: Patch from w, selection known at once
+        t, link = _run(t, link, L - w, patch, reused, t)
     return t

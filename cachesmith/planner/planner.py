@@ -10,15 +10,15 @@ Never touches tensors.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cachesmith.errors import ConfigError, InputError
-from cachesmith.planner.allocate import allocate, expected_passes
+from cachesmith.planner.allocate import allocate, concave_envelope, expected_passes
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.demand import DemandModel
-from cachesmith.planner.grid import ttft_grid
+from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.profile import Profile
 from cachesmith.recompute import RecomputeConfig
 
@@ -85,12 +85,15 @@ class Planner:
         L = profile.num_layers
         deepest = max(2, int(self.config.max_rank_fraction * L))
         # every depth up to 6, then a geometric-ish grid: demand changes slowly with depth there
-        self.depths = sorted({d for d in [*range(2, 7), *np.geomspace(6, deepest, 6).round().astype(int)]
+        self.depths = sorted({int(d) for d in [*range(2, 7), *np.geomspace(6, deepest, 6).round()]
                               if 2 <= d <= deepest})
+        self._envelopes: dict[tuple[str, int], tuple] = {}
+        self._pairs = {d: self._splits(d) for d in self.depths}
 
     def set_bandwidth(self, gbps: float) -> None:
         """The runtime monitor's measured link bandwidth replaces the profiled one."""
         self.cost = self.cost.with_bandwidth(gbps)
+        self.config = replace(self.config, bandwidth_gbps=gbps)
 
     def choose_signal(self, requests: list[PlanRequest]) -> str:
         votes = [r.qci_entropy > self.theta for r in requests if r.qci_entropy is not None]
@@ -105,9 +108,15 @@ class Planner:
                           tuple(r.prefix_tokens for r in requests))
 
     def band(self, shape: BatchShape, signal: str) -> tuple[float, float]:
-        t = self.cost.ttft(shape, signal, 1, 1, np.array([[self.config.r_min] * shape.num_requests,
-                                                          [self.config.r_max] * shape.num_requests]))
-        return float(t[0]), float(t[1])
+        t = ttft_grid(self.cost, shape, signal, ((1, 1),), np.array([self.config.r_min, self.config.r_max]))
+        return float(t[0, 0]), float(t[0, 1])
+
+    def _envelope(self, signal: str, depth: int):
+        key = (signal, depth)
+        if key not in self._envelopes:
+            cdf = self.demand.cdf(signal, depth)
+            self._envelopes[key] = (cdf, concave_envelope(cdf))
+        return self._envelopes[key]
 
     def _splits(self, depth: int) -> tuple[tuple[int, int], ...]:
         ws = np.unique(np.linspace(1, depth - 1, min(self.config.num_splits, depth - 1)).round().astype(int))
@@ -138,7 +147,7 @@ class Planner:
         """Per rank depth: the (w, p) split with the highest feasible uniform coverage, that
         coverage (-1 where none fits) and its TTFT. Ties go to the shallower WarmUp."""
         depths = depths or self.depths
-        pairs = tuple(pair for d in depths for pair in self._splits(d))
+        pairs = tuple(pair for d in depths for pair in (self._pairs.get(d) or self._splits(d)))
         ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID)  # [J, K]
         feasible = ttft <= budget_s
         # the highest feasible coverage per pair: monotone in the budget even where a slow link
@@ -162,14 +171,14 @@ class Planner:
         for depth, ((w, p), r, t) in self.best_splits(shape, signal, budget_s).items():
             if r < 0:
                 continue
-            cdf = self.demand.cdf(signal, depth)
+            cdf, envelope = self._envelope(signal, depth)
             uniform = [r] * shape.num_requests
             candidates.append((expected_passes(uniform, cdf), -depth, 1, (w, p), uniform, t))
-            alloc = allocate(shape.context_tokens, r * sum(shape.context_tokens), cdf)
+            alloc = allocate(shape.context_tokens, r * sum(shape.context_tokens), cdf, envelope)
             candidates.append((expected_passes(alloc, cdf), -depth, 0, (w, p), alloc, None))
         for passes, _, _, pair, coverages, t in sorted(candidates, key=lambda c: c[:3], reverse=True):
             if t is None:
-                t = float(self.cost.ttft(shape, signal, pair[0], pair[1], np.array(coverages))[0])
+                t = float(ttft_rows(self.cost, shape, signal, (pair,), np.array([coverages]))[0, 0])
             if t <= budget_s:
                 return pair, coverages, t, passes
         cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%

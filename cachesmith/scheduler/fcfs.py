@@ -1,0 +1,58 @@
+"""FCFS baselines (paper §6): batches in arrival order under one static preset, and the
+queue-aware variant that sends requests already past saving to full reuse.
+
+In: the queue, the current time. Out: a `ScheduleDecision` with a static plan.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from cachesmith.planner import CostModel
+from cachesmith.recompute import RecomputeConfig, full_reuse
+from cachesmith.scheduler.slo_aware import SchedulerConfig, _shape
+from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
+
+
+class FcfsStatic:
+    def __init__(self, plan: RecomputeConfig, cost: CostModel, config: SchedulerConfig | None = None) -> None:
+        self.plan, self.cost = plan, cost
+        self.config = config or SchedulerConfig()
+
+    def _arrival_batch(self, queue: Sequence[QueuedRequest]) -> list[QueuedRequest]:
+        batch, tokens = [], 0
+        for r in sorted(queue, key=lambda r: r.arrival_s):
+            if len(batch) == self.config.max_batch_size or (batch and tokens + r.num_tokens > self.config.kv_capacity_tokens):
+                break
+            batch.append(r)
+            tokens += r.num_tokens
+        return batch
+
+    def ttft(self, batch: Sequence[QueuedRequest], plan: RecomputeConfig) -> float:
+        cov = [plan.coverage] * len(batch)
+        return float(self.cost.ttft(_shape(batch), plan.signal.value, plan.warmup, plan.probe, cov)[0])
+
+    def next_batch(self, queue: Sequence[QueuedRequest], now: float) -> ScheduleDecision | None:
+        start = time.perf_counter()
+        if not queue:
+            return None
+        batch = self._arrival_batch(queue)
+        return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, self.plan), "static",
+                                self.plan, self.plan.coverage, decision_s=time.perf_counter() - start)
+
+
+class FcfsQueueAware(FcfsStatic):
+    """Requests that cannot meet their SLO under the preset, even alone, run at full reuse (in
+    their own batch, first) so they drain quickly instead of taking compute from the rest."""
+
+    def next_batch(self, queue: Sequence[QueuedRequest], now: float) -> ScheduleDecision | None:
+        start = time.perf_counter()
+        if not queue:
+            return None
+        doomed = [r for r in queue if now + self.ttft([r], self.plan) > r.deadline_s]
+        if doomed:
+            batch = self._arrival_batch(doomed)
+            plan = full_reuse()
+            return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, plan), "full_reuse",
+                                    plan, 0.0, decision_s=time.perf_counter() - start)
+        return super().next_batch(queue, now)

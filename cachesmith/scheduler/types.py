@@ -1,0 +1,51 @@
+"""What flows into and out of a scheduler: queued requests (no tensors) and the next batch.
+
+In: `QueuedRequest`s (arrival, SLO, token counts). Out: a `ScheduleDecision`: which requests run
+next, under what latency budget, and how (the planner inside its band, a static preset, or full
+reuse for requests that cannot make their SLO anyway).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachesmith.errors import InputError
+from cachesmith.recompute import RecomputeConfig
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    request_id: int
+    arrival_s: float
+    slo_s: float
+    context_tokens: int
+    suffix_tokens: int
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.slo_s > 0:
+            raise InputError(f"request {self.request_id}: slo_s={self.slo_s} must be positive")
+        if self.context_tokens < 1:
+            raise InputError(f"request {self.request_id}: no context (context_tokens={self.context_tokens})")
+        if self.suffix_tokens < 1:
+            raise InputError(f"request {self.request_id}: suffix_tokens must be >= 1")
+
+    @property
+    def deadline_s(self) -> float:
+        return self.arrival_s + self.slo_s
+
+    @property
+    def num_tokens(self) -> int:
+        return self.context_tokens + self.suffix_tokens + self.prefix_tokens
+
+
+@dataclass(frozen=True)
+class ScheduleDecision:
+    request_ids: tuple[int, ...]
+    budget_s: float  # seconds from the decision for the batch's TTFT
+    mode: str  # "planned", "static" or "full_reuse"
+    static_plan: RecomputeConfig | None = None  # for "static" and "full_reuse"
+    coverage: float = 0.0  # full reuse: coverage the link's idle time pays for
+    expected_on_time: int = 0  # requests (batch + modeled queue) the decision expects on time
+    num_candidates: int = 0
+    decision_s: float = 0.0
+    doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, past saving
