@@ -120,7 +120,6 @@ class BatchTransfer(RunnerHooks):
         self.num_layers = self.model.num_layers
         self.segments: list[list[_Segment]] = []
         self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
-        full_layers, self.patch_layers = layer_needs(plan, self.num_layers)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._pending = [0] * self.num_layers
@@ -133,6 +132,12 @@ class BatchTransfer(RunnerHooks):
                          for _ in range(engine.config.num_workers)]
         for t in self._workers:
             t.start()
+        self.set_plan(plan)
+
+    def set_plan(self, plan: RecomputeConfig) -> None:
+        """Issue what `plan` reads before selection. Called again when the plan is decided after
+        layer 0 (the runner's `replan`): loads already issued are not repeated."""
+        full_layers, self.patch_layers = layer_needs(plan, self.num_layers)
         reads_cache = range(plan.warmup, self.num_layers) if plan.warmup < self.num_layers else range(0)
         for layer in sorted(full_layers | set(reads_cache)):
             for segs in self.segments:

@@ -11,6 +11,7 @@ its Patch starts at w + p, see docs/decisions.md); Patch recomputes selected row
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,15 @@ import torch
 from cachesmith.model import Decoder, KVCache
 from cachesmith.recompute import signals, split_attention
 from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs, attention_probs
-from cachesmith.recompute.config import RecomputeConfig, Signal
+from cachesmith.errors import ConfigError
+from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence,
                                            cached_pre_rope, fill_cached_rows)
+
+
+# entropies after layer 0 -> (plan for the rest, per-request coverages or None)
+Replan = Callable[[list[float | None]], tuple[RecomputeConfig, list[float | None] | None]]
 
 
 @dataclass
@@ -56,15 +62,23 @@ class BatchRunner:
 
     # -- public --------------------------------------------------------------------------------
     def run(self, requests: list[RecomputeRequest], config: RecomputeConfig,
-            hooks: RunnerHooks | None = None) -> list[RecomputeOutput]:
+            hooks: RunnerHooks | None = None, replan: Replan | None = None) -> list[RecomputeOutput]:
+        """Run `config` over the batch. With `replan` (and warmup >= 1), the plan is decided after
+        layer 0: `replan(entropies)` gets each request's layer-0 QCI entropy and returns the plan
+        for the rest (warmup >= 1) and per-request coverages (None: the plan's), as the planner
+        chooses the signal from them (paper §5.1)."""
         num_layers = self.model.num_layers
         config.validate_for(num_layers)
         hooks = hooks or RunnerHooks()
         seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
         with torch.inference_mode():
             h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
-            for layer in range(min(config.warmup, num_layers)):
+            layer = 0
+            while layer < min(config.warmup, num_layers):
                 h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
+                if layer == 0 and replan is not None:
+                    config = self._replan(replan, seqs, num_layers)
+                layer += 1
             if config.warmup >= num_layers:
                 return self._finish(seqs, h, [s.num_tokens for s in seqs])
             patch_start, h, projections = self._probe(config, seqs, h, hooks)
@@ -77,6 +91,17 @@ class BatchRunner:
                 pre = projections if layer == patch_start else None
                 h_sel, rows = self._patch_layer(layer, seqs, rows, h_sel, hooks, pre)
             return self._finish(seqs, h_sel, [r.positions.numel() for r in rows])
+
+    @staticmethod
+    def _replan(replan: Replan, seqs: list[Sequence], num_layers: int) -> RecomputeConfig:
+        config, coverages = replan([s.qci_entropy for s in seqs])
+        config.validate_for(num_layers)
+        if config.warmup < 1:
+            raise ConfigError(f"a plan decided after layer 0 needs warmup >= 1, got {config.label()}")
+        for i, s in enumerate(seqs):
+            cov = coverages[i] if coverages is not None and coverages[i] is not None else config.coverage
+            s.coverage = check_coverage(cov, f"requests[{i}].coverage")
+        return config
 
     # -- phases --------------------------------------------------------------------------------
     def _probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,

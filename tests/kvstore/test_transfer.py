@@ -164,3 +164,20 @@ def test_lowered_coverage_loads_the_rows_it_now_reuses(model, tmp_path, plan):
         out = BatchRunner(model).run(batch.requests, plan, HookChain(batch, _Lower()))[0]
     assert out.selected.numel() == 0
     assert max_diff(out.logits, ref.logits) == 0.0
+
+
+@pytest.mark.parametrize("final", [RecomputeConfig(Signal.QCI, 1, 2, 0.3), RecomputeConfig(Signal.KV_DEV, 2, 1, 0.3)],
+                         ids=lambda p: p.label())
+def test_plan_decided_after_layer_0_stages_what_it_needs(model, tmp_path, final):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    reqs, keyed = _stored(model, store)
+    ref = BatchRunner(model).run(reqs, final)
+    provisional = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
+    engine = TransferEngine(store, model)
+    with engine.stage(keyed, provisional) as batch:
+        def replan(entropies):
+            batch.set_plan(final)
+            return final, None
+        out = BatchRunner(model).run(batch.requests, provisional, batch, replan=replan)
+    for a, b in zip(out, ref):
+        assert max_diff(a.logits, b.logits) == 0.0 and torch.equal(a.selected, b.selected)

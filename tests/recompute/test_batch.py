@@ -86,3 +86,33 @@ def test_every_layer_pass_is_bracketed_by_both_hooks(model, plan):
     patched = [e[1] for e in events[::2] if e[2] == "patch"]
     start = plan.warmup + plan.probe if plan.signal is Signal.KV_DEV else plan.warmup
     assert patched == list(range(start, model.num_layers))
+
+
+@pytest.mark.parametrize("final", [RecomputeConfig(Signal.QCI, 2, 1, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.5),
+                                   RecomputeConfig(Signal.QCI, 1, 2, 0.4)], ids=lambda p: p.label())
+def test_plan_decided_after_layer_0_equals_that_plan_from_the_start(model, final):
+    """The planner picks the signal from layer-0 entropies; layer 0 is the same full layer under
+    every plan with w >= 1, so deciding there loses nothing."""
+    def requests(coverages=(None, None)):
+        return [make_request(model, seed=50, chunk_lens=(9, 12, 7), coverage=coverages[0])[0],
+                make_request(model, seed=51, chunk_lens=(14, 6), coverage=coverages[1])[0]]
+
+    seen = []
+
+    def replan(entropies):
+        seen.append(entropies)
+        return final, [0.2, None]
+
+    runner = BatchRunner(model)
+    provisional = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
+    got = runner.run(requests(), provisional, replan=replan)
+    want = runner.run(requests((0.2, None)), final)
+    assert len(seen) == 1 and all(0.0 <= h <= 1.0 for h in seen[0])
+    for a, b in zip(got, want):
+        assert max_diff(a.logits, b.logits) < 1e-5 and torch.equal(a.selected, b.selected)
+
+
+def test_replan_to_a_plan_without_warmup_is_refused(model):
+    with pytest.raises(Exception, match="warmup >= 1"):
+        BatchRunner(model).run([make_request(model, seed=52)[0]], RecomputeConfig(Signal.POSITION, 1, 0, 0.0),
+                               replan=lambda h: (RecomputeConfig(Signal.QCI, 0, 2, 0.3), None))
