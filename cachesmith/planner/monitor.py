@@ -30,8 +30,10 @@ class RuntimeMonitor(RunnerHooks):
         steps, ends = cost.schedule(shape, plan.signal, plan.warmup, plan.probe, self.coverages)
         self.steps, self.planned_end = steps, ends[:, 0]
         self.num_replans = 0
+        self.drift_s = 0.0
         self._step = 0
         self._start: float | None = None
+        self._last: float | None = None
 
     def start(self) -> None:
         """Call when the batch starts (before staging), so elapsed time matches the TTFT clock."""
@@ -40,11 +42,19 @@ class RuntimeMonitor(RunnerHooks):
     def before_layer(self, layer: int, phase: str) -> None:
         if self._start is None:
             self.start()
+        if self._last is None:
+            self._last = time.perf_counter()
 
     def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
         j = self._step
         self._step += 1
-        elapsed = time.perf_counter() - self._start
+        now = time.perf_counter()
+        elapsed = now - self._start
+        last, self._last = self._last, now
+        if info.phase == "patch" and last is not None:
+            # what a Patch layer really takes beyond the model's estimate (a slow link, contention,
+            # model error); it is assumed to persist over the remaining layers
+            self.drift_s = max(0.0, (now - last) - float(self._patch_seconds(self.coverages[None, :])[0]))
         remaining = [s for s in self.steps[j + 1:] if s.kind == "patch"]
         if j >= len(self.planned_end) or not remaining:
             return None
@@ -72,7 +82,7 @@ class RuntimeMonitor(RunnerHooks):
 
     def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
         candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]
-        need = num_layers_left * self._patch_seconds(candidates) + _seconds(
+        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s) + _seconds(
             self.cost.profile.overhead, np.zeros((1, 4)))[0]
         ok = np.nonzero(need <= time_left)[0]
         return float(SCALES[ok[0]]) if ok.size else 0.0

@@ -98,15 +98,16 @@ def _load(path: Path) -> dict[str, dict]:
     return done
 
 
-def _note(task: str, fp: float, fr: float) -> str:
+def _note(task: str, variant: str, fp: float, fr: float) -> str:
+    default = TASKS[task].default_variant if task in TASKS else variant
+    closer = f" The closest variant it can do is `{task}/{default}`." if default != variant else ""
     if fp < CAPABLE:
-        others = [v for v in TASKS[task].variants if v != TASKS[task].default_variant]
-        return (f"**The model cannot do this variant** (full prefill {fp:.0%}); "
-                f"use a closer variant it can do ({', '.join(others)}).")
+        return f"**The model cannot do this variant** (full prefill {fp:.0%}).{closer}"
     if fp < BAR:
-        return f"Full prefill is below the {BAR:.0%} calibration bar on this model."
-    return f"Full prefill clears the {BAR:.0%} bar; full reuse loses {fp - fr:+.0%} of it." if fr < fp else \
-        "Full reuse does as well as full prefill: this variant does not need cross-chunk attention here."
+        return f"Full prefill is below the {BAR:.0%} calibration bar on this model.{closer}"
+    return (f"Full prefill clears the {BAR:.0%} bar; full reuse passes {(fp - fr) * 100:.0f} points less."
+            if fr < fp else
+        "Full reuse does as well as full prefill: this variant does not need cross-chunk attention here.")
 
 
 def measure_card(pipe: RagPipeline, task: str, variant: str | None = None, num_instances: int = 50,
@@ -153,7 +154,7 @@ def _card(pipe: RagPipeline, task: str, variant: str, knobs: dict, records: dict
         metric_means={**{m: statistics.fmean(r["value"] for r in rs) for m, rs in records.items()},
                       **{f"{m} token F1": statistics.fmean(r["f1"] for r in rs)
                          for m, rs in records.items() if rs and rs[0]["f1"] is not None}},
-        note=_note(task, acc["full_prefill"], acc["full_reuse"]))
+        note=_note(task, variant, acc["full_prefill"], acc["full_reuse"]))
 
 
 def write_card(card: DatasetCard, out_dir: Path) -> tuple[Path, Path]:

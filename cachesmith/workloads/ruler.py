@@ -26,10 +26,12 @@ def _haystack(rng: random.Random, corpus: Corpus, num_chunks: int, chunk_tokens:
 
 
 def _variable_names(rng: random.Random, count: int) -> list[str]:
-    names: set[str] = set()
-    while len(names) < count:
-        names.add("".join(rng.choices(string.ascii_uppercase, k=5)))
-    return sorted(names, key=lambda _: rng.random())
+    names: list[str] = []
+    while len(names) < count:  # a list, not a set: set order varies with PYTHONHASHSEED
+        name = "".join(rng.choices(string.ascii_uppercase, k=5))
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def variable_tracking(corpus: Corpus, seed: int, variant: str = "default", num_chunks: int = 8,

@@ -56,8 +56,10 @@ TASKS: dict[str, TaskSpec] = {
         "4hop": Variant(variable_tracking, {"num_hops": 4}), "1hop": Variant(variable_tracking, {"num_hops": 1}),
         "kv-split": Variant(split_assignments),
     }, "kv-split", "4hop", "RULER variable tracking: every variable in an assignment chain"),
-    "mv": TaskSpec("mv", {"default": Variant(multi_value)}, "default", "default",
-                   "RULER multi-value needle: every value of one key"),
+    "mv": TaskSpec("mv", {
+        "default": Variant(multi_value, {"num_distractors": 2}),
+        "1-distractor": Variant(multi_value, {"num_distractors": 1}),
+    }, "1-distractor", "default", "RULER multi-value needle: every value of one key"),
 }
 MIX_TASKS = ("pr", "msq", "vt", "mv")
 
