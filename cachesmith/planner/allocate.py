@@ -15,7 +15,6 @@ the expected number of passing requests never falls as the budget grows. All in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 
 import numpy as np
 
@@ -24,12 +23,8 @@ NUM_STEPS = 20
 
 
 def concave_envelope(cdf: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(levels of the hull's vertices, starting at 0; gain per level step of each segment)."""
-    return _envelope(tuple(float(x) for x in cdf))
-
-
-@lru_cache(maxsize=1024)
-def _envelope(cdf: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(levels of the hull's vertices, starting at 0; gain per level step of each segment).
+    The planner caches it per (signal, depth)."""
     y = np.maximum.accumulate(np.asarray(cdf, float))  # a CDF never decreases; guard rounding
     vertices = [0]
     for x in range(1, len(y)):

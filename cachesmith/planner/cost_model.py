@@ -100,7 +100,7 @@ def step_features(kind: str, shape: BatchShape, coverages: np.ndarray) -> np.nda
     return out
 
 
-def _seconds(cost: PhaseCost, feats: np.ndarray) -> np.ndarray:
+def phase_seconds(cost: PhaseCost, feats: np.ndarray) -> np.ndarray:
     coef = np.array([cost.intercept_s, cost.per_row_s, cost.per_pair_s, cost.per_aux_s])
     return np.maximum(feats @ coef, 0.0)
 
@@ -116,7 +116,7 @@ class CostModel:
     def with_bandwidth(self, gbps: float) -> "CostModel":
         return CostModel(self.profile, gbps)
 
-    def _bytes(self, load: str, shape: BatchShape, coverages: np.ndarray) -> np.ndarray:
+    def load_bytes(self, load: str, shape: BatchShape, coverages: np.ndarray) -> np.ndarray:
         c, _, p, _ = shape.arrays()
         per = self.profile.kv_bytes_per_token_layer
         if load == "none":
@@ -134,10 +134,10 @@ class CostModel:
         steps = execution_steps(signal, warmup, probe, self.num_layers)
         K, bw = coverages.shape[0], self.bandwidth_gbps * 1e9
         kinds = {s.kind for s in steps}
-        compute = {k: _seconds(self.profile.layer_costs[k], step_features(k, shape, coverages)) for k in kinds}
-        loads = {ld: self._bytes(ld, shape, coverages) / bw for ld in {s.load for s in steps}}
+        compute = {k: phase_seconds(self.profile.layer_costs[k], step_features(k, shape, coverages)) for k in kinds}
+        loads = {ld: self.load_bytes(ld, shape, coverages) / bw for ld in {s.load for s in steps}}
         n = shape.arrays()[3]
-        t = np.full(K, _seconds(self.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0])
+        t = np.full(K, phase_seconds(self.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0])
         link = np.zeros(K)
         selection = None  # when the selection is known: patch row loads are issued then
         ends = np.empty((len(steps), K))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachesmith.planner.cost_model import BatchShape, CostModel, _seconds, step_features
+from cachesmith.planner.cost_model import BatchShape, CostModel, phase_seconds, step_features
 
 
 def _run(t, link, m, c, b=None, ready=0.0):
@@ -40,13 +40,13 @@ def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tup
     costs, bw = model.profile.layer_costs, model.bandwidth_gbps * 1e9
 
     def compute(kind):  # [1, K]
-        return _seconds(costs[kind], step_features(kind, shape, cov))[None, :]
+        return phase_seconds(costs[kind], step_features(kind, shape, cov))[None, :]
 
     def load(kind):  # [1, K] seconds on the link
-        return (model._bytes(kind, shape, cov) / bw)[None, :]
+        return (model.load_bytes(kind, shape, cov) / bw)[None, :]
 
     n = shape.arrays()[3]
-    t0 = _seconds(model.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
+    t0 = phase_seconds(model.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
     t = np.full((len(pairs), cov.shape[0]), t0)
     link = np.zeros_like(t)
     t, link = _run(t, link, w, compute("full"))

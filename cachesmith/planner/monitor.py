@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cachesmith.planner.cost_model import BatchShape, CostModel, _seconds, step_features
+from cachesmith.planner.cost_model import BatchShape, CostModel, phase_seconds, step_features
 from cachesmith.planner.planner import BatchPlan
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 
@@ -76,13 +76,13 @@ class RuntimeMonitor(RunnerHooks):
         gbps = self.bandwidth() if self.bandwidth else None
         if gbps:
             model = model.with_bandwidth(gbps)
-        compute = _seconds(model.profile.layer_costs["patch"], step_features("patch", self.shape, coverages))
-        link = model._bytes("reused", self.shape, coverages) / (model.bandwidth_gbps * 1e9)
+        compute = phase_seconds(model.profile.layer_costs["patch"], step_features("patch", self.shape, coverages))
+        link = model.load_bytes("reused", self.shape, coverages) / (model.bandwidth_gbps * 1e9)
         return np.maximum(compute, link)  # loads of later layers overlap this layer's compute
 
     def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
         candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]
-        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s) + _seconds(
+        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s) + phase_seconds(
             self.cost.profile.overhead, np.zeros((1, 4)))[0]
         ok = np.nonzero(need <= time_left)[0]
         return float(SCALES[ok[0]]) if ok.size else 0.0

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.recompute import RecomputeConfig, preset
-from cachesmith.workloads.card import _digest, answer_instance
+from cachesmith.workloads.card import instance_digest, answer_instance
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.scoring import score
 
@@ -50,7 +50,7 @@ class DemandProfiler:
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
 
     def _eval(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
-        key = f"{_digest(inst)}/{tag}"
+        key = f"{instance_digest(inst)}/{tag}"
         if key not in self.cache:
             short = WorkloadInstance(**{**inst.__dict__, "max_new_tokens": min(inst.max_new_tokens,
                                                                                  self.max_new_tokens)})

@@ -71,7 +71,7 @@ class DatasetCard:
                 f"{table}\n\n{self.note}\n")
 
 
-def _digest(inst: WorkloadInstance) -> str:
+def instance_digest(inst: WorkloadInstance) -> str:
     """Content hash: a changed generator never reuses answers cached for the old text."""
     return hashlib.sha256(inst.to_json().encode()).hexdigest()[:16]
 
@@ -116,14 +116,14 @@ def measure_card(pipe: RagPipeline, task: str, variant: str | None = None, num_i
     _, variant, variant_spec = resolve(task, variant)
     corpus = corpus or load_corpus()
     insts = generate_many(task, num_instances, seed, variant, corpus, **(knobs or {}))
-    knobs = {**{k: v for k, v in variant_spec.knobs.items() if k != "variant"}, **(knobs or {})}
+    knobs = {**variant_spec.knobs, **(knobs or {})}
     path, L = _cache_path(pipe, cache_dir), pipe.model.num_layers
     done = _load(path)
     records: dict[str, list[dict]] = {m: [] for m in METHODS}
     with path.open("a", encoding="utf-8") as out:
         for inst in tqdm(insts, desc=f"card {task}/{variant}", unit="inst", disable=not show_progress):
             for method in METHODS:
-                key = f"{inst.name}/{_digest(inst)}/{method}"
+                key = f"{inst.name}/{instance_digest(inst)}/{method}"
                 if key not in done:
                     plan = preset(method, 1.0 if method == "full_prefill" else 0.0, L)
                     ans = answer_instance(pipe, inst, plan)

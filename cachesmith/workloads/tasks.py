@@ -45,8 +45,8 @@ class TaskSpec:
 # available by name (`paper_variant`) for larger models.
 TASKS: dict[str, TaskSpec] = {
     "pr": TaskSpec("pr", {
-        "description": Variant(passage_retrieval, {"variant": "description"}),
-        "title": Variant(passage_retrieval, {"variant": "title", "num_chunks": 4}),
+        "description": Variant(passage_retrieval),
+        "title": Variant(passage_retrieval, {"num_chunks": 4}),
     }, "title", "description", "passage retrieval: which numbered paragraph matches the question"),
     "msq": TaskSpec("msq", {
         "2hop": Variant(multi_hop, {"num_hops": 2}), "3hop": Variant(multi_hop, {"num_hops": 3}),
@@ -111,15 +111,10 @@ def generate(task: str, seed: int, variant: str | None = None, corpus: Corpus | 
         # consecutive seeds cycle through the tasks: any run of 4k seeds is an exactly equal draw
         return generate(MIX_TASKS[seed % len(MIX_TASKS)], seed, None, corpus)
     spec, name, variant_spec = resolve(task, variant)
-    preset = {k: v for k, v in variant_spec.knobs.items() if k != "variant"}
-    merged = {**preset, **knobs}
+    merged = {**variant_spec.knobs, **knobs}
     _check_knobs(spec, variant_spec, merged)
-    params = {"variant": name} if "variant" in inspect.signature(variant_spec.generator).parameters else {}
-    inst = variant_spec.generator(corpus or load_corpus(), seed, **params, **merged)
-    variant = name
-    if inst.variant != variant:  # generators that ignore `variant` still report the registry's name
-        inst = WorkloadInstance(**{**inst.__dict__, "variant": variant})
-    return inst
+    # every generator takes the variant's name and reports it on the instance
+    return variant_spec.generator(corpus or load_corpus(), seed, variant=name, **merged)
 
 
 def generate_many(task: str, num_instances: int, seed: int = 0, variant: str | None = None,
