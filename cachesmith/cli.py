@@ -5,6 +5,7 @@
   cachesmith ask --doc FILE ... --question TEXT [--method cacheblend --coverage 0.15]
   cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
   cachesmith profile [--num-requests 200]      (offline, resumable)
+  cachesmith bench --task mix --pattern gamma --cv 3 --slo-scale 1 2 --methods cachesmith cacheblend@0.15
   cachesmith workload card --task pr|msq|vt|mv [--variant V] [--json]
   cachesmith workload export --task T --num-instances N --out FILE.jsonl
   cachesmith workload trace --pattern gamma --cv 3 --utilization 0.8 --service-s 2.1 --out trace.jsonl
@@ -76,6 +77,9 @@ def _precompute(args: argparse.Namespace) -> int:
     print(f"{report.num_passages} passages: {report.num_computed} computed, {report.num_skipped} already "
           f"stored; {report.num_tokens} tokens in {report.seconds:.1f} s ({report.tokens_per_s:.0f} tokens/s); "
           f"{report.bytes_written / 1e6:.1f} MB written")
+    if args.keys_out:
+        args.keys_out.write_text("".join(k + "\n" for k in report.keys), encoding="utf-8")
+        print(f"{args.keys_out}: the chunk id of each passage, one per line (use them as chunk_ids)")
     return 0
 
 
@@ -166,6 +170,55 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from cachesmith.bench import BenchConfig, markdown, plot, run_bench
+    from cachesmith.methods import DEFAULT_COVERAGES, default_methods
+    from cachesmith.pipeline import RagPipeline
+
+    methods = args.methods or default_methods(tuple(args.coverages or DEFAULT_COVERAGES))
+    config = BenchConfig(args.task, args.variant, args.workload, args.num_requests, args.pattern,
+                         args.utilization, args.cv, tuple(args.slo_scale), tuple(methods), args.gate, args.seed,
+                         args.base_slo, args.base_samples, args.max_batch_size, args.kv_capacity, args.bandwidth)
+    out = args.out or Path("bench-results") / config.name
+    pipe = RagPipeline(args.model, args.device, args.dtype, store=_store(args))
+    result = run_bench(pipe, config, out, args.profile)
+    text = markdown(result)
+    (out / "summary.md").write_text(text, encoding="utf-8")
+    figure = plot(result, out / "qsa.png")
+    print(text)
+    print(f"wrote {out / 'summary.json'}, {out / 'summary.md'}, {figure}")
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    from cachesmith.workloads.tasks import TASKS
+
+    bench = sub.add_parser("bench", help="replay a trace through the engine for each method; QSA table + plot")
+    _add_model_args(bench)
+    _add_store_args(bench)
+    bench.add_argument("--task", choices=[*TASKS, "mix"], default="mix")
+    bench.add_argument("--variant", default=None)
+    bench.add_argument("--workload", default=None, help="JSONL workload file (README \"Workload files\")")
+    bench.add_argument("--num-requests", type=int, default=40)
+    bench.add_argument("--pattern", choices=["poisson", "gamma"], default="poisson")
+    bench.add_argument("--utilization", type=float, default=0.7, help="arrival rate x mean full-prefill TTFT")
+    bench.add_argument("--cv", type=float, default=1.0, help="Gamma inter-arrival CV")
+    bench.add_argument("--slo-scale", type=float, nargs="+", default=[2.0], help="SLO = base x scale")
+    bench.add_argument("--methods", nargs="+", default=None,
+                       help="cachesmith, full_prefill, full_reuse, <preset>@<coverage>[+qa] (default: all)")
+    bench.add_argument("--coverages", type=float, nargs="+", default=None, help="baseline coverages (default)")
+    bench.add_argument("--gate", choices=["task", "fidelity"], default="task")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--base-slo", type=float, default=None, help="seconds (default: measured here)")
+    bench.add_argument("--base-samples", type=int, default=8, help="full prefills measuring the base SLO")
+    bench.add_argument("--max-batch-size", type=int, default=8)
+    bench.add_argument("--kv-capacity", type=int, default=65_536, help="tokens of KV resident at once")
+    bench.add_argument("--bandwidth", type=float, default=None, help="cap the KV link, GB/s")
+    bench.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
+    bench.add_argument("--out", type=Path, default=None, help="default bench-results/<setting>")
+    bench.set_defaults(func=_bench)
+
+
 def _add_workload_parser(sub) -> None:
     from cachesmith.workloads.tasks import TASKS
 
@@ -246,8 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("corpus", help="JSONL: one passage per line (a string or {\"text\": ...})")
     _add_model_args(pre)
     _add_store_args(pre)
+    pre.add_argument("--keys-out", type=Path, default=None, help="write each passage's chunk id here")
     pre.set_defaults(func=_precompute)
     _add_workload_parser(sub)
+    _add_bench_parser(sub)
     prof = sub.add_parser("profile", help="measure the planner's profile (costs, bandwidth, demand)")
     _add_model_args(prof)
     prof.add_argument("--num-requests", type=int, default=200, help="profiling requests for demand")

@@ -15,7 +15,9 @@ import torch
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
 from cachesmith.model.tokenizer import PromptParts
+from cachesmith.errors import InputError
 from cachesmith.recompute import BatchRunner, RecomputeConfig
+from cachesmith.workloads.instance import WorkloadInstance
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,25 @@ class RagPipeline:
         return self.tokenizer.rag_prompt_parts(documents, question, system=system or self.system,
                                                answer_prefix=answer_prefix)
 
+    def instance_prompt(self, inst: WorkloadInstance) -> PromptParts:
+        """An instance's prompt; chunks given as stored chunk ids take their tokens from the store."""
+        system = inst.prefix or None
+        if not inst.chunk_ids:
+            return self.prompt(inst.documents, inst.question, inst.answer_prefix, system)
+        chunks = []
+        for i, key in enumerate(inst.chunk_ids):
+            try:
+                reader = self.store.open(key, self.model)
+            except ValueError as exc:  # a malformed key
+                raise InputError(f"chunk_ids[{i}]={key!r}: {exc}") from None
+            if reader is None:
+                raise InputError(f"chunk_ids[{i}]={key!r}: unknown chunk id (not in the store; "
+                                 f"`cachesmith precompute --keys-out` lists stored ids)")
+            chunks.append(list(reader.header.token_ids))
+            reader.close()
+        parts = self.prompt(["-"], inst.question, inst.answer_prefix, system)
+        return PromptParts(parts.prefix_ids, chunks, parts.suffix_ids)
+
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""
         key, _ = self.store.ensure(self.model, token_ids)
@@ -70,7 +91,9 @@ class RagPipeline:
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig,
                max_new_tokens: int = 32, answer_prefix: str = "", system: str | None = None) -> Answer:
         """Answer from stored chunk KV; TTFT covers staging, transfer waits and the recompute."""
-        parts = self.prompt(documents, question, answer_prefix, system)
+        return self.answer_parts(self.prompt(documents, question, answer_prefix, system), plan, max_new_tokens)
+
+    def answer_parts(self, parts: PromptParts, plan: RecomputeConfig, max_new_tokens: int = 32) -> Answer:
         request = self.keyed_request(parts, max_new_tokens)  # misses are prefilled here, off the clock
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()

@@ -25,6 +25,7 @@ class PrecomputeReport:
     num_tokens: int  # tokens computed this run
     seconds: float
     bytes_written: int
+    keys: tuple[str, ...] = ()  # each passage's chunk id (store key), in corpus order
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,15 +62,17 @@ def precompute_corpus(path: Path, model: Decoder, tokenizer: Tokenizer, store: C
     passages = read_passages(path)
     written_before = store.stats.bytes_written
     computed = tokens = 0
+    keys = []
     start = time.perf_counter()
     bar = tqdm(passages, desc="precompute", unit="passage", disable=not show_progress)
     for i, text in enumerate(bar):
         ids = tokenizer.chunk_ids(text, field=f"{path}:{i + 1}")
         model.as_token_tensor(ids, field=f"{path} passage {i + 1}")
-        _, was_computed = store.ensure(model, ids)
+        key, was_computed = store.ensure(model, ids)
+        keys.append(key)
         if was_computed:
             computed += 1
             tokens += len(ids)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
     return PrecomputeReport(len(passages), computed, len(passages) - computed, tokens,
-                            time.perf_counter() - start, store.stats.bytes_written - written_before)
+                            time.perf_counter() - start, store.stats.bytes_written - written_before, tuple(keys))

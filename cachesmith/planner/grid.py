@@ -34,9 +34,6 @@ def ttft_grid(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tup
 def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tuple[int, int], ...],
               cov: np.ndarray) -> np.ndarray:
     """TTFT [J, K] for per-request coverage rows cov [K, R]."""
-    L = model.num_layers
-    w = np.array([p[0] for p in pairs], float)[:, None]  # [J, 1]
-    p = np.array([p[1] for p in pairs], float)[:, None]
     costs, bw = model.profile.layer_costs, model.bandwidth_gbps * 1e9
 
     def compute(kind):  # [1, K]
@@ -47,7 +44,48 @@ def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tup
 
     n = shape.arrays()[3]
     t0 = phase_seconds(model.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
-    t = np.full((len(pairs), cov.shape[0]), t0)
+    return _walk(model.num_layers, signal, pairs, compute, load, np.full((len(pairs), cov.shape[0]), t0))
+
+
+# per-request terms whose sums over a batch give every feature of a uniform-coverage plan
+TOTALS = ("n", "nn", "q", "qn", "qqp", "c", "cn", "p")
+
+
+def request_totals(context: int, suffix: int, prefix: int) -> np.ndarray:
+    """[8] terms of one request (see TOTALS); a batch's are the sum of its members'."""
+    c, q, p = float(context), float(suffix), float(prefix)
+    n = c + q + p
+    return np.array([n, n * n, q, q * n, q * (q + p), c, c * n, p])
+
+
+def ttft_totals(model: CostModel, signal: str, pair: tuple[int, int], coverage: float,
+                totals: np.ndarray) -> np.ndarray:
+    """TTFT [M] of one uniform-coverage plan for M batches given by their summed terms [M, 8]:
+    how the scheduler prices hundreds of candidate batches in one walk."""
+    n, nn, q, qn, qqp, c, cn, p = totals.T
+    costs, per, bw = model.profile.layer_costs, model.profile.kv_bytes_per_token_layer, model.bandwidth_gbps * 1e9
+    ones, zeros = np.ones_like(n), np.zeros_like(n)
+    sel_rows, sel_pairs = coverage * c + q, coverage * cn + qn
+    feats = {"full": (n, nn, zeros), "qci_probe": (q, qn, zeros), "query_only": (q, qqp, zeros),
+             "patch": (sel_rows, sel_pairs, zeros), "score_patch": (sel_rows, sel_pairs, n)}
+    loads = {"full": (c + p) * per, "prefix": p * per, "reused": ((1.0 - coverage) * c + p) * per}
+
+    def compute(kind):  # [1, M]
+        rows, pairs, aux = feats[kind]
+        return phase_seconds(costs[kind], np.stack([ones, rows, pairs, aux], 1))[None, :]
+
+    def load(kind):
+        return (loads[kind] / bw)[None, :]
+
+    t0 = phase_seconds(model.profile.overhead, np.stack([ones, n, zeros, zeros], 1))[None, :]
+    return _walk(model.num_layers, signal, (pair,), compute, load, t0)[0]
+
+
+def _walk(L: int, signal: str, pairs: tuple[tuple[int, int], ...], compute, load, t: np.ndarray) -> np.ndarray:
+    """The layer walk of every (w, p) pair [J] over K columns, from batch start times t [J, K]."""
+    w = np.array([p[0] for p in pairs], float)[:, None]  # [J, 1]
+    p = np.array([p[1] for p in pairs], float)[:, None]
+    t = t + np.zeros((len(pairs), 1))
     link = np.zeros_like(t)
     t, link = _run(t, link, w, compute("full"))
     patch, reused = compute("patch"), load("reused")

@@ -22,7 +22,7 @@ SCALES = np.linspace(1.0, 0.0, 41)  # candidate multipliers of the current cover
 
 class RuntimeMonitor(RunnerHooks):
     def __init__(self, plan: BatchPlan, cost: CostModel, shape: BatchShape, tolerance: float = 0.05,
-                 bandwidth: Callable[[], float | None] | None = None) -> None:
+                 bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0) -> None:
         self.plan, self.cost, self.shape = plan, cost, shape
         self.tolerance = tolerance
         self.bandwidth = bandwidth
@@ -31,13 +31,14 @@ class RuntimeMonitor(RunnerHooks):
         self.steps, self.planned_end = steps, ends[:, 0]
         self.num_replans = 0
         self.drift_s = 0.0
-        self._step = 0
+        self._step = steps_done  # a monitor attached after layer 0 (plan decided there) starts at 1
         self._start: float | None = None
         self._last: float | None = None
 
-    def start(self) -> None:
-        """Call when the batch starts (before staging), so elapsed time matches the TTFT clock."""
-        self._start = time.perf_counter()
+    def start(self, at: float | None = None) -> None:
+        """Call when the batch starts (before staging), so elapsed time matches the TTFT clock;
+        `at` (a `time.perf_counter()` reading) when the batch started before the monitor existed."""
+        self._start = time.perf_counter() if at is None else at
 
     def before_layer(self, layer: int, phase: str) -> None:
         if self._start is None:
@@ -51,10 +52,13 @@ class RuntimeMonitor(RunnerHooks):
         now = time.perf_counter()
         elapsed = now - self._start
         last, self._last = self._last, now
-        if info.phase == "patch" and last is not None:
-            # what a Patch layer really takes beyond the model's estimate (a slow link, contention,
-            # model error); it is assumed to persist over the remaining layers
-            self.drift_s = max(0.0, (now - last) - float(self._patch_seconds(self.coverages[None, :])[0]))
+        if (last is not None and 0 < j < len(self.planned_end) and info.phase == "patch"
+                and self.steps[j].kind == "patch"):
+            # what a Patch layer really takes beyond the plan's estimate of that same step (a slow
+            # link, contention, model error); it is assumed to persist over the remaining layers.
+            # Plain Patch layers only: kv_dev's scoring layer is another kind, and a one-off.
+            planned = self.planned_end[j] - self.planned_end[j - 1]
+            self.drift_s = max(0.0, (now - last) - float(planned))
         remaining = [s for s in self.steps[j + 1:] if s.kind == "patch"]
         if j >= len(self.planned_end) or not remaining:
             return None

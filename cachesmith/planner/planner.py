@@ -131,8 +131,7 @@ class Planner:
         floor, saturation = self.band(shape, signal)
         R = shape.num_requests
         if budget_s < floor or budget_s > saturation:
-            r = self.config.r_min if budget_s < floor else self.config.r_max
-            ttft = floor if budget_s < floor else saturation
+            r, ttft = (self.config.r_min, floor) if budget_s < floor else self._static_fill(shape, signal, budget_s)
             passes = float(self.demand.pass_probability(signal, 2, [r] * R).sum())  # static (S,1,1,r)
             return BatchPlan(signal, 1, 1, (r,) * R, ttft, passes, budget_s, floor, saturation,
                              "below_floor" if budget_s < floor else "above_saturation",
@@ -141,6 +140,15 @@ class Planner:
         (w, p), coverages, ttft, passes = best
         return BatchPlan(signal, w, p, tuple(coverages), ttft, passes, budget_s, floor, saturation,
                          "planned", time.perf_counter() - start)
+
+    def _static_fill(self, shape: BatchShape, signal: str, budget_s: float) -> tuple[float, float]:
+        """Above saturation: the static (S, 1, 1, r) plan with the most coverage that fits. Accuracy
+        converges toward full prefill there under any split (paper §5.1), so ranking deeper buys
+        nothing; but budget the scheduler grants past saturation still buys coverage."""
+        t = ttft_grid(self.cost, shape, signal, ((1, 1),), COVERAGE_GRID)[0]  # [K]
+        fits = np.nonzero((t <= budget_s) & (COVERAGE_GRID >= self.config.r_max))[0]
+        k = int(fits.max()) if fits.size else int(np.searchsorted(COVERAGE_GRID, self.config.r_max))
+        return float(COVERAGE_GRID[k]), float(t[k])
 
     def best_splits(self, shape: BatchShape, signal: str, budget_s: float,
                     depths: list[int] | None = None) -> dict[int, tuple[tuple[int, int], float, float]]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from cachesmith.errors import ConfigError
 from cachesmith.planner import BatchShape, Planner
-from cachesmith.planner.grid import ttft_grid
+from cachesmith.planner.grid import TOTALS, request_totals, ttft_grid, ttft_totals
 from cachesmith.recompute import full_reuse
 from cachesmith.scheduler.buckets import bucketize, compositions
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
@@ -25,13 +25,17 @@ from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
 class SchedulerConfig:
     max_batch_size: int = 16
     max_candidates: int = 256  # compositions evaluated per decision
-    kv_capacity_tokens: int = 65_536  # tokens whose KV fits at once (partial allocation: #7 engine)
+    kv_capacity_tokens: int = 65_536  # tokens whose KV (all layers) fits resident at once
     length_edges: tuple[int, ...] = (1024, 2048, 4096)
     band_signal: str = "kv_dev"  # bands are needed before layer 0 has picked the signal
+    is_partial_allocation: bool = True  # in a burst, hold a window of layers per request
+    window_layers: int | None = None  # None: the deepest rank depth the planner profiles, + 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
             raise ConfigError("max_batch_size, max_candidates and kv_capacity_tokens must be >= 1")
+        if self.window_layers is not None and self.window_layers < 1:
+            raise ConfigError(f"window_layers={self.window_layers} must be >= 1")
 
 
 def _shape(requests: Sequence[QueuedRequest]) -> BatchShape:
@@ -44,6 +48,11 @@ class SloAwareScheduler:
         self.planner = planner
         self.config = config or SchedulerConfig()
         self._bands: dict[tuple, tuple[float, float]] = {}  # by the batch's sorted token counts
+        num_layers = planner.profile.num_layers
+        # a QCI probe rewinds to the last WarmUp layer: the window must span the deepest probe
+        deepest = max(planner.depths) + 1
+        self.window_layers = min(num_layers, max(self.config.window_layers or deepest, deepest))
+        self.partial_capacity = self.config.kv_capacity_tokens * num_layers // self.window_layers
 
     def band(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
         key = tuple(sorted((r.context_tokens, r.suffix_tokens, r.prefix_tokens) for r in requests))
@@ -67,21 +76,35 @@ class SloAwareScheduler:
         start = time.perf_counter()
         if not queue:
             return None
-        floors = {r.request_id: self.floor(r) for r in queue}
+        singles = np.array([request_totals(r.context_tokens, r.suffix_tokens, r.prefix_tokens) for r in queue])
+        floors = dict(zip((r.request_id for r in queue), self._bands_of(singles)[0].tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
             return self._doomed_batch(doomed, now, start)
-        best = self._search(live, floors, now)
+        best, window = self._search(live, floors, now, self.config.kv_capacity_tokens), None
+        if self._is_burst(live, floors, now):
+            # a bucket that cannot run at once: hold a window of layers per request and widen
+            wide = self._search(live, floors, now, self.partial_capacity)
+            if wide[0] > best[0]:  # only when it places more requests on time
+                best, window = wide, self.window_layers
         if doomed:  # serve the doomed first only if no live request loses its chance by it
             wait, _ = self.full_reuse_s(doomed[: self.config.max_batch_size])
-            if self._search(live, floors, now + wait)[0] >= best[0]:
+            if self._search(live, floors, now + wait, self.config.kv_capacity_tokens)[0] >= best[0]:
                 return self._doomed_batch(doomed, now, start)
         on_time, members, budget, count = best
         return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned",
                                 expected_on_time=on_time, num_candidates=count,
                                 decision_s=time.perf_counter() - start,
-                                doomed_ids=tuple(r.request_id for r in doomed))
+                                doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
+
+    def _is_burst(self, live: list[QueuedRequest], floors: dict[int, float], now: float) -> bool:
+        """Some deadline x length bucket holds more context than the KV capacity (paper §5.2)."""
+        if not self.config.is_partial_allocation or self.window_layers >= self.planner.profile.num_layers:
+            return False
+        quantum = max(min(floors[r.request_id] for r in live), 1e-3)
+        buckets = bucketize(live, now, quantum, self.config.length_edges)
+        return any(sum(r.num_tokens for r in b) > self.config.kv_capacity_tokens for b in buckets)
 
     def _doomed_batch(self, doomed: list[QueuedRequest], now: float, start: float) -> ScheduleDecision:
         batch = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
@@ -90,50 +113,70 @@ class SloAwareScheduler:
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
 
-    def _search(self, live: list[QueuedRequest], floors: dict[int, float], now: float):
-        """(on time, members, budget, candidates evaluated) of the best composition."""
+    def _search(self, live: list[QueuedRequest], floors: dict[int, float], now: float, capacity: int):
+        """(on time, members, budget, candidates evaluated) of the best composition whose
+        context fits `capacity` tokens. Every candidate is priced in one vectorized pass."""
         cfg = self.config
         quantum = max(min(floors[r.request_id] for r in live), 1e-3)
         buckets = bucketize(live, now, quantum, cfg.length_edges)
-        best, count = None, 0
-        for combo in compositions([len(b) for b in buckets], cfg.max_batch_size, cfg.max_candidates):
-            members = [r for b, k in zip(buckets, combo) for r in b[:k]]
-            if sum(r.num_tokens for r in members) > cfg.kv_capacity_tokens:
-                continue
-            count += 1
-            on_time, budget = self._score(members, live, floors, now)
-            if best is None or on_time > best[0]:
-                best = (on_time, members, budget, count)
-            if on_time == len(live):
-                break
-        if best is None:  # nothing fits the KV capacity together: the most urgent alone
-            members = [buckets[0][0]]
-            on_time, budget = self._score(members, live, floors, now)
-            best = (on_time, members, budget, count)
-        return (best[0], best[1], best[2], count)
+        combos = np.array(list(compositions([len(b) for b in buckets], cfg.max_batch_size, cfg.max_candidates)))
+        score, budget, fits = self._evaluate(buckets, combos, floors, now, capacity)
+        score = np.where(fits, score, -1)
+        if not fits.any():  # nothing fits the KV capacity together: the most urgent alone
+            combos = np.zeros((1, len(buckets)), int)
+            combos[0, 0] = 1
+            score, budget, _ = self._evaluate(buckets, combos, floors, now, capacity)
+        done = np.nonzero(score == len(live))[0]
+        m = int(done[0]) if done.size else int(np.argmax(score))  # the first that satisfies all
+        members = [r for b, k in zip(buckets, combos[m]) for r in b[:k]]
+        return int(score[m]), members, float(budget[m]), len(combos)  # all priced at once
 
-    def _score(self, members: list[QueuedRequest], live: list[QueuedRequest], floors: dict[int, float],
-               now: float) -> tuple[int, float]:
-        floor, saturation = self.band(members)
-        limit = min(r.deadline_s for r in members) - now
-        if floor > limit:  # someone misses anyway: run at the floor, count who still makes it
-            budget = floor
-        else:
-            budget = min(limit, saturation)
-        ids = {r.request_id for r in members}
-        waiting = sorted((r for r in live if r.request_id not in ids), key=lambda r: r.arrival_s)
-        on_time = sum(now + budget <= r.deadline_s for r in members)
-        queue_on_time = self._fcfs_at_floors(waiting, floors, now + budget)
-        if floor <= limit and limit > saturation and queue_on_time == len(waiting):
-            # past saturation only while every waiting request still clears its floor
-            if self._fcfs_at_floors(waiting, floors, now + limit) == len(waiting):
-                budget = limit
-        return on_time + queue_on_time, budget
+    def _evaluate(self, buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float],
+                  now: float, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(requests on time in batch + modeled queue, budget, fits the KV capacity) per candidate.
 
-    @staticmethod
-    def _fcfs_at_floors(waiting: list[QueuedRequest], floors: dict[int, float], t: float) -> int:
-        on_time = 0
-        for r in waiting:
-            t += floors[r.request_id]
-            on_time += t <= r.deadline_s
-        return on_time
+        A candidate's budget is raised to its most urgent member's deadline, capped at saturation;
+        past saturation only while every waiting request still clears its floor (FCFS at floors
+        after the batch). Below its floor it runs at the floor and counts who still makes it."""
+        M = combos.shape[0]
+        totals, tokens = np.zeros((M, len(TOTALS))), np.zeros(M)
+        first_deadline = np.full(M, np.inf)
+        for b, bucket in enumerate(buckets):
+            k = combos[:, b]
+            cum = np.vstack([np.zeros(len(TOTALS)), np.cumsum([request_totals(r.context_tokens, r.suffix_tokens,
+                                                                               r.prefix_tokens) for r in bucket], 0)])
+            totals += cum[k]
+            tokens += np.concatenate([[0], np.cumsum([r.num_tokens for r in bucket])])[k]
+            first_deadline = np.where(k > 0, np.minimum(first_deadline, bucket[0].deadline_s), first_deadline)
+        floor, saturation = self._bands_of(totals)
+        limit = first_deadline - now
+        budget = np.where(floor > limit, floor, np.minimum(limit, saturation))
+        on_time = np.zeros(M, int)
+        for b, bucket in enumerate(buckets):  # members sorted by deadline: the late ones come first
+            deadlines = np.array([r.deadline_s for r in bucket])
+            on_time += combos[:, b] - np.minimum(combos[:, b], np.searchsorted(deadlines, now + budget, "left"))
+        # the waiting queue in arrival order, modeled FCFS at floors after the batch
+        order = sorted(((r.arrival_s, b, j) for b, bucket in enumerate(buckets) for j, r in enumerate(bucket)))
+        where_b = np.array([b for _, b, _ in order])
+        where_j = np.array([j for _, _, j in order])
+        waiting = combos[:, where_b] <= where_j[None, :]  # [M, Q]
+        fl = np.array([floors[buckets[b][j].request_id] for _, b, j in order])
+        dl = np.array([buckets[b][j].deadline_s for _, b, j in order])
+        ends = np.cumsum(waiting * fl[None, :], 1)  # [M, Q] after the batch starts the queue
+
+        def queue_on_time(start: np.ndarray) -> np.ndarray:
+            return ((start[:, None] + ends <= dl[None, :]) & waiting).sum(1)
+
+        queued = queue_on_time(now + budget)
+        num_waiting = waiting.sum(1)
+        raise_ok = (floor <= limit) & (limit > saturation) & (queued == num_waiting)
+        if raise_ok.any():
+            raise_ok &= queue_on_time(now + limit) == num_waiting
+            budget = np.where(raise_ok, limit, budget)
+        return on_time + queued, budget, tokens <= capacity
+
+    def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Budget bands [M] of M batches given by their summed request terms."""
+        cfg, cost, signal = self.planner.config, self.planner.cost, self.config.band_signal
+        return (ttft_totals(cost, signal, (1, 1), cfg.r_min, totals),
+                ttft_totals(cost, signal, (1, 1), cfg.r_max, totals))

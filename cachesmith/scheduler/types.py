@@ -49,3 +49,4 @@ class ScheduleDecision:
     num_candidates: int = 0
     decision_s: float = 0.0
     doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, past saving
+    kv_window_layers: int | None = None  # partial KV allocation: layers resident per request

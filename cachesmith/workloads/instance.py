@@ -10,7 +10,7 @@ from typing import Any
 
 from cachesmith.errors import InputError
 
-_REQUIRED = ("documents", "question", "gold")
+_REQUIRED = ("question", "gold")
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,12 @@ class WorkloadInstance:
     answer_prefix: str = ""  # opens the assistant turn, so a short greedy decode suffices
     max_new_tokens: int = 16
     metadata: dict[str, Any] = field(default_factory=dict)
+    chunk_ids: tuple[str, ...] = ()  # chunks already in the store (`cachesmith precompute --keys-out`)
 
     def __post_init__(self) -> None:
-        if not self.documents:
-            raise InputError(f"{self.task}: documents must hold at least one chunk")
+        if bool(self.documents) == bool(self.chunk_ids):
+            raise InputError(f"{self.task}: give the chunks as documents (texts) or as chunk_ids "
+                             f"(stored chunk ids), exactly one of the two, with at least one chunk")
         if not self.gold:
             raise InputError(f"{self.task}: gold must hold at least one answer")
         if self.max_new_tokens < 1:
@@ -47,9 +49,14 @@ class WorkloadInstance:
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise InputError(f"{where}: missing field(s) {', '.join(missing)}")
-        docs, gold = raw["documents"], raw["gold"]
+        docs, gold, ids = raw.get("documents", []), raw["gold"], raw.get("chunk_ids", [])
         if not isinstance(docs, list) or not all(isinstance(d, str) and d.strip() for d in docs):
             raise InputError(f"{where}: documents must be a list of non-empty strings")
+        if not isinstance(ids, list) or not all(isinstance(k, str) and k for k in ids):
+            raise InputError(f"{where}: chunk_ids must be a list of stored chunk ids (strings)")
+        if bool(docs) == bool(ids):
+            raise InputError(f"{where}: needs documents (texts) or chunk_ids (stored chunk ids), exactly one, "
+                             f"with at least one chunk")
         if isinstance(gold, str):
             gold = [gold]
         if not isinstance(gold, list) or not all(isinstance(g, str) for g in gold):
@@ -60,5 +67,5 @@ class WorkloadInstance:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InputError(f"{where}: unknown field(s) {', '.join(unknown)}")
-        return cls(**{**raw, "documents": tuple(docs), "gold": tuple(gold),
+        return cls(**{**raw, "documents": tuple(docs), "gold": tuple(gold), "chunk_ids": tuple(ids),
                       "task": raw.get("task", "custom")})

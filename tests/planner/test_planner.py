@@ -57,7 +57,13 @@ def test_outside_the_band_a_static_plan(planner):
     floor, saturation = planner.band(planner.shape(reqs), "qci")
     low, high = planner.plan(reqs, floor * 0.5), planner.plan(reqs, saturation * 2)
     assert low.status == "below_floor" and low.coverages == (0.05, 0.05) and (low.warmup, low.probe) == (1, 1)
-    assert high.status == "above_saturation" and high.coverages == (0.5, 0.5)
+    assert high.status == "above_saturation" and (high.warmup, high.probe) == (1, 1)
+    # budget past saturation buys coverage on the static plan, never past the budget
+    assert high.coverages[0] == high.coverages[1] > 0.5 and high.predicted_ttft_s <= saturation * 2
+    higher = planner.plan(reqs, saturation * 4)
+    assert higher.coverages[0] >= high.coverages[0] and higher.predicted_ttft_s <= saturation * 4
+    just = planner.plan(reqs, saturation * 1.0001)
+    assert just.coverages == (0.5, 0.5)
 
 
 def test_more_budget_never_lowers_expected_passes(planner):
@@ -146,3 +152,21 @@ def test_stalls_on_a_slow_link_are_spent_on_coverage():
         assert ttft <= budget and coverage >= max(lowest, 0.04)  # the 2% grid point at or below 5%
         if gbps > 1:
             assert coverage < 0.1  # compute-bound: no free lunch
+
+
+@pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "position"])
+def test_batch_totals_price_a_plan_exactly_like_the_grid(signal):
+    """The scheduler prices candidate batches from summed per-request terms: same TTFT."""
+    from cachesmith.planner.grid import request_totals, ttft_grid, ttft_totals
+
+    slow = Planner(make_profile(gbps=0.5))  # a slow link, so stalls enter the walk
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        R = int(rng.integers(1, 6))
+        c, q, p = rng.integers(100, 3000, R), rng.integers(10, 60, R), rng.integers(0, 30, R)
+        shape = BatchShape(tuple(map(int, c)), tuple(map(int, q)), tuple(map(int, p)))
+        totals = sum(request_totals(*x) for x in zip(c, q, p))[None, :]
+        for pair in ((1, 1), (2, 3)):
+            for r in (0.05, 0.5):
+                want = ttft_grid(slow.cost, shape, signal, (pair,), np.array([r]))[0, 0]
+                assert ttft_totals(slow.cost, signal, pair, r, totals)[0] == pytest.approx(want, rel=1e-12)

@@ -86,7 +86,26 @@ def test_kv_capacity_limits_the_batch():
     sched = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(kv_capacity_tokens=3000))
     queue = [QueuedRequest(i, 0.0, 1000.0, 1000, 32) for i in range(6)]
     d = sched.next_batch(queue, 0.0)
-    assert sum(1032 for _ in d.request_ids) <= 3000 and len(d.request_ids) == 2
+    # a relaxed queue: all six make it two at a time, so no partial allocation
+    assert len(d.request_ids) == 2 and d.kv_window_layers is None
+
+
+def test_a_burst_bucket_runs_wider_under_partial_kv_allocation():
+    planner = Planner(make_profile())
+    cfg = SchedulerConfig(kv_capacity_tokens=3000)
+    sched = SloAwareScheduler(planner, cfg)
+    probe = [QueuedRequest(i, 0.0, 1.0, 1000, 32) for i in range(6)]
+    floor_all, _ = sched.band(probe)
+    burst = [QueuedRequest(i, 0.0, 1.02 * floor_all, 1000, 32) for i in range(6)]  # one deadline bucket
+    resident = SloAwareScheduler(planner, SchedulerConfig(kv_capacity_tokens=3000, is_partial_allocation=False))
+    narrow = resident.next_batch(burst, 0.0)
+    assert len(narrow.request_ids) <= 2 and narrow.expected_on_time < 6  # resident: not all can make it
+    d = sched.next_batch(burst, 0.0)
+    assert d.kv_window_layers == sched.window_layers == max(planner.depths) + 1 < 30
+    assert sched.partial_capacity == 3000 * 30 // d.kv_window_layers
+    assert 2 < len(d.request_ids) <= sched.partial_capacity // 1032 and d.expected_on_time > narrow.expected_on_time
+    # once the bucket fits again, the next batch runs fully resident
+    assert sched.next_batch(burst[:2], 0.0).kv_window_layers is None
 
 
 @pytest.mark.parametrize("kwargs, match", [({"slo_s": 0}, "slo_s=0"), ({"slo_s": -1}, "slo_s=-1"),
@@ -95,3 +114,44 @@ def test_bad_requests_are_named(kwargs, match):
     with pytest.raises(InputError, match=match):
         QueuedRequest(**{"request_id": 3, "arrival_s": 0.0, "slo_s": 1.0, "context_tokens": 10,
                          "suffix_tokens": 5, **kwargs})
+
+
+def _reference_score(sched, members, live, floors, now):
+    """Algorithm 1's scoring of one composition, written plainly (one band call per candidate)."""
+    floor, saturation = sched.band(members)
+    limit = min(r.deadline_s for r in members) - now
+    budget = floor if floor > limit else min(limit, saturation)
+    ids = {r.request_id for r in members}
+    waiting = sorted((r for r in live if r.request_id not in ids), key=lambda r: r.arrival_s)
+
+    def fcfs(t):
+        n = 0
+        for r in waiting:
+            t += floors[r.request_id]
+            n += t <= r.deadline_s
+        return n
+
+    queued = fcfs(now + budget)
+    return sum(now + budget <= r.deadline_s for r in members) + queued
+
+
+def test_vectorized_search_agrees_with_a_plain_scoring_of_every_composition():
+    from cachesmith.scheduler.buckets import bucketize
+
+    sched = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(max_batch_size=4, is_partial_allocation=False))
+    rng = __import__("random").Random(11)
+    for trial in range(25):
+        now = 5.0
+        queue = [QueuedRequest(i, now - rng.uniform(0, 3), rng.uniform(0.5, 6.0), rng.choice([300, 900, 2500]),
+                               32) for i in range(rng.randint(2, 7))]
+        floors = {r.request_id: sched.floor(r) for r in queue}
+        live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
+        if not live:
+            continue
+        on_time, members, _, _ = sched._search(live, floors, now, sched.config.kv_capacity_tokens)
+        quantum = max(min(floors[r.request_id] for r in live), 1e-3)
+        buckets = bucketize(live, now, quantum, sched.config.length_edges)
+        best = max(_reference_score(sched, [r for b, k in zip(buckets, combo) for r in b[:k]], live, floors, now)
+                   for combo in compositions([len(b) for b in buckets], 4, 256))
+        assert on_time == best, trial
+        assert on_time == _reference_score(sched, members, live, floors, now)

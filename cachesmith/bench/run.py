@@ -1,0 +1,124 @@
+"""`cachesmith bench`: replay one setting's trace through the real engine once per (method, SLO
+scale), on the replay clock, and summarize.
+
+In: a `BenchConfig`, a pipeline and an output folder. Out: `runs/*.json` (per-request records and
+stats of each run, reused when the same run is asked again: a stopped bench resumes),
+`summary.json` (config, base SLO, rows incl. BestStatic, all records) and `summary.md`.
+Before the runs: the base SLO (mean single-request full-prefill TTFT over a few requests, which
+also warms the model up) and, with the packaged profile, this machine's speed factor.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cachesmith.bench.metrics import best_static, summarize
+from cachesmith.bench.setting import BenchConfig, build_requests, instances
+from cachesmith.engine import Engine, EngineConfig, EngineStats
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import BatchShape, PlannerConfig, Profile
+from cachesmith.profiler.packaged import find_profile, rescaled, speed_factor
+from cachesmith.recompute import full_prefill
+from cachesmith.request import RequestResult
+from cachesmith.scheduler import SchedulerConfig
+from cachesmith.workloads.instance import WorkloadInstance
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    base_slo_s: float
+    speed_factor: float
+    profile_source: str
+    rows: list[dict]
+    records: list[dict]
+
+    def to_json(self) -> str:
+        return json.dumps({"config": asdict(self.config), "base_slo_s": self.base_slo_s,
+                           "speed_factor": self.speed_factor, "profile_source": self.profile_source,
+                           "summary": self.rows, "records": self.records}, indent=1)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Profile) -> tuple[float, float]:
+    """(mean single-request full-prefill TTFT, measured/predicted speed factor of `profile`)."""
+    plan = full_prefill(pipe.model.num_layers)
+    pipe.answer_parts(pipe.instance_prompt(insts[0]), plan, 1)  # warm-up
+    shapes, ttfts = [], []
+    for inst in insts:
+        parts = pipe.instance_prompt(inst)
+        ans = pipe.answer_parts(parts, plan, 1)
+        shapes.append(BatchShape((ans.num_context_tokens,), (ans.num_suffix_tokens,), (len(parts.prefix_ids),)))
+        ttfts.append(ans.ttft_s)
+    return statistics.fmean(ttfts), speed_factor(profile, shapes, ttfts)
+
+
+def _base(pipe, config, insts, profile, out: Path, show_progress: bool) -> tuple[float, float]:
+    path = out / "base.json"
+    if path.exists():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("digest") == config.digest():
+            return saved["base_slo_s"], saved["speed_factor"]
+    sample = [i for i in insts if isinstance(i, WorkloadInstance)][: config.num_base_samples]
+    if show_progress:
+        print(f"measuring the base SLO: {len(sample)} single-request full prefills ...", flush=True)
+    base, factor = measure_base(pipe, sample, profile)
+    if config.base_slo_s is not None:
+        base = config.base_slo_s
+    _atomic_write(path, json.dumps({"digest": config.digest(), "base_slo_s": base, "speed_factor": factor}))
+    return base, factor
+
+
+def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str, scale: float,
+             references: dict[int, str], path: Path, show_progress: bool) -> tuple[list[dict], EngineStats]:
+    if path.exists():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        return saved["records"], EngineStats(**saved["stats"])
+    sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
+    engine = Engine(pipe, profile, EngineConfig(method, "replay", config.gate, sched,
+                                                PlannerConfig(bandwidth_gbps=config.bandwidth_gbps)))
+    engine.references = references
+    requests, refused = build_requests(config, insts, base, scale)
+    results = engine.run(requests, show_progress=show_progress)
+    results += [RequestResult(i, a, s, "file", error=e) for i, (a, s, e) in refused.items()]
+    records = [{**r.to_dict(), "method": method, "slo_scale": scale}
+               for r in sorted(results, key=lambda r: r.request_id)]
+    _atomic_write(path, json.dumps({"records": records, "stats": asdict(engine.stats)}))
+    return records, engine.stats
+
+
+def run_bench(pipe: RagPipeline, config: BenchConfig, out: Path, profile_path: Path | None = None,
+              show_progress: bool = True) -> BenchResult:
+    out = Path(out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    profile, source = find_profile(pipe, profile_path)
+    insts = instances(config)
+    base, factor = _base(pipe, config, insts, profile, out, show_progress)
+    if source == "packaged":
+        profile = rescaled(profile, factor)
+    methods = list(config.methods)
+    if config.gate == "fidelity" and "full_prefill" not in methods:
+        methods.insert(0, "full_prefill")  # its answers are the fidelity gate's references
+    methods.sort(key=lambda m: m != "full_prefill")
+    rows, records, references = [], [], {}
+    runs = [(m, s) for s in config.slo_scales for m in methods]
+    for method, scale in tqdm(runs, desc="bench runs", unit="run", disable=not show_progress):
+        path = out / "runs" / f"{config.digest()}-{method.replace('@', '_')}-x{scale:g}.json"
+        recs, stats = _run_one(pipe, profile, config, insts, base, method, scale, references, path, show_progress)
+        if method == "full_prefill" and not references:
+            references.update({r["request_id"]: r["answer"] for r in recs if r["error"] is None})
+        rows.append(summarize(method, scale, recs, stats))
+        records += recs
+    rows += best_static(rows)
+    result = BenchResult(config, base, factor, source, rows, records)
+    _atomic_write(out / "summary.json", result.to_json())
+    return result

@@ -1,0 +1,170 @@
+"""The serving loop (paper §5, DESIGN.md §3): queue -> scheduler -> planner -> runner (+ transfer
+engine) -> first token -> decode, on a live or replay clock.
+
+In: `Request`s (submitted as they arrive, or a whole trace to `run`). Out: one `RequestResult` per
+request: refused ones carry an error naming the field and the limit (bad SLO, no chunks, a context
+larger than the KV capacity or the model's positions) and the rest of the run goes on. At each
+batch boundary the scheduler picks the batch and budget from token counts and deadlines; the
+executor runs it and reports the measured TTFT, which the replay clock adds to its time.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from cachesmith.clock import Clock, make_clock
+from cachesmith.errors import InputError
+from cachesmith.executor import Admitted, BatchExecutor
+from cachesmith.methods import make_scheduler, parse_method
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import Planner, PlannerConfig, Profile
+from cachesmith.request import Request, RequestResult
+from cachesmith.scheduler import QueuedRequest, SchedulerConfig
+from cachesmith.workloads.gates import make_gate
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    method: str = "cachesmith"
+    clock: str = "replay"
+    gate: str = "task"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        parse_method(self.method)  # names the bad part now, not at the first batch
+        make_clock(self.clock)
+        make_gate(self.gate)
+
+
+@dataclass
+class EngineStats:
+    num_batches: int = 0
+    busy_s: float = 0.0  # batch TTFTs summed: time the runtime was prefilling
+    stall_s: float = 0.0  # of which waiting on KV transfer
+    decision_ms: list[float] = field(default_factory=list)  # scheduler + planner, per batch
+    num_monitor_replans: int = 0
+    num_partial_batches: int = 0  # batches the scheduler ran under partial KV allocation
+
+
+class Engine:
+    def __init__(self, pipeline: RagPipeline, profile: Profile, config: EngineConfig | None = None,
+                 clock: Clock | None = None) -> None:
+        self.pipeline = pipeline
+        self.config = config = config or EngineConfig()
+        self.method = parse_method(config.method)
+        self.planner = Planner(profile, config.planner)
+        num_layers = pipeline.model.num_layers
+        self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, num_layers)
+        self.executor = BatchExecutor(pipeline, self.planner)
+        self.clock = clock or make_clock(config.clock)
+        self.gate = make_gate(config.gate)
+        self.references: dict[int, str] = {}  # full-prefill answers, for the fidelity gate
+        self.stats = EngineStats()
+        self._queue: dict[int, Admitted] = {}
+
+    # -- admission -----------------------------------------------------------------------------
+    def admit(self, request: Request) -> Admitted:
+        """Validate, tokenize and make sure every chunk's KV is stored (a miss is prefilled here)."""
+        rid = request.request_id
+        if not isinstance(request.slo_s, (int, float)) or not math.isfinite(request.slo_s) or request.slo_s <= 0:
+            raise InputError(f"request {rid}: slo_s={request.slo_s!r} must be a positive number of seconds")
+        inst = request.instance
+        parts = self.pipeline.instance_prompt(inst)
+        context = sum(len(c) for c in parts.chunk_ids)
+        total = len(parts.prefix_ids) + context + len(parts.suffix_ids)
+        limit = self.pipeline.model.config.max_positions
+        if total + inst.max_new_tokens > limit:
+            raise InputError(f"request {rid}: context of {total} tokens + max_new_tokens {inst.max_new_tokens} "
+                             f"exceeds the model's {limit} positions")
+        capacity = self.config.scheduler.kv_capacity_tokens
+        if total > capacity:
+            raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
+                             f"{capacity} tokens (scheduler.kv_capacity_tokens) even alone")
+        queued = QueuedRequest(rid, request.arrival_s, float(request.slo_s), context, len(parts.suffix_ids),
+                               len(parts.prefix_ids))
+        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued)
+
+    def submit(self, request: Request | Admitted) -> RequestResult | None:
+        """Queue a request; a refused one comes back at once as a result with its error."""
+        try:
+            admitted = request if isinstance(request, Admitted) else self.admit(request)
+        except InputError as exc:
+            return RequestResult.refused(request, str(exc))
+        if admitted.request.request_id in self._queue:
+            return RequestResult.refused(admitted.request, f"request {admitted.request.request_id}: duplicate id")
+        self._queue[admitted.request.request_id] = admitted
+        return None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestResult]:
+        """One batch boundary: schedule, run the batch, advance the clock. [] when idle."""
+        now = self.clock.now()
+        decision = self.scheduler.next_batch([a.queued for a in self._queue.values()], now)
+        if decision is None:
+            return []
+        self.clock.advance(decision.decision_s)
+        batch = [self._queue.pop(i) for i in decision.request_ids]
+        start = self.clock.now()
+        run = self.executor.execute(decision, batch)
+        self.clock.advance(run.seconds)
+        first_token = start + run.seconds
+        st = self.stats
+        batch_id, st.num_batches = st.num_batches, st.num_batches + 1
+        st.busy_s += run.seconds
+        st.stall_s += run.stall_s
+        st.decision_ms.append(1e3 * (decision.decision_s + run.planner_s))
+        st.num_monitor_replans += run.num_monitor_replans
+        st.num_partial_batches += decision.kv_window_layers is not None
+        results = []
+        for adm, out in zip(batch, run.outputs):
+            req, inst = adm.request, adm.request.instance
+            reference = self.references.get(req.request_id)
+            if reference is None and self.method.preset == "full_prefill":
+                reference = out.answer  # full prefill is the fidelity gate's reference itself
+            passed = self.gate.passes(inst, out.answer, reference)
+            results.append(RequestResult(
+                req.request_id, req.arrival_s, req.slo_s, inst.task, None, first_token, out.answer, passed,
+                decision.mode, run.plan_label, out.coverage, out.num_context_tokens, out.num_recomputed,
+                batch_id, len(batch), out.qci_entropy))
+        return results
+
+    def run(self, requests: Sequence[Request], show_progress: bool = False,
+            on_result: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+        """Serve a trace: each request joins the queue at its arrival time on this engine's clock
+        (replay: virtual; live: real seconds from now). Results in request order."""
+        admitted: list[Admitted] = []
+        results: dict[int, RequestResult] = {}
+        for r in tqdm(requests, desc="admit", unit="req", disable=not show_progress, leave=False):
+            try:
+                admitted.append(self.admit(r))
+            except InputError as exc:
+                results[r.request_id] = RequestResult.refused(r, str(exc))
+        admitted.sort(key=lambda a: a.request.arrival_s)
+        bar = tqdm(total=len(requests), desc=self.method.name, unit="req", disable=not show_progress,
+                   initial=len(results))
+        i = 0
+        while i < len(admitted) or self._queue:
+            now = self.clock.now()
+            while i < len(admitted) and admitted[i].request.arrival_s <= now:
+                refused = self.submit(admitted[i])
+                if refused is not None:
+                    results[refused.request_id] = refused
+                i += 1
+            if not self._queue:
+                self.clock.wait_until(admitted[i].request.arrival_s)
+                continue
+            for res in self.step():
+                results[res.request_id] = res
+                bar.update(1)
+                if on_result is not None:
+                    on_result(res)
+        bar.close()
+        return [results[r.request_id] for r in requests]

@@ -1,0 +1,59 @@
+"""A serving request and its result: what flows into `Engine` and what comes out per request.
+
+In: `Request` (a workload instance, its arrival time and TTFT SLO). Out: `RequestResult` (first
+token time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the
+error that kept it from running). Times are on the engine's clock, in seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cachesmith.workloads.instance import WorkloadInstance
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: int
+    instance: WorkloadInstance
+    slo_s: float
+    arrival_s: float = 0.0
+
+
+@dataclass
+class RequestResult:
+    request_id: int
+    arrival_s: float
+    slo_s: float
+    task: str = ""
+    error: str | None = None  # set when the request was refused (nothing else below is)
+    first_token_s: float | None = None  # clock time of the first token
+    answer: str = ""
+    is_passed: bool = False  # the quality gate
+    mode: str = ""  # "planned", "static" or "full_reuse"
+    plan: str = ""  # the (S, w, p) plan label the batch ran
+    coverage: float = 0.0  # this request's coverage as planned (before any monitor lowering)
+    num_context_tokens: int = 0
+    num_recomputed: int = 0
+    batch_id: int = -1
+    batch_size: int = 0
+    qci_entropy: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def is_on_time(self) -> bool:
+        return self.ttft_s is not None and self.ttft_s <= self.slo_s
+
+    @property
+    def is_qsa(self) -> bool:
+        """Quality-gated SLO attainment (paper Eq. 1): on time and above the gate."""
+        return self.is_on_time and self.is_passed
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ttft_s": self.ttft_s, "is_on_time": self.is_on_time, "is_qsa": self.is_qsa}
+
+    @classmethod
+    def refused(cls, request: Request, error: str) -> "RequestResult":
+        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error)

@@ -1,0 +1,62 @@
+"""`run_bench` end to end on a tiny model: a workload file with a bad line, two methods, resume."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from cachesmith.bench import KEYS, BenchConfig, markdown, plot, run_bench
+from cachesmith.bench import run as bench_run
+from cachesmith.errors import ConfigError
+from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
+from tests.planner.synthetic_profile import make_profile
+
+pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    pipe = tiny_pipeline(save_tiny_chat_model(root / "model"), root / "kv")
+    prof = replace(make_profile(num_layers=pipe.model.num_layers), model_fingerprint=pipe.model.fingerprint)
+    prof.save(root / "profile.json")
+    lines = [instance(i).to_json() for i in range(5)]
+    lines.insert(2, json.dumps({"documents": [], "question": "q?", "gold": ["a"]}))
+    (root / "work.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return pipe, root
+
+
+def test_bench_writes_summary_records_and_resumes(setup, monkeypatch):
+    pipe, root = setup
+    config = BenchConfig(workload_file=str(root / "work.jsonl"), num_requests=6, utilization=0.5,
+                         slo_scales=(1.0, 3.0), methods=("cachesmith", "full_prefill", "epic@0.3"), num_base_samples=2)
+    out = root / "out"
+    result = run_bench(pipe, config, out, root / "profile.json", show_progress=False)
+    assert result.profile_source == "measured" and result.base_slo_s > 0
+    rows = [r for r in result.rows if r["method"] != "best_static"]
+    assert len(rows) == 6 and all(set(KEYS) <= set(r) for r in rows)
+    bad = [r for r in result.records if r["error"]]
+    assert len(bad) == 6 and all("line 3" in r["error"] and "documents" in r["error"] for r in bad)  # 1 per run
+    assert all(r["num_errors"] == 1 and r["num_requests"] == 6 for r in rows)
+    best = [r for r in result.rows if r["method"] == "best_static"]
+    assert [b["slo_scale"] for b in best] == [1.0, 3.0]
+    for b in best:
+        static = [r["qsa"] for r in rows if r["slo_scale"] == b["slo_scale"] and r["method"] != "cachesmith"]
+        assert b["qsa"] == max(static)
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(result.rows)) and len(saved["records"]) == 36
+    assert "| cachesmith |" in markdown(result) and plot(result, out / "qsa.png").stat().st_size > 10_000
+    # a second call resumes from the saved runs: nothing is served again
+    monkeypatch.setattr(bench_run.Engine, "run", lambda *a, **k: pytest.fail("a finished run was served again"))
+    again = run_bench(pipe, config, out, root / "profile.json", show_progress=False)
+    assert again.rows == result.rows
+
+
+@pytest.mark.parametrize("kwargs, match", [({"methods": ("warp@0.1",)}, "warp"), ({"slo_scales": ()}, "slo_scales"),
+                                           ({"pattern": "poisson", "cv": 3.0}, "use pattern='gamma'"),
+                                           ({"task": "file"}, "needs workload_file"),
+                                           ({"utilization": 0}, "utilization=0")])
+def test_bad_bench_configs_are_named(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        BenchConfig(**kwargs)

@@ -1,0 +1,114 @@
+"""The serving loop end to end on a tiny random-weight model (replay clock, synthetic profile)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.errors import ConfigError
+from cachesmith.recompute import preset
+from cachesmith.request import Request
+from cachesmith.scheduler import SchedulerConfig
+from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
+from tests.planner.synthetic_profile import make_profile
+
+pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    model_dir = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    return tiny_pipeline(model_dir, tmp_path_factory.mktemp("kv"))
+
+
+@pytest.fixture(scope="module")
+def profile(pipe):
+    return make_profile(num_layers=pipe.model.num_layers)
+
+
+def engine(pipe, profile, method="cachesmith", **sched):
+    return Engine(pipe, profile, EngineConfig(method, "replay", scheduler=SchedulerConfig(**sched)))
+
+
+def trace(n=8, slo=5.0, gap=0.05):
+    return [Request(i, instance(i), slo, i * gap) for i in range(n)]
+
+
+def test_full_prefill_replay_answers_exactly_like_the_pipeline(pipe, profile):
+    eng = engine(pipe, profile, "full_prefill", max_batch_size=3)
+    results = eng.run(trace(6))
+    plan = preset("full_prefill", 1.0, pipe.model.num_layers)
+    for res, req in zip(results, trace(6)):
+        inst = req.instance
+        ref = pipe.answer(inst.documents, inst.question, plan, inst.max_new_tokens)
+        assert res.error is None and res.answer == ref.text, res.request_id
+        assert res.num_recomputed == res.num_context_tokens == ref.num_context_tokens
+    assert max(r.batch_size for r in results) <= 3 and eng.stats.num_batches >= 2
+
+
+def test_replay_clock_times_are_consistent(pipe, profile):
+    eng = engine(pipe, profile, max_batch_size=4)
+    results = eng.run(trace(8, gap=0.02))
+    by_batch = {}
+    for r in results:
+        assert r.error is None and r.first_token_s > r.arrival_s and r.ttft_s > 0
+        by_batch.setdefault(r.batch_id, set()).add(r.first_token_s)
+    assert all(len(t) == 1 for t in by_batch.values())  # lock-step: a batch's first tokens together
+    ends = [min(by_batch[b]) for b in sorted(by_batch)]
+    assert ends == sorted(ends) and len(set(ends)) == len(ends)
+    # the clock only moved by batch times and decisions (and idle gaps to arrivals)
+    assert eng.clock.now() >= eng.stats.busy_s
+    assert eng.clock.now() == pytest.approx(max(r.first_token_s for r in results))
+    assert len(eng.stats.decision_ms) == eng.stats.num_batches and all(d > 0 for d in eng.stats.decision_ms)
+
+
+def test_planned_batches_recompute_within_the_band(pipe, profile):
+    results = engine(pipe, profile).run(trace(4, slo=100.0, gap=10.0))
+    for r in results:
+        assert r.mode == "planned" and 0.05 <= r.coverage <= 1.0
+        assert 0 < r.num_recomputed <= math.ceil(r.coverage * r.num_context_tokens) + 1
+
+
+def test_requests_past_saving_run_at_full_reuse(pipe, profile):
+    reqs = [Request(0, instance(0), 100.0, 0.0), Request(1, instance(1), 1e-6, 0.0)]
+    results = engine(pipe, profile).run(reqs)
+    assert results[1].mode == "full_reuse" and results[1].plan.startswith("(position,0,0")
+    assert results[0].mode == "planned" and results[0].is_on_time
+
+
+def test_bad_requests_get_their_own_error_and_the_run_goes_on(pipe, profile):
+    big = instance(9, num_docs=6, words_per_doc=120)
+    reqs = [Request(0, instance(0), 0.0, 0.0), Request(1, instance(1), -2.0, 0.0),
+            Request(2, instance(2), float("nan"), 0.0), Request(3, big, 5.0, 0.0), Request(4, instance(4), 5.0, 0.1)]
+    results = engine(pipe, profile, kv_capacity_tokens=600).run(reqs)
+    assert "slo_s=0.0" in results[0].error and "slo_s=-2.0" in results[1].error and "slo_s=nan" in results[2].error
+    assert "KV capacity of 600 tokens" in results[3].error
+    assert results[4].error is None and results[4].answer is not None and results[4].first_token_s is not None
+
+
+def test_oversize_context_names_the_model_limit(pipe, profile):
+    huge = instance(3, num_docs=8, words_per_doc=200)
+    res = engine(pipe, profile).run([Request(0, huge, 5.0)])[0]
+    assert "exceeds the model's 1024 positions" in res.error
+
+
+def test_unknown_method_and_clock_are_named():
+    with pytest.raises(ConfigError, match="method='cacheblend'"):
+        EngineConfig("cacheblend")
+    with pytest.raises(ConfigError, match="clock='wall'"):
+        EngineConfig(clock="wall")
+
+
+def test_chunks_given_as_stored_ids_answer_like_their_texts(pipe, profile):
+    from dataclasses import replace
+
+    inst = instance(5)
+    keys = tuple(pipe.store.ensure(pipe.model, pipe.tokenizer.chunk_ids(d))[0] for d in inst.documents)
+    by_id = replace(inst, documents=(), chunk_ids=keys)
+    unknown = replace(inst, documents=(), chunk_ids=(keys[0], "0" * len(keys[0])))
+    reqs = [Request(0, inst, 50.0), Request(1, by_id, 50.0, 0.01), Request(2, unknown, 50.0, 0.02)]
+    results = engine(pipe, profile, "full_prefill", max_batch_size=1).run(reqs)
+    assert results[0].error is None and results[1].error is None
+    assert results[1].answer == results[0].answer and results[1].num_context_tokens == results[0].num_context_tokens
+    assert "chunk_ids[1]" in results[2].error and "unknown chunk id" in results[2].error
