@@ -57,6 +57,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
         self.planner = Planner(profile, config.planner)
+        self.planner.warm_up()
         num_layers = pipeline.model.num_layers
         self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, num_layers)
         self.executor = BatchExecutor(pipeline, self.planner)

@@ -50,7 +50,7 @@ class BatchExecution:
     stall_s: float  # time the runner waited on KV transfer
     plan_label: str
     plan: BatchPlan | None  # "planned" batches
-    planner_s: float  # planner decision time (inside `seconds`)
+    planner_s: float  # the planner's decision time (inside `seconds`; staging the plan is not in it)
     num_monitor_replans: int = 0
 
 
@@ -111,16 +111,16 @@ class BatchExecutor:
         start = time.perf_counter()
         with self.pipeline.transfer.stage(keyed, PROVISIONAL) as staged:
             def replan(entropies):
-                t0 = time.perf_counter()
                 reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e)
                         for a, e in zip(batch, entropies)]
                 plan = planner.plan(reqs, decision.budget_s)
                 config = plan.recompute_config()
                 staged.set_plan(config)
-                monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1)
+                scale = planner.correction.get(plan.signal, 1.0)
+                monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1, time_scale=scale)
                 monitor.start(at=start)
                 monitor_slot.target = monitor
-                decided.update(plan=plan, monitor=monitor, planner_s=time.perf_counter() - t0)
+                decided.update(plan=plan, monitor=monitor, planner_s=plan.decision_s)
                 return config, list(plan.coverages)
 
             outs = self.pipeline.runner.run(staged.requests, PROVISIONAL, HookChain(staged, monitor_slot),
@@ -128,6 +128,8 @@ class BatchExecutor:
             [o.first_token for o in outs]
             seconds = time.perf_counter() - start
             stall = staged.stall_s
-        plan = decided["plan"]
+        plan, monitor = decided["plan"], decided["monitor"]
+        if monitor.pace is not None:  # pace is relative to the corrected schedule
+            planner.observe(plan.signal, monitor.time_scale * monitor.pace)
         return (outs, seconds, stall, plan.recompute_config().label(), plan, decided["planner_s"],
-                decided["monitor"].num_replans)
+                monitor.num_replans)

@@ -112,3 +112,21 @@ def test_chunks_given_as_stored_ids_answer_like_their_texts(pipe, profile):
     assert results[0].error is None and results[1].error is None
     assert results[1].answer == results[0].answer and results[1].num_context_tokens == results[0].num_context_tokens
     assert "chunk_ids[1]" in results[2].error and "unknown chunk id" in results[2].error
+
+
+def test_the_engine_is_exported_at_the_top_level():
+    import cachesmith
+
+    assert cachesmith.Engine is Engine and cachesmith.Request is Request
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        cachesmith.Engin
+
+
+def test_live_clock_serves_arrivals_in_real_time(pipe, profile):
+    from cachesmith.clock import LiveClock
+
+    eng = Engine(pipe, profile, EngineConfig("cacheblend@0.3", "live"), clock=LiveClock())
+    results = eng.run([Request(0, instance(0), 30.0, 0.0), Request(1, instance(1), 30.0, 0.3)])
+    assert all(r.error is None and r.is_on_time for r in results)
+    assert results[1].first_token_s >= 0.3 and results[1].batch_id == 1  # it arrived after batch 0 began
+    assert eng.clock.now() >= results[1].first_token_s

@@ -22,15 +22,18 @@ SCALES = np.linspace(1.0, 0.0, 41)  # candidate multipliers of the current cover
 
 class RuntimeMonitor(RunnerHooks):
     def __init__(self, plan: BatchPlan, cost: CostModel, shape: BatchShape, tolerance: float = 0.05,
-                 bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0) -> None:
+                 bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0,
+                 time_scale: float = 1.0) -> None:
         self.plan, self.cost, self.shape = plan, cost, shape
         self.tolerance = tolerance
         self.bandwidth = bandwidth
         self.coverages = np.array(plan.coverages, float)
         steps, ends = cost.schedule(shape, plan.signal, plan.warmup, plan.probe, self.coverages)
-        self.steps, self.planned_end = steps, ends[:, 0]
+        self.time_scale = time_scale  # the planner's learned correction of the cost model
+        self.steps, self.planned_end = steps, ends[:, 0] * time_scale
         self.num_replans = 0
         self.drift_s = 0.0
+        self.pace: float | None = None  # elapsed / planned at the last step run on the original plan
         self._step = steps_done  # a monitor attached after layer 0 (plan decided there) starts at 1
         self._start: float | None = None
         self._last: float | None = None
@@ -59,6 +62,8 @@ class RuntimeMonitor(RunnerHooks):
             # Plain Patch layers only: kv_dev's scoring layer is another kind, and a one-off.
             planned = self.planned_end[j] - self.planned_end[j - 1]
             self.drift_s = max(0.0, (now - last) - float(planned))
+        if self.num_replans == 0 and j < len(self.planned_end) and self.planned_end[j] > 0:
+            self.pace = elapsed / float(self.planned_end[j])
         remaining = [s for s in self.steps[j + 1:] if s.kind == "patch"]
         if j >= len(self.planned_end) or not remaining:
             return None
@@ -82,7 +87,7 @@ class RuntimeMonitor(RunnerHooks):
             model = model.with_bandwidth(gbps)
         compute = phase_seconds(model.profile.layer_costs["patch"], step_features("patch", self.shape, coverages))
         link = model.load_bytes("reused", self.shape, coverages) / (model.bandwidth_gbps * 1e9)
-        return np.maximum(compute, link)  # loads of later layers overlap this layer's compute
+        return np.maximum(compute * self.time_scale, link)  # later loads overlap this layer's compute
 
     def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
         candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]

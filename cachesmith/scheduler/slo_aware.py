@@ -30,10 +30,15 @@ class SchedulerConfig:
     band_signal: str = "kv_dev"  # bands are needed before layer 0 has picked the signal
     is_partial_allocation: bool = True  # in a burst, hold a window of layers per request
     window_layers: int | None = None  # None: the deepest rank depth the planner profiles, + 1
+    # budgets aim this fraction of the time to the deadline early: execution noise under the
+    # runtime monitor's tolerance would otherwise turn a budget set at the deadline into a miss
+    safety_margin: float = 0.08
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
             raise ConfigError("max_batch_size, max_candidates and kv_capacity_tokens must be >= 1")
+        if not 0 <= self.safety_margin < 0.5:
+            raise ConfigError(f"safety_margin={self.safety_margin} must be in [0, 0.5)")
         if self.window_layers is not None and self.window_layers < 1:
             raise ConfigError(f"window_layers={self.window_layers} must be >= 1")
 
@@ -60,7 +65,8 @@ class SloAwareScheduler:
             if len(self._bands) > 100_000:
                 self._bands.clear()
             self._bands[key] = self.planner.band(_shape(requests), self.config.band_signal)
-        return self._bands[key]
+        k = self.planner.correction.get(self.config.band_signal, 1.0)
+        return self._bands[key][0] * k, self._bands[key][1] * k
 
     def floor(self, r: QueuedRequest) -> float:
         return self.band([r])[0]
@@ -149,7 +155,7 @@ class SloAwareScheduler:
             tokens += np.concatenate([[0], np.cumsum([r.num_tokens for r in bucket])])[k]
             first_deadline = np.where(k > 0, np.minimum(first_deadline, bucket[0].deadline_s), first_deadline)
         floor, saturation = self._bands_of(totals)
-        limit = first_deadline - now
+        limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
         budget = np.where(floor > limit, floor, np.minimum(limit, saturation))
         on_time = np.zeros(M, int)
         for b, bucket in enumerate(buckets):  # members sorted by deadline: the late ones come first
@@ -178,5 +184,6 @@ class SloAwareScheduler:
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Budget bands [M] of M batches given by their summed request terms."""
         cfg, cost, signal = self.planner.config, self.planner.cost, self.config.band_signal
-        return (ttft_totals(cost, signal, (1, 1), cfg.r_min, totals),
-                ttft_totals(cost, signal, (1, 1), cfg.r_max, totals))
+        k = self.planner.correction.get(signal, 1.0)  # measured / predicted, learned while serving
+        return (k * ttft_totals(cost, signal, (1, 1), cfg.r_min, totals),
+                k * ttft_totals(cost, signal, (1, 1), cfg.r_max, totals))

@@ -170,3 +170,19 @@ def test_batch_totals_price_a_plan_exactly_like_the_grid(signal):
             for r in (0.05, 0.5):
                 want = ttft_grid(slow.cost, shape, signal, (pair,), np.array([r]))[0, 0]
                 assert ttft_totals(slow.cost, signal, pair, r, totals)[0] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_learned_correction_sizes_plans_for_the_measured_pace(planner):
+    fresh = Planner(make_profile())
+    reqs = batch()
+    floor, saturation = fresh.band(fresh.shape(reqs), "qci")
+    budget = floor + 0.6 * (saturation - floor)
+    before = fresh.plan(reqs, budget)
+    for _ in range(30):
+        fresh.observe("qci", 1.25)  # QCI batches keep running 25% over the model
+    assert fresh.correction["qci"] == pytest.approx(1.25, rel=1e-3)
+    after = fresh.plan(reqs, budget)
+    assert after.predicted_ttft_s <= budget and after.floor_s == pytest.approx(1.25 * floor, rel=1e-3)
+    assert sum(after.coverages) < sum(before.coverages)  # less fits once the pace is known
+    fresh.observe("qci", 50.0)  # a wild outlier is clipped, not believed
+    assert fresh.correction["qci"] <= 0.7 * 1.25 + 0.3 * 2.0 + 1e-9

@@ -119,7 +119,7 @@ def test_bad_requests_are_named(kwargs, match):
 def _reference_score(sched, members, live, floors, now):
     """Algorithm 1's scoring of one composition, written plainly (one band call per candidate)."""
     floor, saturation = sched.band(members)
-    limit = min(r.deadline_s for r in members) - now
+    limit = (min(r.deadline_s for r in members) - now) * (1 - sched.config.safety_margin)
     budget = floor if floor > limit else min(limit, saturation)
     ids = {r.request_id for r in members}
     waiting = sorted((r for r in live if r.request_id not in ids), key=lambda r: r.arrival_s)
