@@ -50,6 +50,8 @@ def plot(result: BenchResult, path: Path) -> Path:
         by = {r["method"]: r["qsa"] for r in rows if r["slo_scale"] == scale}
         ax.bar([i + j * width for i in range(len(methods))], [by.get(m, 0) for m in methods], width,
                label=f"SLO {scale:g}x base")
+    for j, best in enumerate(r for r in result.rows if r["method"] == "best_static"):
+        ax.axhline(best["qsa"], ls="--", lw=1, color=f"C{j}", label=f"BestStatic {best['slo_scale']:g}x ({best['config']})")
     ax.set_xticks([i + width * (len(scales) - 1) / 2 for i in range(len(methods))], methods, rotation=40, ha="right")
     ax.set_ylabel("QSA (on time and gate passed)")
     ax.set_ylim(0, 1)
