@@ -22,7 +22,7 @@ from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
-from cachesmith.scheduler import QueuedRequest, SchedulerConfig
+from cachesmith.scheduler import QueuedRequest, ScheduleDecision, SchedulerConfig
 from cachesmith.workloads.gates import make_gate
 
 
@@ -107,12 +107,20 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestResult]:
         """One batch boundary: schedule, run the batch, advance the clock. [] when idle."""
-        now = self.clock.now()
-        decision = self.scheduler.next_batch([a.queued for a in self._queue.values()], now)
+        decided = self.next_decision()
+        return [] if decided is None else self.run_batch(*decided)
+
+    def next_decision(self) -> tuple[ScheduleDecision, list[Admitted]] | None:
+        """Schedule the next batch and take its requests off the queue (the part of a step that
+        must not overlap a submit: `EngineLoop` holds its lock around this only)."""
+        decision = self.scheduler.next_batch([a.queued for a in self._queue.values()], self.clock.now())
         if decision is None:
-            return []
+            return None
         self.clock.advance(decision.decision_s)
-        batch = [self._queue.pop(i) for i in decision.request_ids]
+        return decision, [self._queue.pop(i) for i in decision.request_ids]
+
+    def run_batch(self, decision: ScheduleDecision, batch: list[Admitted]) -> list[RequestResult]:
+        """Execute a decided batch, advance the clock by its TTFT, gate and return the results."""
         start = self.clock.now()
         run = self.executor.execute(decision, batch)
         self.clock.advance(run.seconds)

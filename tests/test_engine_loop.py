@@ -1,0 +1,92 @@
+"""The live engine loop: concurrent submits, refusals, queue limit, drain on close, failed batches."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cachesmith.clock import LiveClock
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
+from cachesmith.errors import ConfigError
+from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
+from tests.planner.synthetic_profile import make_profile
+
+pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    return tiny_pipeline(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-loop")), tmp_path_factory.mktemp("kv"))
+
+
+def live_engine(pipe, method="cachesmith"):
+    return Engine(pipe, make_profile(num_layers=pipe.model.num_layers), EngineConfig(method, "live"), LiveClock())
+
+
+def test_concurrent_submits_all_resolve(pipe):
+    loop = EngineLoop(live_engine(pipe))
+    futures, lock = [], threading.Lock()
+
+    def client(k):
+        for i in range(3):
+            f = loop.submit(instance(10 * k + i), 30.0)
+            with lock:
+                futures.append(f)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = [f.result(timeout=60) for f in futures]
+    assert len({r.request_id for r in results}) == 9
+    assert all(r.error is None and r.is_on_time and r.first_token_s >= r.arrival_s for r in results)
+    assert loop.close(timeout=10)
+
+
+def test_refusals_queue_limit_and_drain_on_close(pipe):
+    engine = live_engine(pipe)
+    loop = EngineLoop(engine, max_queue=2)
+    bad = loop.submit(instance(1), -1.0).result(timeout=5)
+    assert "slo_s=-1.0" in bad.error
+    gate = threading.Event()
+    original = engine.run_batch
+
+    def slow(decision, batch):  # hold the first batch so the queue fills behind it
+        gate.wait(10)
+        return original(decision, batch)
+
+    engine.run_batch = slow
+    first = loop.submit(instance(2), 30.0)
+    deadline = time.monotonic() + 10
+    while engine.queue_depth and time.monotonic() < deadline:  # wait until the loop took it
+        time.sleep(0.001)
+    assert engine.queue_depth == 0
+    queued = [loop.submit(instance(3 + i), 30.0) for i in range(2)]
+    with pytest.raises(QueueFull, match="max_queue=2") as err:
+        loop.submit(instance(9), 30.0)
+    assert err.value.retry_after_s > 0
+    gate.set()
+    assert loop.close(timeout=30)  # drains what was queued
+    assert all(f.result(timeout=1).error is None for f in [first, *queued])
+    with pytest.raises(EngineClosed):
+        loop.submit(instance(4), 30.0)
+
+
+def test_a_failing_batch_becomes_per_request_errors(pipe):
+    engine = live_engine(pipe, "full_reuse")
+    loop = EngineLoop(engine)
+    original = engine.executor.execute
+    engine.executor.execute = lambda d, b: (_ for _ in ()).throw(RuntimeError("kaboom"))
+    res = loop.submit(instance(5), 30.0).result(timeout=10)
+    assert "internal error while serving: kaboom" in res.error
+    engine.executor.execute = original
+    assert loop.submit(instance(6), 30.0).result(timeout=30).error is None  # still serving
+    assert loop.close(timeout=10)
+
+
+def test_the_loop_needs_the_live_clock(pipe):
+    with pytest.raises(ConfigError, match="live clock"):
+        EngineLoop(Engine(pipe, make_profile(num_layers=pipe.model.num_layers)))
