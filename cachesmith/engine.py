@@ -9,8 +9,7 @@ executor runs it and reports the measured TTFT, which the replay clock adds to i
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -71,8 +70,6 @@ class Engine:
     def admit(self, request: Request) -> Admitted:
         """Validate, tokenize and make sure every chunk's KV is stored (a miss is prefilled here)."""
         rid = request.request_id
-        if not isinstance(request.slo_s, (int, float)) or not math.isfinite(request.slo_s) or request.slo_s <= 0:
-            raise InputError(f"request {rid}: slo_s={request.slo_s!r} must be a positive number of seconds")
         inst = request.instance
         parts = self.pipeline.instance_prompt(inst)
         context = sum(len(c) for c in parts.chunk_ids)
@@ -85,8 +82,8 @@ class Engine:
         if total > capacity:
             raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
                              f"{capacity} tokens (scheduler.kv_capacity_tokens) even alone")
-        queued = QueuedRequest(rid, request.arrival_s, float(request.slo_s), context, len(parts.suffix_ids),
-                               len(parts.prefix_ids))
+        queued = QueuedRequest(rid, request.arrival_s, request.slo_s, context, len(parts.suffix_ids),
+                               len(parts.prefix_ids))  # validates the SLO before any chunk is prefilled
         return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued)
 
     def submit(self, request: Request | Admitted) -> RequestResult | None:
@@ -145,8 +142,7 @@ class Engine:
                 batch_id, len(batch), out.qci_entropy))
         return results
 
-    def run(self, requests: Sequence[Request], show_progress: bool = False,
-            on_result: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+    def run(self, requests: Sequence[Request], show_progress: bool = False) -> list[RequestResult]:
         """Serve a trace: each request joins the queue at its arrival time on this engine's clock
         (replay: virtual; live: real seconds from now). Results in request order."""
         admitted: list[Admitted] = []
@@ -173,7 +169,5 @@ class Engine:
             for res in self.step():
                 results[res.request_id] = res
                 bar.update(1)
-                if on_result is not None:
-                    on_result(res)
         bar.close()
         return [results[r.request_id] for r in requests]

@@ -65,7 +65,7 @@ class EngineLoop:
         with self._cond:
             if self._is_closing:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
-            depth = self.engine.queue_depth + self._num_admitting
+            depth = self.queue_depth  # the condition's lock is reentrant
             if depth >= self.max_queue:
                 raise QueueFull(depth, self.max_queue, self.retry_after_s())
             self._num_admitting += 1

@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 from cachesmith.kvstore import KeyedRequest
 from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
-from cachesmith.planner import BatchPlan, BatchShape, Planner, PlanRequest
+from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
-from cachesmith.recompute import HookChain, RecomputeConfig, RunnerHooks, Signal
+from cachesmith.recompute import HookChain, RecomputeConfig, Signal
 from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
+from cachesmith.scheduler.types import batch_shape
 
 # stages nothing beyond layer 0: the real plan (and what it loads) is decided there
 PROVISIONAL = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
@@ -49,27 +50,13 @@ class BatchExecution:
     seconds: float  # staging to the last first token: the batch's TTFT
     stall_s: float  # time the runner waited on KV transfer
     plan_label: str
-    plan: BatchPlan | None  # "planned" batches
-    planner_s: float  # the planner's decision time (inside `seconds`; staging the plan is not in it)
+    plan: BatchPlan | None = None  # "planned" batches
     num_monitor_replans: int = 0
 
-
-class _Deferred(RunnerHooks):
-    """Forwards to a hook that exists only once the plan is decided (the monitor)."""
-
-    def __init__(self) -> None:
-        self.target = None
-
-    def before_layer(self, layer: int, phase: str) -> None:
-        if self.target is not None:
-            self.target.before_layer(layer, phase)
-
-    def after_selection(self, selected) -> None:
-        if self.target is not None:
-            self.target.after_selection(selected)
-
-    def after_layer(self, info):
-        return None if self.target is None else self.target.after_layer(info)
+    @property
+    def planner_s(self) -> float:
+        """The planner's decision time (inside `seconds`; staging the plan is not in it)."""
+        return self.plan.decision_s if self.plan else 0.0
 
 
 class BatchExecutor:
@@ -77,59 +64,57 @@ class BatchExecutor:
         self.pipeline, self.planner = pipeline, planner
 
     def execute(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
-        if decision.mode == "planned":
-            if self.planner is None:
-                raise ValueError("a planned batch needs the executor's planner")
-            run = self._planned(decision, batch)
-        else:
-            run = self._static(decision, batch)
-        outs, seconds, stall, label, plan, planner_s, replans = run
+        if decision.mode != "planned":
+            plan = replace(decision.static_plan, coverage=decision.coverage)
+            outs, seconds, stall = self._timed_run(batch, plan)
+            return self._decode(batch, outs, [decision.coverage] * len(batch), seconds, stall, plan.label())
+        if self.planner is None:
+            raise ValueError("a planned batch needs the executor's planner")
+        decided: dict = {}
+        outs, seconds, stall = self._timed_run(batch, PROVISIONAL, self._replanner(decision, batch, decided))
+        plan, monitor = decided["plan"], decided["monitor"]
+        if monitor.pace is not None:  # pace is relative to the corrected schedule
+            self.planner.observe(plan.signal, monitor.time_scale * monitor.pace)
+        return self._decode(batch, outs, plan.coverages, seconds, stall, plan.recompute_config().label(), plan,
+                            monitor.num_replans)
+
+    def _timed_run(self, batch: list[Admitted], plan: RecomputeConfig, replanner=None):
+        """(outputs, seconds from staging to the first tokens, transfer stall seconds)."""
+        start = time.perf_counter()
+        with self.pipeline.transfer.stage([a.keyed for a in batch], plan) as staged:
+            hooks = HookChain(staged)
+            replan = None if replanner is None else (lambda h: replanner(h, staged, hooks, start))
+            outs = self.pipeline.runner.run(staged.requests, plan, hooks, replan=replan)
+            for out in outs:
+                out.first_token  # reading the argmax synchronizes with the device
+            return outs, time.perf_counter() - start, staged.stall_s
+
+    def _replanner(self, decision: ScheduleDecision, batch: list[Admitted], decided: dict):
+        """The runner's `replan` after layer 0: plan from the real entropies under the decision's
+        budget, stage what the plan reads, and join the runtime monitor to the layer hooks."""
+        planner = self.planner
+        shape = batch_shape([a.queued for a in batch])
+
+        def replan(entropies, staged, hooks: HookChain, start: float):
+            reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e)
+                    for a, e in zip(batch, entropies)]
+            plan = planner.plan(reqs, decision.budget_s)
+            config = plan.recompute_config()
+            staged.set_plan(config)
+            monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1,
+                                     time_scale=planner.correction.get(plan.signal, 1.0))
+            monitor.start(at=start)
+            hooks.hooks.append(monitor)
+            decided.update(plan=plan, monitor=monitor)
+            return config, list(plan.coverages)
+
+        return replan
+
+    def _decode(self, batch, outs, coverages, seconds, stall, label, plan=None, replans=0) -> BatchExecution:
+        """Greedy answers, after the clock stopped (decode runs off the TTFT clock)."""
         outputs = []
-        for adm, out, cov in zip(batch, outs, plan.coverages if plan else [decision.coverage] * len(batch)):
+        for adm, out, cov in zip(batch, outs, coverages):
             ids = greedy_decode(self.pipeline.model, out.logits, out.cache, adm.request.instance.max_new_tokens)
             outputs.append(RequestOutput(self.pipeline.tokenizer.decode(ids).strip(), float(cov), out.num_context,
                                          int(out.selected.numel()), out.qci_entropy))
-        return BatchExecution(outputs, seconds, stall, label, plan, planner_s, replans)
-
-    def _static(self, decision: ScheduleDecision, batch: list[Admitted]):
-        plan = replace(decision.static_plan, coverage=decision.coverage)
-        keyed = [replace(a.keyed, coverage=None) for a in batch]
-        start = time.perf_counter()
-        with self.pipeline.transfer.stage(keyed, plan) as staged:
-            outs = self.pipeline.runner.run(staged.requests, plan, staged)
-            [o.first_token for o in outs]  # reading the argmax synchronizes with the device
-            seconds = time.perf_counter() - start
-            stall = staged.stall_s
-        return outs, seconds, stall, plan.label(), None, 0.0, 0
-
-    def _planned(self, decision: ScheduleDecision, batch: list[Admitted]):
-        planner = self.planner
-        shape = BatchShape(tuple(a.queued.context_tokens for a in batch), tuple(a.queued.suffix_tokens for a in batch),
-                           tuple(a.queued.prefix_tokens for a in batch))
-        monitor_slot, decided = _Deferred(), {}
-        keyed = [replace(a.keyed, coverage=None) for a in batch]
-        start = time.perf_counter()
-        with self.pipeline.transfer.stage(keyed, PROVISIONAL) as staged:
-            def replan(entropies):
-                reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e)
-                        for a, e in zip(batch, entropies)]
-                plan = planner.plan(reqs, decision.budget_s)
-                config = plan.recompute_config()
-                staged.set_plan(config)
-                scale = planner.correction.get(plan.signal, 1.0)
-                monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1, time_scale=scale)
-                monitor.start(at=start)
-                monitor_slot.target = monitor
-                decided.update(plan=plan, monitor=monitor, planner_s=plan.decision_s)
-                return config, list(plan.coverages)
-
-            outs = self.pipeline.runner.run(staged.requests, PROVISIONAL, HookChain(staged, monitor_slot),
-                                            replan=replan)
-            [o.first_token for o in outs]
-            seconds = time.perf_counter() - start
-            stall = staged.stall_s
-        plan, monitor = decided["plan"], decided["monitor"]
-        if monitor.pace is not None:  # pace is relative to the corrected schedule
-            planner.observe(plan.signal, monitor.time_scale * monitor.pace)
-        return (outs, seconds, stall, plan.recompute_config().label(), plan, decided["planner_s"],
-                monitor.num_replans)
+        return BatchExecution(outputs, seconds, stall, label, plan, replans)

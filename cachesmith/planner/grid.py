@@ -1,7 +1,8 @@
 """Vectorized TTFT over many (w, p) splits and a coverage grid at once: the planner's inner loop.
 
-In: a `CostModel`, a `BatchShape`, a signal, J (w, p) pairs and K uniform coverages. Out: TTFT
-[J, K]. The same walk as `CostModel.schedule` (tests hold them equal), in closed form: a plan is
+In: a `CostModel`, a `BatchShape` (or the summed per-request terms of many batches: the
+scheduler's candidates), a signal, J (w, p) pairs and uniform coverages. Out: TTFT [J, K]; per-request
+coverage rows go through `ttft_rows`. The same walk as `CostModel.schedule` (tests hold them equal), in closed form: a plan is
 a few runs of identical layer passes (WarmUp, Probe, Patch), and over m identical passes of
 compute c whose loads of b seconds each are queued at once on a link free at time a, the last
 pass ends at max(t + m*c, a + b + c + (m - 1) * max(b, c)). So a decision costs a few dozen numpy
@@ -27,8 +28,10 @@ def _run(t, link, m, c, b=None, ready=0.0):
 def ttft_grid(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tuple[int, int], ...],
               coverage_grid: np.ndarray) -> np.ndarray:
     """TTFT [J, K] for uniform coverages [K]."""
-    cov = np.repeat(np.asarray(coverage_grid, float)[:, None], shape.num_requests, axis=1)
-    return ttft_rows(model, shape, signal, pairs, cov)
+    grid = np.asarray(coverage_grid, float)
+    c, q, p, _ = shape.arrays()
+    totals = np.broadcast_to(request_terms(c, q, p).sum(0), (grid.size, len(TERMS)))
+    return ttft_totals(model, signal, pairs, grid, totals)
 
 
 def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tuple[int, int], ...],
@@ -48,37 +51,39 @@ def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tup
 
 
 # per-request terms whose sums over a batch give every feature of a uniform-coverage plan
-TOTALS = ("n", "nn", "q", "qn", "qqp", "c", "cn", "p")
+TERMS = ("n", "nn", "q", "qn", "qqp", "c", "cn", "p")
 
 
-def request_totals(context: int, suffix: int, prefix: int) -> np.ndarray:
-    """[8] terms of one request (see TOTALS); a batch's are the sum of its members'."""
-    c, q, p = float(context), float(suffix), float(prefix)
+def request_terms(context, suffix, prefix) -> np.ndarray:
+    """[R, 8] terms (see TERMS) of R requests given their token counts; a batch's are the sum."""
+    c, q, p = (np.atleast_1d(np.asarray(x, float)) for x in (context, suffix, prefix))
     n = c + q + p
-    return np.array([n, n * n, q, q * n, q * (q + p), c, c * n, p])
+    return np.stack([n, n * n, q, q * n, q * (q + p), c, c * n, p], 1)
 
 
-def ttft_totals(model: CostModel, signal: str, pair: tuple[int, int], coverage: float,
+def ttft_totals(model: CostModel, signal: str, pairs: tuple[tuple[int, int], ...], coverage,
                 totals: np.ndarray) -> np.ndarray:
-    """TTFT [M] of one uniform-coverage plan for M batches given by their summed terms [M, 8]:
-    how the scheduler prices hundreds of candidate batches in one walk."""
-    n, nn, q, qn, qqp, c, cn, p = totals.T
+    """TTFT [J, M] of uniform-coverage plans for M batches given by their summed terms [M, 8], at
+    coverage [M] (or one for all): one batch over a coverage grid, or the scheduler's hundreds of
+    candidate batches at one coverage, in one walk."""
+    n, nn, q, qn, qqp, c, cn, p = np.asarray(totals, float).T
+    r = np.broadcast_to(np.asarray(coverage, float), n.shape)
     costs, per, bw = model.profile.layer_costs, model.profile.kv_bytes_per_token_layer, model.bandwidth_gbps * 1e9
     ones, zeros = np.ones_like(n), np.zeros_like(n)
-    sel_rows, sel_pairs = coverage * c + q, coverage * cn + qn
+    sel_rows, sel_pairs = r * c + q, r * cn + qn
     feats = {"full": (n, nn, zeros), "qci_probe": (q, qn, zeros), "query_only": (q, qqp, zeros),
              "patch": (sel_rows, sel_pairs, zeros), "score_patch": (sel_rows, sel_pairs, n)}
-    loads = {"full": (c + p) * per, "prefix": p * per, "reused": ((1.0 - coverage) * c + p) * per}
+    loads = {"full": (c + p) * per, "prefix": p * per, "reused": ((1.0 - r) * c + p) * per}
 
     def compute(kind):  # [1, M]
-        rows, pairs, aux = feats[kind]
-        return phase_seconds(costs[kind], np.stack([ones, rows, pairs, aux], 1))[None, :]
+        rows, pairs_, aux = feats[kind]
+        return phase_seconds(costs[kind], np.stack([ones, rows, pairs_, aux], 1))[None, :]
 
     def load(kind):
         return (loads[kind] / bw)[None, :]
 
     t0 = phase_seconds(model.profile.overhead, np.stack([ones, n, zeros, zeros], 1))[None, :]
-    return _walk(model.num_layers, signal, (pair,), compute, load, t0)[0]
+    return _walk(model.num_layers, signal, pairs, compute, load, t0)
 
 
 def _walk(L: int, signal: str, pairs: tuple[tuple[int, int], ...], compute, load, t: np.ndarray) -> np.ndarray:

@@ -39,7 +39,8 @@ class RunnerHooks:
 
 
 class HookChain(RunnerHooks):
-    """Several hooks in order; the lowest coverage any of them asks for wins."""
+    """Several hooks in order; the lowest coverage any of them asks for wins. `hooks` may grow
+    during a run (a monitor joins once the plan is decided after layer 0)."""
 
     def __init__(self, *hooks: RunnerHooks) -> None:
         self.hooks = [h for h in hooks if h is not None]

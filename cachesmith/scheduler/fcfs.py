@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from cachesmith.planner import CostModel
 from cachesmith.recompute import RecomputeConfig, full_reuse
-from cachesmith.scheduler.slo_aware import SchedulerConfig, _shape
-from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
+from cachesmith.scheduler.slo_aware import SchedulerConfig
+from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
 
 
 class FcfsStatic:
@@ -30,7 +30,7 @@ class FcfsStatic:
 
     def ttft(self, batch: Sequence[QueuedRequest], plan: RecomputeConfig) -> float:
         cov = [plan.coverage] * len(batch)
-        return float(self.cost.ttft(_shape(batch), plan.signal.value, plan.warmup, plan.probe, cov)[0])
+        return float(self.cost.ttft(batch_shape(batch), plan.signal.value, plan.warmup, plan.probe, cov)[0])
 
     def next_batch(self, queue: Sequence[QueuedRequest], now: float) -> ScheduleDecision | None:
         start = time.perf_counter()

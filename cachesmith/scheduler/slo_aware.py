@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachesmith.errors import ConfigError
-from cachesmith.planner import BatchShape, Planner
-from cachesmith.planner.grid import TOTALS, request_totals, ttft_grid, ttft_totals
+from cachesmith.planner import Planner
+from cachesmith.planner.grid import TERMS, request_terms, ttft_grid, ttft_totals
 from cachesmith.recompute import full_reuse
 from cachesmith.scheduler.buckets import bucketize, compositions
-from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
+from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,10 @@ class SchedulerConfig:
             raise ConfigError(f"window_layers={self.window_layers} must be >= 1")
 
 
-def _shape(requests: Sequence[QueuedRequest]) -> BatchShape:
-    return BatchShape(tuple(r.context_tokens for r in requests), tuple(r.suffix_tokens for r in requests),
-                      tuple(r.prefix_tokens for r in requests))
-
-
 class SloAwareScheduler:
     def __init__(self, planner: Planner, config: SchedulerConfig | None = None) -> None:
         self.planner = planner
         self.config = config or SchedulerConfig()
-        self._bands: dict[tuple, tuple[float, float]] = {}  # by the batch's sorted token counts
         num_layers = planner.profile.num_layers
         # a QCI probe rewinds to the last WarmUp layer: the window must span the deepest probe
         deepest = max(planner.depths) + 1
@@ -60,13 +54,9 @@ class SloAwareScheduler:
         self.partial_capacity = self.config.kv_capacity_tokens * num_layers // self.window_layers
 
     def band(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
-        key = tuple(sorted((r.context_tokens, r.suffix_tokens, r.prefix_tokens) for r in requests))
-        if key not in self._bands:
-            if len(self._bands) > 100_000:
-                self._bands.clear()
-            self._bands[key] = self.planner.band(_shape(requests), self.config.band_signal)
-        k = self.planner.correction.get(self.config.band_signal, 1.0)
-        return self._bands[key][0] * k, self._bands[key][1] * k
+        """(floor, saturation) of running `requests` as one batch."""
+        floor, saturation = self._bands_of(_terms(requests).sum(0)[None, :])
+        return float(floor[0]), float(saturation[0])
 
     def floor(self, r: QueuedRequest) -> float:
         return self.band([r])[0]
@@ -74,7 +64,7 @@ class SloAwareScheduler:
     def full_reuse_s(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
         """(TTFT of full reuse, the coverage that fits in it for free while KV streams in)."""
         grid = np.round(np.arange(0, 21) * 0.05, 2)
-        t = ttft_grid(self.planner.cost, _shape(requests), "position", ((0, 0),), grid)[0]
+        t = ttft_grid(self.planner.cost, batch_shape(requests), "position", ((0, 0),), grid)[0]
         free = grid[t <= t[0] * (1 + 1e-9)]
         return float(t[0]), float(free.max())
 
@@ -82,34 +72,33 @@ class SloAwareScheduler:
         start = time.perf_counter()
         if not queue:
             return None
-        singles = np.array([request_totals(r.context_tokens, r.suffix_tokens, r.prefix_tokens) for r in queue])
-        floors = dict(zip((r.request_id for r in queue), self._bands_of(singles)[0].tolist()))
+        floors = dict(zip((r.request_id for r in queue), self._bands_of(_terms(queue))[0].tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
             return self._doomed_batch(doomed, now, start)
-        best, window = self._search(live, floors, now, self.config.kv_capacity_tokens), None
-        if self._is_burst(live, floors, now):
+        priced = self._price(live, floors, now)
+        best, window = self._pick(priced, self.config.kv_capacity_tokens), None
+        if self._is_burst(priced[0]):
             # a bucket that cannot run at once: hold a window of layers per request and widen
-            wide = self._search(live, floors, now, self.partial_capacity)
+            wide = self._pick(priced, self.partial_capacity)
             if wide[0] > best[0]:  # only when it places more requests on time
                 best, window = wide, self.window_layers
         if doomed:  # serve the doomed first only if no live request loses its chance by it
             wait, _ = self.full_reuse_s(doomed[: self.config.max_batch_size])
-            if self._search(live, floors, now + wait, self.config.kv_capacity_tokens)[0] >= best[0]:
+            later = self._pick(self._price(live, floors, now + wait), self.config.kv_capacity_tokens)
+            if later[0] >= best[0]:
                 return self._doomed_batch(doomed, now, start)
-        on_time, members, budget, count = best
+        on_time, members, budget = best
         return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned",
-                                expected_on_time=on_time, num_candidates=count,
+                                expected_on_time=on_time, num_candidates=len(priced[1]) - 1,  # the fallback row is not one
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
 
-    def _is_burst(self, live: list[QueuedRequest], floors: dict[int, float], now: float) -> bool:
+    def _is_burst(self, buckets: list[list[QueuedRequest]]) -> bool:
         """Some deadline x length bucket holds more context than the KV capacity (paper §5.2)."""
         if not self.config.is_partial_allocation or self.window_layers >= self.planner.profile.num_layers:
             return False
-        quantum = max(min(floors[r.request_id] for r in live), 1e-3)
-        buckets = bucketize(live, now, quantum, self.config.length_edges)
         return any(sum(r.num_tokens for r in b) > self.config.kv_capacity_tokens for b in buckets)
 
     def _doomed_batch(self, doomed: list[QueuedRequest], now: float, start: float) -> ScheduleDecision:
@@ -119,40 +108,45 @@ class SloAwareScheduler:
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
 
-    def _search(self, live: list[QueuedRequest], floors: dict[int, float], now: float, capacity: int):
-        """(on time, members, budget, candidates evaluated) of the best composition whose
-        context fits `capacity` tokens. Every candidate is priced in one vectorized pass."""
+    def _price(self, live: list[QueuedRequest], floors: dict[int, float], now: float):
+        """Every candidate composition priced in one vectorized pass: (buckets, compositions [M, B]
+        with the most urgent request alone as the last row, on-time counts, budgets, tokens)."""
         cfg = self.config
         quantum = max(min(floors[r.request_id] for r in live), 1e-3)
         buckets = bucketize(live, now, quantum, cfg.length_edges)
-        combos = np.array(list(compositions([len(b) for b in buckets], cfg.max_batch_size, cfg.max_candidates)))
-        score, budget, fits = self._evaluate(buckets, combos, floors, now, capacity)
-        score = np.where(fits, score, -1)
-        if not fits.any():  # nothing fits the KV capacity together: the most urgent alone
-            combos = np.zeros((1, len(buckets)), int)
-            combos[0, 0] = 1
-            score, budget, _ = self._evaluate(buckets, combos, floors, now, capacity)
-        done = np.nonzero(score == len(live))[0]
-        m = int(done[0]) if done.size else int(np.argmax(score))  # the first that satisfies all
-        members = [r for b, k in zip(buckets, combos[m]) for r in b[:k]]
-        return int(score[m]), members, float(budget[m]), len(combos)  # all priced at once
+        alone = np.zeros((1, len(buckets)), int)
+        alone[0, 0] = 1  # the fallback when nothing fits the KV capacity together
+        combos = np.vstack([np.array(list(compositions([len(b) for b in buckets], cfg.max_batch_size,
+                                                        cfg.max_candidates))), alone])
+        return (buckets, combos, *self._evaluate(buckets, combos, floors, now))
+
+    def _pick(self, priced, capacity: int) -> tuple[int, list[QueuedRequest], float]:
+        """(on time, members, budget) of the first composition within `capacity` that satisfies
+        every live request, else the one that satisfies the most."""
+        buckets, combos, score, budget, tokens = priced
+        fits = tokens[:-1] <= capacity
+        score = np.append(np.where(fits, score[:-1], -1), score[-1] if not fits.any() else -1)
+        done = np.nonzero(score == sum(len(b) for b in buckets))[0]
+        m = int(done[0]) if done.size else int(np.argmax(score))
+        return int(score[m]), [r for b, k in zip(buckets, combos[m]) for r in b[:k]], float(budget[m])
 
     def _evaluate(self, buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float],
-                  now: float, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(requests on time in batch + modeled queue, budget, fits the KV capacity) per candidate.
+                  now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(requests on time in batch + modeled queue, budget, context tokens) per candidate.
 
         A candidate's budget is raised to its most urgent member's deadline, capped at saturation;
         past saturation only while every waiting request still clears its floor (FCFS at floors
         after the batch). Below its floor it runs at the floor and counts who still makes it."""
         M = combos.shape[0]
-        totals, tokens = np.zeros((M, len(TOTALS))), np.zeros(M)
+        totals, tokens = np.zeros((M, len(TERMS))), np.zeros(M)
         first_deadline = np.full(M, np.inf)
+        flat = [r for bucket in buckets for r in bucket]
+        terms, sizes = _terms(flat), np.array([r.num_tokens for r in flat], float)  # one call for all
+        ends = np.cumsum([len(bucket) for bucket in buckets])
         for b, bucket in enumerate(buckets):
-            k = combos[:, b]
-            cum = np.vstack([np.zeros(len(TOTALS)), np.cumsum([request_totals(r.context_tokens, r.suffix_tokens,
-                                                                               r.prefix_tokens) for r in bucket], 0)])
-            totals += cum[k]
-            tokens += np.concatenate([[0], np.cumsum([r.num_tokens for r in bucket])])[k]
+            k, rows = combos[:, b], slice(ends[b] - len(bucket), ends[b])
+            totals += np.vstack([np.zeros(len(TERMS)), np.cumsum(terms[rows], 0)])[k]
+            tokens += np.concatenate([[0.0], np.cumsum(sizes[rows])])[k]
             first_deadline = np.where(k > 0, np.minimum(first_deadline, bucket[0].deadline_s), first_deadline)
         floor, saturation = self._bands_of(totals)
         limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
@@ -168,10 +162,10 @@ class SloAwareScheduler:
         waiting = combos[:, where_b] <= where_j[None, :]  # [M, Q]
         fl = np.array([floors[buckets[b][j].request_id] for _, b, j in order])
         dl = np.array([buckets[b][j].deadline_s for _, b, j in order])
-        ends = np.cumsum(waiting * fl[None, :], 1)  # [M, Q] after the batch starts the queue
+        queue_ends = np.cumsum(waiting * fl[None, :], 1)  # [M, Q] after the batch starts the queue
 
         def queue_on_time(start: np.ndarray) -> np.ndarray:
-            return ((start[:, None] + ends <= dl[None, :]) & waiting).sum(1)
+            return ((start[:, None] + queue_ends <= dl[None, :]) & waiting).sum(1)
 
         queued = queue_on_time(now + budget)
         num_waiting = waiting.sum(1)
@@ -179,11 +173,18 @@ class SloAwareScheduler:
         if raise_ok.any():
             raise_ok &= queue_on_time(now + limit) == num_waiting
             budget = np.where(raise_ok, limit, budget)
-        return on_time + queued, budget, tokens <= capacity
+        return on_time + queued, budget, tokens
 
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Budget bands [M] of M batches given by their summed request terms."""
+        """Budget bands [M] of M batches given by their summed request terms [M, 8], in one walk."""
         cfg, cost, signal = self.planner.config, self.planner.cost, self.config.band_signal
         k = self.planner.correction.get(signal, 1.0)  # measured / predicted, learned while serving
-        return (k * ttft_totals(cost, signal, (1, 1), cfg.r_min, totals),
-                k * ttft_totals(cost, signal, (1, 1), cfg.r_max, totals))
+        M = totals.shape[0]
+        t = ttft_totals(cost, signal, ((1, 1),), np.repeat([cfg.r_min, cfg.r_max], M), np.vstack([totals, totals]))[0]
+        return k * t[:M], k * t[M:]
+
+
+def _terms(requests: Sequence[QueuedRequest]) -> np.ndarray:
+    """[R, 8] cost-model terms of the requests (`planner.grid.TERMS`)."""
+    return request_terms([r.context_tokens for r in requests], [r.suffix_tokens for r in requests],
+                         [r.prefix_tokens for r in requests])

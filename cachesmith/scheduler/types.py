@@ -6,9 +6,12 @@ reuse for requests that cannot make their SLO anyway).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cachesmith.errors import InputError
+from cachesmith.planner import BatchShape
 from cachesmith.recompute import RecomputeConfig
 
 
@@ -22,8 +25,8 @@ class QueuedRequest:
     prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if not self.slo_s > 0:
-            raise InputError(f"request {self.request_id}: slo_s={self.slo_s} must be positive")
+        if not isinstance(self.slo_s, (int, float)) or not math.isfinite(self.slo_s) or self.slo_s <= 0:
+            raise InputError(f"request {self.request_id}: slo_s={self.slo_s!r} must be a positive number of seconds")
         if self.context_tokens < 1:
             raise InputError(f"request {self.request_id}: no context (context_tokens={self.context_tokens})")
         if self.suffix_tokens < 1:
@@ -50,3 +53,9 @@ class ScheduleDecision:
     decision_s: float = 0.0
     doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, past saving
     kv_window_layers: int | None = None  # partial KV allocation: layers resident per request
+
+
+def batch_shape(requests: Sequence[QueuedRequest]) -> BatchShape:
+    """The cost model's view of running `requests` as one batch."""
+    return BatchShape(tuple(r.context_tokens for r in requests), tuple(r.suffix_tokens for r in requests),
+                      tuple(r.prefix_tokens for r in requests))

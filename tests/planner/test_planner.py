@@ -155,9 +155,10 @@ def test_stalls_on_a_slow_link_are_spent_on_coverage():
 
 
 @pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "position"])
-def test_batch_totals_price_a_plan_exactly_like_the_grid(signal):
-    """The scheduler prices candidate batches from summed per-request terms: same TTFT."""
-    from cachesmith.planner.grid import request_totals, ttft_grid, ttft_totals
+def test_summed_request_terms_price_a_batch_like_its_per_request_walk(signal):
+    """Uniform-coverage pricing from summed terms (the grid, the scheduler's candidates) equals the
+    walk over the batch's per-request coverage rows (the allocation check)."""
+    from cachesmith.planner.grid import request_terms, ttft_rows, ttft_totals
 
     slow = Planner(make_profile(gbps=0.5))  # a slow link, so stalls enter the walk
     rng = np.random.default_rng(3)
@@ -165,11 +166,11 @@ def test_batch_totals_price_a_plan_exactly_like_the_grid(signal):
         R = int(rng.integers(1, 6))
         c, q, p = rng.integers(100, 3000, R), rng.integers(10, 60, R), rng.integers(0, 30, R)
         shape = BatchShape(tuple(map(int, c)), tuple(map(int, q)), tuple(map(int, p)))
-        totals = sum(request_totals(*x) for x in zip(c, q, p))[None, :]
-        for pair in ((1, 1), (2, 3)):
-            for r in (0.05, 0.5):
-                want = ttft_grid(slow.cost, shape, signal, (pair,), np.array([r]))[0, 0]
-                assert ttft_totals(slow.cost, signal, pair, r, totals)[0] == pytest.approx(want, rel=1e-12)
+        totals = request_terms(c, q, p).sum(0)[None, :]
+        pairs = ((1, 1), (2, 3))
+        for r in (0.05, 0.5):
+            want = ttft_rows(slow.cost, shape, signal, pairs, np.full((1, R), r))[:, 0]
+            np.testing.assert_allclose(ttft_totals(slow.cost, signal, pairs, r, totals)[:, 0], want, rtol=1e-12)
 
 
 def test_a_learned_correction_sizes_plans_for_the_measured_pace(planner):

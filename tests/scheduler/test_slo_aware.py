@@ -148,7 +148,7 @@ def test_vectorized_search_agrees_with_a_plain_scoring_of_every_composition():
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
             continue
-        on_time, members, _, _ = sched._search(live, floors, now, sched.config.kv_capacity_tokens)
+        on_time, members, _ = sched._pick(sched._price(live, floors, now), sched.config.kv_capacity_tokens)
         quantum = max(min(floors[r.request_id] for r in live), 1e-3)
         buckets = bucketize(live, now, quantum, sched.config.length_edges)
         best = max(_reference_score(sched, [r for b, k in zip(buckets, combo) for r in b[:k]], live, floors, now)
