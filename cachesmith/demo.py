@@ -24,7 +24,7 @@ DEMO = BenchConfig(task="mix", num_requests=20, pattern="gamma", cv=2.0, utiliza
 def main(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
          out: Path = Path("bench-results/demo")) -> int:
     pipe = RagPipeline(model, device, dtype)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # the main job measures afresh every time
+    shutil.rmtree(out, ignore_errors=True)  # the main job measures afresh every time, base SLO included
     print(f"model {model} ({dtype}, {device}); bench {DEMO.name}: {DEMO.num_requests} MIX requests, "
           f"Gamma CV {DEMO.cv:g} arrivals at utilization {DEMO.utilization:g}, SLO {DEMO.slo_scales[0]:g}x base; "
           f"methods: {', '.join(DEMO.methods)}")

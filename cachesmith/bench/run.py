@@ -62,7 +62,9 @@ def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Prof
     return statistics.fmean(ttfts), speed_factor(profile, shapes, ttfts)
 
 
-def _base(pipe, config, insts, profile, out: Path, show_progress: bool) -> tuple[float, float]:
+def _base(pipe, config, insts, profile, source: str, out: Path, show_progress: bool) -> tuple[float, float]:
+    if config.base_slo_s is not None and source == "measured":
+        return config.base_slo_s, 1.0  # nothing to measure: the SLO is given, the profile is this machine's
     path = out / "base.json"
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -102,7 +104,7 @@ def run_bench(pipe: RagPipeline, config: BenchConfig, out: Path, profile_path: P
     (out / "runs").mkdir(parents=True, exist_ok=True)
     profile, source = find_profile(pipe, profile_path)
     insts = instances(config)
-    base, factor = _base(pipe, config, insts, profile, out, show_progress)
+    base, factor = _base(pipe, config, insts, profile, source, out, show_progress)
     if source == "packaged":
         profile = rescaled(profile, factor)
     methods = list(config.methods)

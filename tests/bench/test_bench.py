@@ -60,3 +60,13 @@ def test_bench_writes_summary_records_and_resumes(setup, monkeypatch):
 def test_bad_bench_configs_are_named(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         BenchConfig(**kwargs)
+
+
+def test_a_given_base_slo_with_a_measured_profile_measures_nothing(setup, monkeypatch):
+    pipe, root = setup
+    monkeypatch.setattr(bench_run, "measure_base", lambda *a: pytest.fail("the base SLO was given"))
+    config = BenchConfig(workload_file=str(root / "work.jsonl"), num_requests=3, methods=("full_reuse",),
+                         base_slo_s=1.5)
+    result = run_bench(pipe, config, root / "given", root / "profile.json", show_progress=False)
+    assert result.base_slo_s == 1.5 and result.speed_factor == 1.0
+    assert {r["slo_s"] for r in result.records} == {1.5 * 2.0}
