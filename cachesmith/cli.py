@@ -5,6 +5,7 @@
   cachesmith ask --doc FILE ... --question TEXT [--method cacheblend --coverage 0.15]
   cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
   cachesmith profile [--num-requests 200]      (offline, resumable)
+  cachesmith serve [--host 127.0.0.1 --port 8000 --api-key-file F --max-queue 64]
   cachesmith bench --task mix --pattern gamma --cv 3 --slo-scale 1 2 --methods cachesmith cacheblend@0.15
   cachesmith workload card --task pr|msq|vt|mv [--variant V] [--json]
   cachesmith workload export --task T --num-instances N --out FILE.jsonl
@@ -190,6 +191,56 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from cachesmith.engine import EngineConfig
+    from cachesmith.kvstore import StoreConfig
+    from cachesmith.scheduler import SchedulerConfig
+    from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
+
+    api_key = None
+    if args.api_key_file:
+        try:
+            api_key = args.api_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CachesmithError(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") from exc
+    server = ServerConfig(args.host, args.port, api_key, args.max_body_bytes, args.drain_timeout)
+    sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
+    config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
+                           StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url),
+                           args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
+                           default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(f"loading {config.model} ({config.dtype}, {config.device}) ...", file=sys.stderr, flush=True)
+    service = Service(config)
+    print(f"profile: {service.profile_source}; serving {config.name!r} with method {args.method} on "
+          f"http://{args.host}:{args.port}" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+    run_server(service, server)
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (documents + slo_ms extensions)")
+    _add_model_args(serve)
+    _add_store_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer API key")
+    serve.add_argument("--method", default="cachesmith", help="cachesmith, full_prefill, <preset>@<coverage>, ...")
+    serve.add_argument("--served-name", default=None, help="model id clients use (default: --model)")
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--default-slo-ms", type=float, default=5000.0, help="TTFT SLO of requests without slo_ms")
+    serve.add_argument("--default-max-tokens", type=int, default=64)
+    serve.add_argument("--max-tokens-limit", type=int, default=512)
+    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--kv-capacity", type=int, default=65_536, help="tokens of KV resident at once")
+    serve.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain on shutdown")
+    serve.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
+    serve.set_defaults(func=_serve)
+
+
 def _add_bench_parser(sub) -> None:
     from cachesmith.workloads.tasks import TASKS
 
@@ -303,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(func=_precompute)
     _add_workload_parser(sub)
     _add_bench_parser(sub)
+    _add_serve_parser(sub)
     prof = sub.add_parser("profile", help="measure the planner's profile (costs, bandwidth, demand)")
     _add_model_args(prof)
     prof.add_argument("--num-requests", type=int, default=200, help="profiling requests for demand")

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from cachesmith.clock import Clock, make_clock
 from cachesmith.errors import InputError
-from cachesmith.executor import Admitted, BatchExecutor
+from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, TokenHook
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
@@ -37,6 +37,20 @@ class EngineConfig:
         parse_method(self.method)  # names the bad part now, not at the first batch
         make_clock(self.clock)
         make_gate(self.gate)
+
+
+@dataclass(frozen=True)
+class PrefilledBatch:
+    """A batch past its first tokens, waiting to be decoded (the live loop decodes on another thread)."""
+    decision: ScheduleDecision
+    batch: list[Admitted]
+    run: BatchExecution
+    first_token_s: float  # clock time of the batch's first tokens
+    batch_id: int
+
+    def first_tokens(self) -> list[tuple[int, int]]:
+        """(request id, first token id) per request: streamable before decoding starts."""
+        return [(a.request.request_id, out.first_token) for a, out in zip(self.batch, self.run.outs)]
 
 
 @dataclass
@@ -118,10 +132,13 @@ class Engine:
 
     def run_batch(self, decision: ScheduleDecision, batch: list[Admitted]) -> list[RequestResult]:
         """Execute a decided batch, advance the clock by its TTFT, gate and return the results."""
+        return self.finish_batch(self.prefill_batch(decision, batch))
+
+    def prefill_batch(self, decision: ScheduleDecision, batch: list[Admitted]) -> "PrefilledBatch":
+        """Run a decided batch up to its first tokens; the clock advances by the batch's TTFT."""
         start = self.clock.now()
-        run = self.executor.execute(decision, batch)
+        run = self.executor.prefill(decision, batch)
         self.clock.advance(run.seconds)
-        first_token = start + run.seconds
         st = self.stats
         batch_id, st.num_batches = st.num_batches, st.num_batches + 1
         st.busy_s += run.seconds
@@ -129,18 +146,30 @@ class Engine:
         st.decision_ms.append(1e3 * (decision.decision_s + run.planner_s))
         st.num_monitor_replans += run.num_monitor_replans
         st.num_partial_batches += decision.kv_window_layers is not None
+        return PrefilledBatch(decision, batch, run, start + run.seconds, batch_id)
+
+    def finish_batch(self, pre: "PrefilledBatch", on_token: TokenHook | None = None) -> list[RequestResult]:
+        """Decode (off the TTFT clock), gate, and make the results of a prefilled batch."""
+        outputs = self.executor.decode(pre.batch, pre.run, on_token)
         results = []
-        for adm, out in zip(batch, run.outputs):
+        for adm, out in zip(pre.batch, outputs):
             req, inst = adm.request, adm.request.instance
-            reference = self.references.get(req.request_id)
-            if reference is None and self.method.preset == "full_prefill":
-                reference = out.answer  # full prefill is the fidelity gate's reference itself
-            passed = self.gate.passes(inst, out.answer, reference)
             results.append(RequestResult(
-                req.request_id, req.arrival_s, req.slo_s, inst.task, None, first_token, out.answer, passed,
-                decision.mode, run.plan_label, out.coverage, out.num_context_tokens, out.num_recomputed,
-                batch_id, len(batch), out.qci_entropy))
+                req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
+                self._gate(req, out.answer), pre.decision.mode, pre.run.plan_label, out.coverage,
+                out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
+                out.num_prompt_tokens, out.num_output_tokens))
         return results
+
+    def _gate(self, req: Request, answer: str) -> bool | None:
+        """The quality gate's verdict; None when it cannot judge (no gold, or no reference answer)."""
+        inst = req.instance
+        reference = self.references.get(req.request_id)
+        if reference is None and self.method.preset == "full_prefill":
+            reference = answer  # full prefill is the fidelity gate's reference itself
+        if self.gate.needs_reference:
+            return None if reference is None else self.gate.passes(inst, answer, reference)
+        return self.gate.passes(inst, answer) if inst.gold else None
 
     def run(self, requests: Sequence[Request], show_progress: bool = False) -> list[RequestResult]:
         """Serve a trace: each request joins the queue at its arrival time on this engine's clock

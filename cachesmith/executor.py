@@ -1,9 +1,11 @@
 """Runs one scheduled batch on the model: the runtime side of the serving loop (paper §5.3).
 
 In: a `ScheduleDecision` and the `Admitted` requests it names (their stored chunk keys and token
-counts). Out: a `BatchExecution`: the measured batch TTFT (staging, transfer waits, layer 0, the
-plan decided after it, the recompute, the first tokens), transfer stall, the plan, and per request
-its first-token logits turned into a greedy answer (decoding runs after the clock stops).
+counts). Out: a `BatchExecution` from `prefill`: the measured batch TTFT (staging, transfer waits,
+layer 0, the plan decided after it, the recompute, the first tokens), transfer stall, the plan and
+per request its first-token logits and assembled KV; then `decode` turns those into greedy answers
+(after the clock stopped, and on another thread when serving live), reporting each token to an
+optional `on_token(request_id, index, token_id)` hook as it is produced.
 "planned" batches ask the planner for (S, w, p, r) after layer 0, from the layer-0 QCI entropies,
 under the decision's budget, and run with the runtime monitor; "static" and "full_reuse" batches
 run the decision's plan. Never touches queues.
@@ -11,6 +13,7 @@ run the decision's plan. Never touches queues.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cachesmith.kvstore import KeyedRequest
@@ -18,7 +21,7 @@ from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
-from cachesmith.recompute import HookChain, RecomputeConfig, Signal
+from cachesmith.recompute import HookChain, RecomputeConfig, RecomputeOutput, Signal
 from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
@@ -35,6 +38,9 @@ class Admitted:
     queued: QueuedRequest
 
 
+TokenHook = Callable[[int, int, int], None]  # (request id, token index, token id)
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     answer: str
@@ -42,11 +48,14 @@ class RequestOutput:
     num_context_tokens: int
     num_recomputed: int
     qci_entropy: float | None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class BatchExecution:
-    outputs: list[RequestOutput]
+    outs: list[RecomputeOutput]  # first-token logits and assembled KV, per request
+    coverages: list[float]  # per request, as planned
     seconds: float  # staging to the last first token: the batch's TTFT
     stall_s: float  # time the runner waited on KV transfer
     plan_label: str
@@ -63,11 +72,12 @@ class BatchExecutor:
     def __init__(self, pipeline: RagPipeline, planner: Planner | None = None) -> None:
         self.pipeline, self.planner = pipeline, planner
 
-    def execute(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
+    def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
+        """Run the batch up to its first tokens (the timed part)."""
         if decision.mode != "planned":
             plan = replace(decision.static_plan, coverage=decision.coverage)
             outs, seconds, stall = self._timed_run(batch, plan)
-            return self._decode(batch, outs, [decision.coverage] * len(batch), seconds, stall, plan.label())
+            return BatchExecution(outs, [decision.coverage] * len(batch), seconds, stall, plan.label())
         if self.planner is None:
             raise ValueError("a planned batch needs the executor's planner")
         decided: dict = {}
@@ -75,8 +85,12 @@ class BatchExecutor:
         plan, monitor = decided["plan"], decided["monitor"]
         if monitor.pace is not None:  # pace is relative to the corrected schedule
             self.planner.observe(plan.signal, monitor.time_scale * monitor.pace)
-        return self._decode(batch, outs, plan.coverages, seconds, stall, plan.recompute_config().label(), plan,
-                            monitor.num_replans)
+        return BatchExecution(outs, list(plan.coverages), seconds, stall, plan.recompute_config().label(), plan,
+                              monitor.num_replans)
+
+    def execute(self, decision: ScheduleDecision, batch: list[Admitted]) -> tuple[BatchExecution, list[RequestOutput]]:
+        run = self.prefill(decision, batch)
+        return run, self.decode(batch, run)
 
     def _timed_run(self, batch: list[Admitted], plan: RecomputeConfig, replanner=None):
         """(outputs, seconds from staging to the first tokens, transfer stall seconds)."""
@@ -110,11 +124,17 @@ class BatchExecutor:
 
         return replan
 
-    def _decode(self, batch, outs, coverages, seconds, stall, label, plan=None, replans=0) -> BatchExecution:
-        """Greedy answers, after the clock stopped (decode runs off the TTFT clock)."""
+    def decode(self, batch: list[Admitted], run: BatchExecution,
+               on_token: TokenHook | None = None) -> list[RequestOutput]:
+        """Greedy answers from the prefilled batch (decode runs off the TTFT clock)."""
         outputs = []
-        for adm, out, cov in zip(batch, outs, coverages):
-            ids = greedy_decode(self.pipeline.model, out.logits, out.cache, adm.request.instance.max_new_tokens)
+        for adm, out, cov in zip(batch, run.outs, run.coverages):
+            rid = adm.request.request_id
+            hook = None if on_token is None else (lambda i, t, rid=rid: on_token(rid, i, t))
+            ids = greedy_decode(self.pipeline.model, out.logits, out.cache, adm.request.instance.max_new_tokens,
+                                on_token=hook)
+            q = adm.queued
             outputs.append(RequestOutput(self.pipeline.tokenizer.decode(ids).strip(), float(cov), out.num_context,
-                                         int(out.selected.numel()), out.qci_entropy))
-        return BatchExecution(outputs, seconds, stall, label, plan, replans)
+                                         int(out.selected.numel()), out.qci_entropy,
+                                         q.prefix_tokens + q.context_tokens + q.suffix_tokens, len(ids)))
+        return outputs

@@ -25,10 +25,10 @@ class RequestResult:
     arrival_s: float
     slo_s: float
     task: str = ""
-    error: str | None = None  # set when the request was refused (nothing else below is)
+    error: str | None = None  # set when the request was refused or failed (nothing else below is)
     first_token_s: float | None = None  # clock time of the first token
     answer: str = ""
-    is_passed: bool = False  # the quality gate
+    is_passed: bool | None = False  # the quality gate; None: not gated (a served request without gold)
     mode: str = ""  # "planned", "static" or "full_reuse"
     plan: str = ""  # the (S, w, p) plan label the batch ran
     coverage: float = 0.0  # this request's coverage as planned (before any monitor lowering)
@@ -37,6 +37,9 @@ class RequestResult:
     batch_id: int = -1
     batch_size: int = 0
     qci_entropy: float | None = None
+    num_prompt_tokens: int = 0  # prefix + context + suffix
+    num_output_tokens: int = 0  # generated (the first token included, end-of-sequence not)
+    is_internal_error: bool = False  # the error is the server's (a failed batch), not the request's
 
     @property
     def ttft_s(self) -> float | None:
@@ -49,7 +52,7 @@ class RequestResult:
     @property
     def is_qsa(self) -> bool:
         """Quality-gated SLO attainment (paper Eq. 1): on time and above the gate."""
-        return self.is_on_time and self.is_passed
+        return self.is_on_time and self.is_passed is True
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ttft_s": self.ttft_s, "is_on_time": self.is_on_time, "is_qsa": self.is_qsa}
@@ -57,3 +60,8 @@ class RequestResult:
     @classmethod
     def refused(cls, request: Request, error: str) -> "RequestResult":
         return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error)
+
+    @classmethod
+    def failed(cls, request: Request, error: str) -> "RequestResult":
+        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error,
+                   is_internal_error=True)

@@ -52,13 +52,13 @@ def test_refusals_queue_limit_and_drain_on_close(pipe):
     bad = loop.submit(instance(1), -1.0).result(timeout=5)
     assert "slo_s=-1.0" in bad.error
     gate = threading.Event()
-    original = engine.run_batch
+    original = engine.prefill_batch
 
     def slow(decision, batch):  # hold the first batch so the queue fills behind it
         gate.wait(10)
         return original(decision, batch)
 
-    engine.run_batch = slow
+    engine.prefill_batch = slow
     first = loop.submit(instance(2), 30.0)
     deadline = time.monotonic() + 10
     while engine.queue_depth and time.monotonic() < deadline:  # wait until the loop took it
@@ -78,11 +78,11 @@ def test_refusals_queue_limit_and_drain_on_close(pipe):
 def test_a_failing_batch_becomes_per_request_errors(pipe):
     engine = live_engine(pipe, "full_reuse")
     loop = EngineLoop(engine)
-    original = engine.executor.execute
-    engine.executor.execute = lambda d, b: (_ for _ in ()).throw(RuntimeError("kaboom"))
+    original = engine.executor.prefill
+    engine.executor.prefill = lambda d, b: (_ for _ in ()).throw(RuntimeError("kaboom"))
     res = loop.submit(instance(5), 30.0).result(timeout=10)
     assert "internal error while serving: kaboom" in res.error
-    engine.executor.execute = original
+    engine.executor.prefill = original
     assert loop.submit(instance(6), 30.0).result(timeout=30).error is None  # still serving
     assert loop.close(timeout=10)
 
@@ -90,3 +90,30 @@ def test_a_failing_batch_becomes_per_request_errors(pipe):
 def test_the_loop_needs_the_live_clock(pipe):
     with pytest.raises(ConfigError, match="live clock"):
         EngineLoop(Engine(pipe, make_profile(num_layers=pipe.model.num_layers)))
+
+
+def test_tokens_stream_in_order_and_spell_the_answer(pipe):
+    loop = EngineLoop(live_engine(pipe))
+    seen: list[tuple[int, int, float]] = []
+    res = loop.submit(instance(7), 30.0, on_token=lambda i, t: seen.append((i, t, loop.engine.clock.now())))
+    res = res.result(timeout=30)
+    assert res.error is None and res.num_output_tokens == len(seen) >= 1
+    assert [i for i, _, _ in seen] == list(range(len(seen)))
+    assert pipe.tokenizer.decode([t for _, t, _ in seen]).strip() == res.answer
+    assert seen[0][2] >= res.first_token_s - 1e-6  # the first token goes out when the prefill ends
+    assert loop.close(timeout=10)
+
+
+def test_a_failing_decode_and_a_failing_sink_do_not_stop_the_loop(pipe):
+    engine = live_engine(pipe, "full_reuse")
+    loop = EngineLoop(engine)
+    original = engine.executor.decode
+    engine.executor.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("decode broke"))
+    assert "internal error while decoding: decode broke" in loop.submit(instance(8), 30.0).result(timeout=10).error
+    engine.executor.decode = original
+
+    def bad_sink(i, t):
+        raise ValueError("client went away")
+
+    assert loop.submit(instance(9), 30.0, on_token=bad_sink).result(timeout=30).error is None
+    assert loop.close(timeout=10)

@@ -31,7 +31,7 @@ def summarize(method: str, slo_scale: float, records: list[dict], stats: EngineS
         "method": method, "slo_scale": slo_scale,
         "qsa": sum(r["is_qsa"] for r in records) / n,
         "ttft_attainment": sum(r["is_on_time"] for r in records) / n,
-        "gate_rate": sum(r["is_passed"] for r in records) / n,
+        "gate_rate": sum(r["is_passed"] is True for r in records) / n,
         "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p90_s": float(np.percentile(ttfts, 90)),
         "ttft_p99_s": float(np.percentile(ttfts, 99)),
         "throughput_rps": len(served) / span if span > 0 else 0.0,

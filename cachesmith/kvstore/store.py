@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachesmith.errors import ConfigError
-from cachesmith.kvstore.entry_format import CorruptEntry, serialize
+from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key
 from cachesmith.kvstore.reader import EntryReader, read_bytes
 from cachesmith.kvstore.tiers import DiskTier, MemoryTier, RedisTier, Tier
@@ -140,6 +140,29 @@ class ChunkStore:
         validate_key(key)
         for tier in self.tiers:
             tier.delete(key)
+
+    def describe(self, key: str) -> tuple[EntryHeader, tuple[str, ...]] | None:
+        """(header, names of the tiers holding it) without counting a hit or filling tiers; None if
+        no tier holds a readable entry. Listing uses this, so foreign entries are never evicted."""
+        validate_key(key)
+        header, holders = None, []
+        for tier in self.tiers:
+            source = tier.source(key)
+            if source is None:
+                continue
+            try:
+                found = EntryReader(source).header
+            except (CorruptEntry, ValueError, KeyError):
+                continue
+            finally:
+                source.close()
+            header = header or found
+            holders.append(tier.name)
+        return None if header is None else (header, tuple(holders))
+
+    def keys(self) -> list[str]:
+        """Every key some tier holds (any model: `open(key, model)` tells which are this model's)."""
+        return sorted(set().union(*(t.keys() for t in self.tiers)))
 
     def ensure(self, model: Decoder, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Key of a stored, verified entry for `token_ids`, computing and storing it on a miss.

@@ -106,6 +106,10 @@ class Tier(ABC):
     @abstractmethod
     def contains(self, key: str) -> bool: ...
 
+    @abstractmethod
+    def keys(self) -> list[str]:
+        """Every key this tier holds, sorted."""
+
 
 class MemoryTier(Tier):
     name = "memory"
@@ -147,6 +151,10 @@ class MemoryTier(Tier):
 
     def contains(self, key: str) -> bool:
         return key in self._entries
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
 
 
 class DiskTier(Tier):
@@ -240,6 +248,11 @@ class RedisTier(Tier):
 
     def contains(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.exists(self.PREFIX + validate_key(key)), 0))
+
+    def keys(self) -> list[str]:
+        names = self._call(lambda: list(self.client.scan_iter(match=self.PREFIX + "*", count=1000)), [])
+        return sorted(n.decode()[len(self.PREFIX):] if isinstance(n, bytes) else n[len(self.PREFIX):]
+                      for n in names)
 
 
 class _RedisSource(_SequentialReads):

@@ -56,3 +56,26 @@ def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[fl
     model = CostModel(profile)
     ratios = [m / model.full_prefill_ttft(s) for s, m in zip(shapes, measured_s)]
     return float(statistics.median(ratios))
+
+
+def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ...] = (512, 1024),
+              seed: int = 0) -> float:
+    """This machine's speed factor for `profile` from a few single-request full prefills of random
+    tokens (layer cost depends on shapes, not words): what a server does at start-up when it has
+    only the packaged profile. Takes about two full prefills of the given lengths, plus a warm-up."""
+    import random
+    import time
+
+    from cachesmith.profiler.synthetic import random_request
+    from cachesmith.recompute import full_prefill
+
+    rng, plan = random.Random(seed), full_prefill(pipe.model.num_layers)
+    shapes, seconds = [], []
+    for i, n in enumerate((context_tokens[0], *context_tokens)):  # the first run warms up
+        request, _ = random_request(pipe.model, [], n, rng)
+        start = time.perf_counter()
+        pipe.runner.run([request], plan)[0].first_token  # reading the argmax synchronizes
+        if i > 0:
+            seconds.append(time.perf_counter() - start)
+            shapes.append(BatchShape((n,), (len(request.suffix_ids),), (0,)))
+    return speed_factor(profile, shapes, seconds)

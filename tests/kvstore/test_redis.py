@@ -41,3 +41,11 @@ def test_unreachable_redis_falls_back_to_local_tiers(model, tmp_path, caplog):
     assert "unreachable" in caplog.text
     assert torch.equal(store.get(key, model).keys, chunk.keys)
     assert not store.tiers[2].is_available  # backing off: no reconnect storm
+
+
+def test_redis_lists_its_keys(model, redis_url):
+    store = ChunkStore(StoreConfig(tiers=("redis",), redis_url=redis_url))
+    key = store.put(prefill_chunk(model, _ids(seed=5)))
+    assert key in store.tiers[0].keys() and key in store.keys()
+    store.delete(key)
+    assert key not in store.keys()

@@ -76,3 +76,16 @@ def test_bad_keys_and_configs_are_named(model, tmp_path):
         StoreConfig(tiers=("tape",))
     with pytest.raises(Exception, match="redis_url"):
         StoreConfig(tiers=("redis",))
+
+
+def test_keys_and_describe_across_tiers_count_nothing(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path))
+    a = store.put(prefill_chunk(model, _ids(seed=2)))
+    store.tiers[0].delete(a)  # now on disk only
+    b = store.put(prefill_chunk(model, _ids(seed=3)))
+    assert store.keys() == sorted([a, b]) and store.tiers[0].keys() == [b]
+    header, tiers = store.describe(a)
+    assert tiers == ("disk",) and list(header.token_ids) == _ids(seed=2)
+    assert store.describe(b)[1] == ("memory", "disk")
+    assert store.describe("f" * 64) is None
+    assert not store.stats.hits and store.stats.misses == 0 and not store.tiers[0].contains(a)

@@ -1,0 +1,165 @@
+"""A bounded load run of the HTTP server on loopback, next to the same trace on the replay clock.
+
+One MIX trace (Poisson arrivals at a target utilization of full prefill, SLO = scale x the base
+SLO measured here, ~100 requests) is served twice with the same method and profile:
+  - `replay`: the engine on the replay clock (as `cachesmith bench`: batch TTFTs measured,
+    decode off the clock);
+  - `live`: a real uvicorn server on 127.0.0.1, the client sending each request at its arrival
+    time as a streaming chat completion (documents as texts, gold for the gate). The client times
+    TTFT to the first SSE event; the server reports its own TTFT in the final chunk.
+Chunk KV of every document is stored before both runs (both see a warm store). Rows: replay,
+live (server clock), live (client clock) with QSA, TTFT attainment, gate rate and TTFT P50/P90/P99.
+`--json` prints the payload; `--out FILE` writes it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, print_table  # noqa: E402
+
+from cachesmith.bench.metrics import summarize  # noqa: E402
+from cachesmith.bench.run import measure_base  # noqa: E402
+from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
+from cachesmith.engine import Engine, EngineConfig  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
+from cachesmith.pipeline import RagPipeline  # noqa: E402
+from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.request import Request  # noqa: E402
+from cachesmith.scheduler import SchedulerConfig  # noqa: E402
+from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
+from cachesmith.server.run import BackgroundServer  # noqa: E402
+
+COLUMNS = ["run", "num_requests", "qsa", "ttft_attainment", "gate_rate", "ttft_p50_s", "ttft_p90_s",
+           "ttft_p99_s", "throughput_rps", "recompute_fraction", "mean_batch_size", "num_errors"]
+
+
+def chat_body(req: Request, model: str) -> dict:
+    inst = req.instance
+    messages = ([{"role": "system", "content": inst.prefix}] if inst.prefix else []) + [
+        {"role": "user", "content": inst.question}]
+    if inst.answer_prefix:
+        messages.append({"role": "assistant", "content": inst.answer_prefix})
+    return {"model": model, "messages": messages, "documents": list(inst.documents), "stream": True,
+            "max_tokens": inst.max_new_tokens, "slo_ms": 1e3 * req.slo_s, "gold": list(inst.gold),
+            "task": inst.task}
+
+
+async def one(client: httpx.AsyncClient, req: Request, model: str, start: float) -> dict:
+    await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+    sent, first, final, error = time.perf_counter(), None, None, None
+    async with client.stream("POST", "/v1/chat/completions", json=chat_body(req, model)) as r:
+        if r.status_code != 200:
+            error = (await r.aread()).decode()[:200]
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            first = first or time.perf_counter()
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                error = event["error"]["message"]
+            elif "cachesmith" in event:
+                final = event["cachesmith"]
+    record = {"request_id": req.request_id, "slo_s": req.slo_s, "error": error}
+    if error is None and first is not None and final is not None:
+        client_ttft = first - sent
+        record.update(client_ttft_s=client_ttft, server_ttft_s=final["ttft_ms"] / 1e3, is_passed=final["is_passed"],
+                      server_on_time=final["is_on_time"], client_on_time=client_ttft <= req.slo_s,
+                      sent_s=sent - start, coverage=final["coverage"], plan=final["plan"],
+                      batch_size=final["batch_size"], num_recomputed=final["num_recomputed"],
+                      num_context_tokens=final["num_context_tokens"])
+    return record
+
+
+async def drive(url: str, requests: list[Request], model: str) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(client, r, model, start)) for r in requests]
+        bar = tqdm(total=len(tasks), desc="live", unit="req")
+        for done in asyncio.as_completed(tasks):
+            await done
+            bar.update(1)
+        bar.close()
+        return [t.result() for t in tasks]
+
+
+def live_rows(records: list[dict], num_batches: int) -> list[dict]:
+    n = len(records)
+    ok = [r for r in records if r["error"] is None]
+    rows = []
+    for clock in ("server", "client"):
+        ttfts = np.array([r[f"{clock}_ttft_s"] for r in ok]) if ok else np.array([np.nan])
+        on_time = [r for r in ok if r[f"{clock}_on_time"]]
+        ends = [r["sent_s"] + r["client_ttft_s"] for r in ok]
+        rows.append({"run": f"live ({clock} clock)", "num_requests": n,
+                     "qsa": sum(r["is_passed"] is True for r in on_time) / n, "ttft_attainment": len(on_time) / n,
+                     "gate_rate": sum(r["is_passed"] is True for r in ok) / n,
+                     "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p90_s": float(np.percentile(ttfts, 90)),
+                     "ttft_p99_s": float(np.percentile(ttfts, 99)),
+                     "throughput_rps": len(ok) / max(ends) if ends else 0.0,
+                     "recompute_fraction": sum(r["num_recomputed"] for r in ok) / max(1, sum(r["num_context_tokens"] for r in ok)),
+                     "mean_batch_size": len(ok) / num_batches if num_batches else 0.0,
+                     "num_errors": n - len(ok)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--utilization", type=float, default=0.7)
+    ap.add_argument("--slo-scale", type=float, default=2.0)
+    ap.add_argument("--method", default="cachesmith")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=8 << 30)))
+    config = BenchConfig("mix", None, None, args.num_requests, "poisson", args.utilization, 1.0, (args.slo_scale,),
+                         (args.method,), "task", args.seed, max_batch_size=args.max_batch_size)
+    insts = instances(config)
+    profile, source = find_profile(pipe)
+    print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
+    base, factor = measure_base(pipe, insts[:8], profile)
+    if source == "packaged":
+        profile = rescaled(profile, factor)
+    for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
+        pipe.precompute(inst.documents, inst.question, inst.prefix or None)
+    requests, _ = build_requests(config, insts, base, args.slo_scale)
+    sched = SchedulerConfig(max_batch_size=args.max_batch_size)
+
+    replay = Engine(pipe, profile, EngineConfig(args.method, "replay", scheduler=sched))
+    results = replay.run(requests, show_progress=True)
+    row = summarize(args.method, args.slo_scale, [r.to_dict() for r in results], replay.stats)
+    rows = [{"run": "replay", **{k: row[k] for k in COLUMNS[1:]}}]
+
+    service = Service(ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched),
+                                    max_queue=args.num_requests, max_tokens_limit=512), pipe, profile)
+    with BackgroundServer(service, ServerConfig(port=0, log_level="warning")) as srv:
+        records = asyncio.run(drive(srv.url, requests, service.config.name))
+    rows += live_rows(records, service.engine.stats.num_batches)
+    live_stats = service.engine.stats
+    payload = {"setting": config.name, "method": args.method, "base_slo_s": base, "slo_scale": args.slo_scale,
+               "speed_factor": factor, "profile_source": source, "rows": rows, "live_records": records,
+               "replay_records": [r.to_dict() for r in results],
+               "batches": {"replay": replay.stats.num_batches, "live": live_stats.num_batches},
+               "monitor_replans": {"replay": replay.stats.num_monitor_replans, "live": live_stats.num_monitor_replans},
+               "pace_correction": {"replay": dict(replay.planner.correction), "live": dict(service.engine.planner.correction)}}
+    emit(payload, args.json, args.out, lambda: (
+        print(f"{config.name}: method {args.method}, base SLO {base:.2f} s x {args.slo_scale:g}"),
+        print_table(rows, COLUMNS)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The HTTP API (FastAPI): a thin layer over `Service`.
+
+Routes: `/v1/completions` and `/v1/chat/completions` (OpenAI shape + `documents`, `slo_ms`; SSE
+streaming), `/v1/chunks` (add, list, get, delete stored chunks), `/v1/models`, `/health`,
+`/metrics` (Prometheus). Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}`:
+400 for a bad body (naming the field), 401 without the API key, 404 for an unknown model or
+chunk, 409 for deleting a chunk in use, 413 over the body limit, 429 + Retry-After when the queue
+is full, 503 while shutting down. Blocking work (admission, chunk prefill) runs in a worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cachesmith.request import RequestResult
+from cachesmith.server.config import ServerConfig
+from cachesmith.server.errors import ApiError, install_error_handlers
+from cachesmith.server.limits import BodyLimit
+from cachesmith.server.metrics import ServiceMetrics
+from cachesmith.server.responses import Shape, completion_body, sse
+from cachesmith.server.schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
+from cachesmith.server.service import Service
+from cachesmith.server.streaming import TokenStream
+
+
+def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    metrics = ServiceMetrics(service)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has let in-flight HTTP requests finish; serve whatever is still queued
+        await run_in_threadpool(service.close, config.drain_timeout_s)
+
+    app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+    auth = [Depends(_bearer(config.api_key))]
+
+    @app.get("/health")
+    async def health():
+        status = "draining" if service.loop.is_closing else "ok"
+        return JSONResponse({"status": status, "model": service.config.name, "queue_depth": service.queue_depth,
+                             "uptime_s": round(time.time() - service.started_at, 3)},
+                            status_code=503 if status == "draining" else 200)
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{"id": service.config.name, "object": "model",
+                                            "created": int(service.started_at), "owned_by": "cachesmith"}]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest):
+        return await _generate(service, body, Shape.COMPLETION)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest):
+        return await _generate(service, body, Shape.CHAT)
+
+    @app.post("/v1/chunks", dependencies=auth)
+    async def add_chunks(body: ChunksRequest):
+        records = await run_in_threadpool(service.add_chunks, body.documents)
+        return {"object": "list", "data": [r.to_dict() for r in records]}
+
+    @app.get("/v1/chunks", dependencies=auth)
+    async def list_chunks(limit: int = Query(100, ge=1, le=1000), after: str | None = None):
+        records, has_more = await run_in_threadpool(service.list_chunks, limit, after)
+        return {"object": "list", "data": [r.to_dict() for r in records], "has_more": has_more}
+
+    @app.get("/v1/chunks/{chunk_id}", dependencies=auth)
+    async def get_chunk(chunk_id: str):
+        record = await run_in_threadpool(service.chunk, chunk_id)
+        if record is None:
+            raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
+        return record.to_dict()
+
+    @app.delete("/v1/chunks/{chunk_id}", dependencies=auth)
+    async def delete_chunk(chunk_id: str):
+        if not await run_in_threadpool(service.delete_chunk, chunk_id):
+            raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
+        return {"id": chunk_id, "object": "chunk", "deleted": True}
+
+    app.state.service, app.state.metrics = service, metrics
+    return app
+
+
+def _bearer(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                           "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
+    return check
+
+
+async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape):
+    if body.model != service.config.name:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
+                       "model", "model_not_found")
+    spec = body.to_spec()
+    max_tokens = spec.max_tokens or service.config.default_max_tokens
+    stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
+    future = await run_in_threadpool(service.submit, spec, stream.on_token if stream else None)
+    if future.done() and future.result().error is not None and not future.result().is_internal_error:
+        raise ApiError(400, future.result().error, "documents")  # refused while admitting
+    head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+            "model": service.config.name}
+    if stream is None:
+        result: RequestResult = await asyncio.wrap_future(future)
+        if result.error is not None:
+            raise ApiError(500 if result.is_internal_error else 400, result.error, None,
+                           "internal_error" if result.is_internal_error else None,
+                           "server_error" if result.is_internal_error else "invalid_request_error")
+        return completion_body(shape, head, result, max_tokens, body.stops)
+    stream.watch(future)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(sse(shape, head, stream, max_tokens, include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,26 @@
+"""The HTTP front's own settings (the engine's live in `ServiceConfig`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachesmith.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 4 << 20
+    drain_timeout_s: float = 60.0  # on shutdown: time to serve what is queued
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port} must be in 0..65535 (0: any free port)")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes={self.max_body_bytes} must be at least 1024")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s={self.drain_timeout_s} must be positive")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key is empty; leave it unset to serve without one")

@@ -1,0 +1,97 @@
+"""Errors as OpenAI-shaped JSON: `{"error": {"message", "type", "param", "code"}}`.
+
+In: exceptions raised anywhere below a route (our own, pydantic's, Starlette's). Out: responses
+whose status says whose fault it was and whose message names the field and the limit.
+"""
+from __future__ import annotations
+
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from cachesmith.engine_loop import EngineClosed, QueueFull
+from cachesmith.errors import InputError
+from cachesmith.server.service import ChunkInUse
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _field(loc) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names union members and validators in `loc`; they are not fields."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body")
+    # a union (a document as text or {"id"}) reports every branch; the first names the field
+    where = _field(tuple(p for p in first["loc"] if not _is_type_tag(p)))
+    details = []
+    for e in errors[:3]:
+        msg = e["msg"].removeprefix("Value error, ")
+        name = _field(tuple(p for p in e["loc"] if not _is_type_tag(p)))
+        details.append(msg if name == "body" else f"{name}: {msg}")
+    if where == "body" and ":" in details[0]:  # a check over several fields names its field first
+        where = details[0].split(":", 1)[0]
+    return ApiError(400, "invalid request: " + "; ".join(details), where)
+
+
+def too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body exceeds the limit of {max_bytes} bytes (max_body_bytes)", "body",
+                    "body_too_large")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(InputError)
+    async def input_error(request: Request, exc: InputError):
+        return ApiError(400, str(exc), str(exc).split(":", 1)[0].split("=", 1)[0].strip() or None).response()
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return ApiError(429, str(exc), None, "queue_full", "rate_limit_error",
+                        {"Retry-After": str(retry)}).response()
+
+    @app.exception_handler(EngineClosed)
+    async def closed(request: Request, exc: EngineClosed):
+        return ApiError(503, str(exc), None, "shutting_down", "server_error").response()
+
+    @app.exception_handler(ChunkInUse)
+    async def in_use(request: Request, exc: ChunkInUse):
+        return ApiError(409, str(exc), "chunk_id", "chunk_in_use").response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return ApiError(exc.status_code, str(exc.detail), None, None, kind, dict(exc.headers or {})).response()

@@ -1,0 +1,90 @@
+"""Response bodies in OpenAI's shapes (text completion and chat completion, whole or as SSE chunks),
+with a `cachesmith` object per response telling how the request was served.
+
+In: a finished `RequestResult` (or a `TokenStream` for streaming). Out: JSON-ready dicts, or the
+`data: ...` lines of an SSE stream ending with `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from cachesmith.request import RequestResult
+from cachesmith.server.streaming import TokenStream, answer_text, finish_reason
+
+
+@dataclass(frozen=True)
+class _ShapeInfo:
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+
+class Shape(Enum):
+    COMPLETION = _ShapeInfo("cmpl", "text_completion", "text_completion")
+    CHAT = _ShapeInfo("chatcmpl", "chat.completion", "chat.completion.chunk")
+
+    @property
+    def id_prefix(self) -> str:
+        return self.value.id_prefix
+
+
+def served(result: RequestResult) -> dict:
+    """What cachesmith did for this request (times in ms on the server's clock)."""
+    return {"ttft_ms": round(1e3 * result.ttft_s, 3), "slo_ms": round(1e3 * result.slo_s, 3),
+            "is_on_time": result.is_on_time, "is_passed": result.is_passed, "mode": result.mode,
+            "plan": result.plan, "coverage": result.coverage, "num_context_tokens": result.num_context_tokens,
+            "num_recomputed": result.num_recomputed, "batch_size": result.batch_size}
+
+
+def usage(result: RequestResult) -> dict:
+    return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
+            "total_tokens": result.num_prompt_tokens + result.num_output_tokens}
+
+
+def completion_body(shape: Shape, head: dict, result: RequestResult, max_tokens: int,
+                    stop: Sequence[str]) -> dict:
+    text, _ = answer_text(result, stop)
+    reason = finish_reason(result, max_tokens, stop)
+    if shape is Shape.CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {**head, "object": shape.value.object, "choices": [choice], "usage": usage(result),
+            "cachesmith": served(result)}
+
+
+def _chunk(shape: Shape, head: dict, text: str | None, reason: str | None, role: bool = False) -> dict:
+    if shape is Shape.CHAT:
+        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+    return {**head, "object": shape.value.chunk_object, "choices": [choice]}
+
+
+def _event(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse(shape: Shape, head: dict, stream: TokenStream, max_tokens: int,
+              include_usage: bool) -> AsyncIterator[str]:
+    is_first = True
+    async for piece in stream.deltas():
+        yield _event(_chunk(shape, head, piece, None, role=is_first))
+        is_first = False
+    result = stream.result
+    if result.error is not None:  # failed after the response started: say so in-band
+        kind = "server_error" if result.is_internal_error else "invalid_request_error"
+        yield _event({"error": {"message": result.error, "type": kind, "param": None, "code": None}})
+        yield _event("[DONE]")
+        return
+    final = _chunk(shape, head, "" if is_first else None, finish_reason(result, max_tokens, stream.stop),
+                   role=is_first)
+    final["cachesmith"] = served(result)
+    yield _event(final)
+    if include_usage:
+        yield _event({**head, "object": shape.value.chunk_object, "choices": [], "usage": usage(result)})
+    yield _event("[DONE]")

@@ -1,0 +1,320 @@
+"""The serving front: what the HTTP server (and any Python caller) talks to.
+
+In: `CompletionSpec`s (documents as texts or ids of stored chunks, a question, an SLO) and chunk
+management calls. Out: `Future[RequestResult]`s, with tokens streamed to an optional callback, and
+`ChunkRecord`s. Owns the pipeline, the live engine behind its `EngineLoop`, and the pins that keep
+a chunk an in-flight request needs from being deleted under it. Text documents are tokenized and
+their chunk KV stored (prefilled on a miss) after the request's arrival time is taken, so that
+work counts in its TTFT, as it would for a client.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cachesmith.clock import LiveClock
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
+from cachesmith.errors import CachesmithError, ConfigError, InputError
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.kvstore.keys import dtype_name, validate_key
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import Profile
+from cachesmith.request import RequestResult
+from cachesmith.workloads.instance import WorkloadInstance
+
+log = logging.getLogger(__name__)
+
+
+class ChunkInUse(CachesmithError):
+    """A chunk an in-flight request reads cannot be deleted until that request is done."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(clock="live"))
+    store: StoreConfig = field(default_factory=StoreConfig)
+    profile_path: Path | None = None  # default: measured here, else the packaged one (calibrated)
+    served_name: str | None = None  # the model id clients name (default: `model`)
+    max_queue: int = 64
+    default_slo_s: float = 5.0
+    max_slo_s: float = 3600.0
+    default_max_tokens: int = 64
+    max_tokens_limit: int = 512
+    max_documents: int = 64
+
+    def __post_init__(self) -> None:
+        if self.engine.clock != "live":
+            raise ConfigError(f"engine.clock={self.engine.clock!r}: a server runs on the live clock")
+        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_documents"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ConfigError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
+                              f"{self.max_tokens_limit}")
+        if not (0 < self.default_slo_s <= self.max_slo_s and math.isfinite(self.max_slo_s)):
+            raise ConfigError(f"need 0 < default_slo_s ({self.default_slo_s}) <= max_slo_s ({self.max_slo_s}) < inf")
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.model
+
+
+@dataclass(frozen=True)
+class DocumentRef:
+    """One retrieved passage: its text, or the id of a chunk already in the store."""
+    text: str | None = None
+    chunk_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionSpec:
+    documents: tuple[DocumentRef, ...]
+    question: str
+    system: str = ""
+    max_tokens: int | None = None  # None: the service default
+    slo_s: float | None = None  # None: the service default
+    gold: tuple[str, ...] = ()  # optional: gates the answer (QSA metrics) when given
+    task: str = "custom"  # how the gate scores the answer (a workload task name, or custom)
+    answer_prefix: str = ""  # opens the assistant turn; the model continues it
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    chunk_id: str
+    num_tokens: int
+    tiers: tuple[str, ...]
+    text: str
+    is_new: bool = False
+
+    def to_dict(self) -> dict:
+        return {"id": self.chunk_id, "object": "chunk", "num_tokens": self.num_tokens,
+                "tiers": list(self.tiers), "text": self.text, "is_new": self.is_new}
+
+
+class Service:
+    def __init__(self, config: ServiceConfig | None = None, pipeline: RagPipeline | None = None,
+                 profile: Profile | None = None) -> None:
+        self.config = config = config or ServiceConfig()
+        self.pipeline = pipeline or RagPipeline(config.model, config.device, config.dtype,
+                                                store=ChunkStore(config.store))
+        self.profile_source = "given"
+        if profile is None:
+            profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
+        self.engine = Engine(self.pipeline, profile, config.engine, LiveClock())
+        self.loop = EngineLoop(self.engine, config.max_queue)
+        self.started_at = time.time()
+        self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid"
+        self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
+        self._pins: Counter = Counter()
+        self._pin_lock = threading.Lock()
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.pipeline.store
+
+    # -- completions ---------------------------------------------------------------------------
+    def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None) -> Future:
+        """Queue one request. Raises `InputError` (bad spec), `QueueFull` or `EngineClosed`; an
+        error found while admitting (unknown chunk, context too long) resolves the future at once."""
+        arrival = self.engine.clock.now()
+        try:
+            max_tokens, slo_s = self._limits(spec)
+            self.loop.check_capacity()  # before any costly work
+            token_ids = self._tokenize(spec.documents)
+        except (QueueFull, EngineClosed, InputError) as exc:
+            self.num_rejected[_reason(exc)] += 1
+            raise
+        prefix_key = self._prefix_key(spec)
+        pinned: list[str] = []
+        try:
+            keys = self._store_chunks(spec.documents, token_ids, pinned)
+            self._pin([prefix_key], pinned)
+            instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
+                                        answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
+                                        chunk_ids=tuple(keys))
+            future = self.loop.submit(instance, slo_s, on_token, arrival_s=arrival)
+        except BaseException as exc:
+            self._unpin(pinned)
+            if isinstance(exc, (QueueFull, EngineClosed, InputError)):
+                self.num_rejected[_reason(exc)] += 1
+            raise
+        future.add_done_callback(lambda f: self._finished(f, pinned))
+        return future
+
+    def _limits(self, spec: CompletionSpec) -> tuple[int, float]:
+        cfg = self.config
+        if not spec.documents:
+            raise InputError("documents: at least one document (a text or a stored chunk id) is required")
+        if len(spec.documents) > cfg.max_documents:
+            raise InputError(f"documents: {len(spec.documents)} documents exceed the limit of {cfg.max_documents}")
+        if not isinstance(spec.question, str) or not spec.question.strip():
+            raise InputError("question: must be a non-empty string")
+        max_tokens = cfg.default_max_tokens if spec.max_tokens is None else spec.max_tokens
+        if not 1 <= max_tokens <= cfg.max_tokens_limit:
+            raise InputError(f"max_tokens={max_tokens}: must be between 1 and {cfg.max_tokens_limit}")
+        slo_s = cfg.default_slo_s if spec.slo_s is None else spec.slo_s
+        if not (math.isfinite(slo_s) and 0 < slo_s <= cfg.max_slo_s):
+            raise InputError(f"slo_ms={slo_s * 1e3:g}: must be positive and at most {cfg.max_slo_s * 1e3:g}")
+        return max_tokens, slo_s
+
+    def _tokenize(self, documents: Sequence[DocumentRef]) -> list[list[int] | None]:
+        """Token ids of text documents (None for stored ones), checked against the model's positions
+        before any chunk is prefilled."""
+        out: list[list[int] | None] = []
+        total = 0
+        for i, doc in enumerate(documents):
+            if (doc.text is None) == (doc.chunk_id is None):
+                raise InputError(f"documents[{i}]: give a text or a chunk id, exactly one")
+            if doc.chunk_id is not None:
+                validate_key(doc.chunk_id, field=f"documents[{i}].id")
+                described = self.store.describe(doc.chunk_id)
+                total += len(described[0].token_ids) if described else 0
+                out.append(None)
+                continue
+            if not doc.text.strip():
+                raise InputError(f"documents[{i}]: text must not be empty")
+            ids = self.pipeline.tokenizer.chunk_ids(doc.text, field=f"documents[{i}]")
+            total += len(ids)
+            out.append(ids)
+        limit = self.pipeline.model.config.max_positions
+        if total > limit:
+            raise InputError(f"documents: {total} context tokens exceed the model's {limit} positions")
+        return out
+
+    def _store_chunks(self, documents, token_ids, pinned: list[str]) -> list[str]:
+        keys = []
+        for i, (doc, ids) in enumerate(zip(documents, token_ids)):
+            if ids is None:
+                key = doc.chunk_id
+                self._pin([key], pinned)
+                if not self.store.contains(key):
+                    raise InputError(f"documents[{i}].id={key!r}: unknown chunk id (not in the store; "
+                                     f"add it with POST /v1/chunks)")
+            else:
+                key = self.store.key_for(self.pipeline.model, ids)
+                self._pin([key], pinned)  # before storing: a delete cannot slip in between
+                with self.loop.admission():
+                    self.store.ensure(self.pipeline.model, ids)
+            keys.append(key)
+        return keys
+
+    def _prefix_key(self, spec: CompletionSpec) -> str:
+        parts = self.pipeline.prompt(["-"], spec.question, system=spec.system or None)
+        return self.store.key_for(self.pipeline.model, parts.prefix_ids)
+
+    def _finished(self, future: Future, pinned: list[str]) -> None:
+        self._unpin(pinned)
+        result = future.result()
+        for listener in self.listeners:
+            try:
+                listener(result)
+            except Exception:  # metrics must never fail a request
+                log.exception("result listener failed")
+
+    def _pin(self, keys: list[str], pinned: list[str]) -> None:
+        with self._pin_lock:
+            for key in keys:
+                self._pins[key] += 1
+                pinned.append(key)
+
+    def _unpin(self, keys: list[str]) -> None:
+        with self._pin_lock:
+            for key in keys:
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+
+    # -- chunks --------------------------------------------------------------------------------
+    def add_chunks(self, texts: Sequence[str]) -> list[ChunkRecord]:
+        """Store the KV of each text as a chunk (prefilled now unless already stored)."""
+        ids = []
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                raise InputError(f"documents[{i}]: must be a non-empty string")
+            ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
+            self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
+        records = []
+        for text, token_ids in zip(texts, ids):
+            with self.loop.admission():
+                key, is_new = self.store.ensure(self.pipeline.model, token_ids)
+            info = self.chunk(key)
+            records.append(replace(info, is_new=is_new))
+        return records
+
+    def chunk(self, chunk_id: str) -> ChunkRecord | None:
+        """The stored chunk of this model under `chunk_id`, or None."""
+        validate_key(chunk_id, field="chunk id")
+        described = self.store.describe(chunk_id)
+        if described is None:
+            return None
+        header, tiers = described
+        model = self.pipeline.model
+        if (header.model_fingerprint, header.dtype) != (model.fingerprint, dtype_name(model.dtype)):
+            return None  # another model's entry: not this server's to show
+        return ChunkRecord(chunk_id, header.num_tokens, tiers, self.pipeline.tokenizer.decode(header.token_ids))
+
+    def list_chunks(self, limit: int = 100, after: str | None = None) -> tuple[list[ChunkRecord], bool]:
+        """This model's stored chunks in id order after `after`; (records, whether more follow)."""
+        if not 1 <= limit <= 1000:
+            raise InputError(f"limit={limit}: must be between 1 and 1000")
+        if after is not None:
+            validate_key(after, field="after")
+        records = []
+        for key in self.store.keys():
+            if after is not None and key <= after:
+                continue
+            record = self.chunk(key)
+            if record is None:
+                continue
+            if len(records) == limit:
+                return records, True
+            records.append(record)
+        return records, False
+
+    def delete_chunk(self, chunk_id: str) -> bool:
+        """Delete a chunk from every tier; False if this model has no such chunk."""
+        if self.chunk(chunk_id) is None:
+            return False
+        with self._pin_lock:
+            if self._pins[chunk_id] > 0:
+                raise ChunkInUse(f"chunk {chunk_id}: in use by {self._pins[chunk_id]} in-flight request(s); "
+                                 f"delete it when they are done")
+            self.store.delete(chunk_id)
+        return True
+
+    # -- life cycle ----------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return self.loop.queue_depth
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop taking requests and serve what is queued. True if it drained within `timeout`."""
+        return self.loop.close(timeout)
+
+
+def _reason(exc: Exception) -> str:
+    return "queue_full" if isinstance(exc, QueueFull) else "closed" if isinstance(exc, EngineClosed) else "invalid"
+
+
+def serving_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
+    """The profile to serve with: given or measured here as is, the packaged one calibrated to this
+    machine's speed (a few seconds of full prefills at start-up)."""
+    from cachesmith.profiler.packaged import calibrate, find_profile, rescaled
+
+    profile, source = find_profile(pipe, path)
+    if source == "packaged":
+        factor = calibrate(pipe, profile)
+        log.info("packaged profile calibrated to this machine: speed factor %.2f", factor)
+        return rescaled(profile, factor), f"packaged (speed factor {factor:.2f})"
+    return profile, source

@@ -1,0 +1,64 @@
+"""The official `openai` client against the server on the packaged model: the API is compatible,
+streamed and whole answers agree with the pipeline, and the extensions ride in `extra_body`."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from cachesmith.engine import EngineConfig
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.packaged import find_profile
+from cachesmith.recompute import full_prefill
+from cachesmith.server import ServerConfig, Service, ServiceConfig
+from cachesmith.server.run import BackgroundServer
+
+pytestmark = pytest.mark.real_model
+
+DOCS = ["The capital of Freedonia is Port Lantern. It lies on the river Velm.",
+        "Sylvania's capital is Glimmerton, known for its copper mines."]
+QUESTION = "What is the capital of Freedonia?"
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def served():
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
+    service = Service(ServiceConfig(engine=EngineConfig("full_prefill", "live")), pipe, find_profile(pipe)[0])
+    with BackgroundServer(service, ServerConfig(port=0, api_key=KEY, log_level="warning")) as srv:
+        yield srv, pipe, openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_chat_whole_and_streamed_match_the_pipeline(served):
+    srv, pipe, client = served
+    want = pipe.answer(DOCS, QUESTION, full_prefill(pipe.model.num_layers), max_new_tokens=24).text
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
+                                           extra_body={"documents": DOCS, "slo_ms": 30_000, "gold": ["Port Lantern"]})
+    assert whole.choices[0].message.content == want and "Port Lantern" in want
+    assert whole.usage.completion_tokens > 0 and whole.model_extra["cachesmith"]["is_passed"] is True
+    pieces = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=24, stream=True, extra_body={"documents": DOCS})
+        if ch.choices]
+    assert len(pieces) > 2 and "".join(pieces) == want
+
+
+def test_completion_with_stop_and_stream(served):
+    srv, pipe, client = served
+    kwargs = dict(model="smollm2-135m", prompt="What is the capital of Sylvania?", max_tokens=24, stop=["."],
+                  extra_body={"documents": DOCS})
+    whole = client.completions.create(**kwargs)
+    text = whole.choices[0].text
+    assert "Glimmerton" in text and "." not in text and whole.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices) == text
+
+
+def test_client_errors_map_to_openai_exceptions(served):
+    srv, _, client = served
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", extra_body={"documents": DOCS})
+    with pytest.raises(openai.BadRequestError, match="documents"):
+        client.completions.create(model="smollm2-135m", prompt="x")
+    assert [m.id for m in client.models.list()] == ["smollm2-135m"]

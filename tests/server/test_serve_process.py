@@ -1,0 +1,108 @@
+"""`cachesmith serve` as a real process: SIGTERM drains in-flight streams, and a restart on the
+same disk store still has the chunks added before."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from tests.server.conftest import NAME, tiny_profile
+
+pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model_dir, profile, store_root, port) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cachesmith.cli", "serve", "--model", str(model_dir), "--profile", str(profile),
+           "--store-root", str(store_root), "--tiers", "memory", "disk", "--port", str(port),
+           "--served-name", NAME, "--max-tokens-limit", "1000", "--drain-timeout", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not come up")
+
+
+@pytest.fixture()
+def setup(tiny_chat_dir, tmp_path):
+    pipe = RagPipeline(str(tiny_chat_dir), store=ChunkStore(StoreConfig(tiers=("memory",))))
+    profile = tmp_path / "profile.json"
+    tiny_profile(pipe).save(profile)
+    return tiny_chat_dir, profile, tmp_path / "kv"
+
+
+def stream_to_end(url, body, first_event: threading.Event, out: list):
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                first_event.set()
+    out.append((r.status_code, events, time.monotonic()))
+
+
+def test_sigterm_drains_in_flight_streams_and_chunks_survive_a_restart(setup):
+    model_dir, profile, store_root = setup
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model_dir, profile, store_root, port)
+    try:
+        cid = httpx.post(url + "/v1/chunks", json={"documents": ["river glacier lantern harbor"]},
+                         timeout=60).json()["data"][0]["id"]
+        body = {"model": NAME, "prompt": "Which word?", "documents": [{"id": cid}, "copper amber silent"],
+                "max_tokens": 400, "stream": True}
+        outs: list = []
+        started = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=stream_to_end, args=(url, body, ev, outs)) for ev in started]
+        for t in threads:
+            t.start()
+        assert all(ev.wait(60) for ev in started)  # every stream is under way
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        for t in threads:
+            t.join(120)
+        # uvicorn re-raises the signal once it has shut down gracefully: the conventional exit status
+        assert proc.wait(120) in (0, -signal.SIGTERM)
+        log = proc.stdout.read()
+        assert "Finished server process" in log and "Traceback" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(outs) == 4 and max(end for *_, end in outs) > signalled  # some were still streaming
+    for status, events, _ in outs:
+        assert status == 200 and events[-1] == "[DONE]"
+        final = json.loads(events[-2])
+        assert final["choices"][0]["finish_reason"] in ("stop", "length") and "cachesmith" in final
+
+    proc = start(model_dir, profile, store_root, port)  # same disk store
+    try:
+        listed = httpx.get(url + "/v1/chunks", timeout=60).json()["data"]
+        assert cid in {c["id"] for c in listed} and next(c for c in listed if c["id"] == cid)["tiers"] == ["disk"]
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) in (0, -signal.SIGINT)
+    assert os.path.isdir(store_root)

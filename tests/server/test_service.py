@@ -1,0 +1,109 @@
+"""The Python API under the server: documents as texts or stored ids, limits, pins, listing."""
+from __future__ import annotations
+
+import pytest
+
+from cachesmith.engine import EngineConfig
+from cachesmith.engine_loop import EngineClosed
+from cachesmith.errors import ConfigError, InputError
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.recompute import full_prefill
+from cachesmith.server import CompletionSpec, DocumentRef, ServiceConfig
+from tests.engine_helpers import save_tiny_chat_model
+from tests.server.conftest import make_service
+
+pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
+
+DOCS = ("river glacier lantern harbor meadow falcon", "copper amber silent frozen canyon velvet")
+QUESTION = "Which word comes after river?"
+
+
+@pytest.fixture()
+def service(tiny_chat_dir, tmp_path):
+    svc = make_service(tiny_chat_dir, tmp_path / "kv", ("memory", "disk"),
+                       engine=EngineConfig("full_prefill", "live"))
+    yield svc
+    svc.close(10)
+
+
+def spec(docs, **kw) -> CompletionSpec:
+    return CompletionSpec(tuple(docs), QUESTION, **{"max_tokens": 6, **kw})
+
+
+def test_texts_ids_and_a_mix_serve_the_same_prompt_as_the_pipeline(service):
+    pipe = service.pipeline
+    want = pipe.answer(list(DOCS), QUESTION, full_prefill(pipe.model.num_layers), max_new_tokens=6)
+    ids = [r.chunk_id for r in service.add_chunks(DOCS)]
+    variants = [[DocumentRef(text=d) for d in DOCS], [DocumentRef(chunk_id=i) for i in ids],
+                [DocumentRef(chunk_id=ids[0]), DocumentRef(text=DOCS[1])]]
+    for docs in variants:
+        tokens: list[tuple[int, int]] = []
+        res = service.submit(spec(docs), on_token=lambda i, t: tokens.append((i, t))).result(timeout=60)
+        assert res.error is None and res.answer == want.text
+        assert [i for i, _ in tokens] == list(range(len(tokens))) and [t for _, t in tokens] == want.token_ids
+        assert res.num_prompt_tokens == len(pipe.prompt(list(DOCS), QUESTION).token_ids)
+    assert not service._pins  # every pin released
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(docs=[]), "at least one document"),
+    (dict(docs=[DocumentRef(text="a")] * 65), "limit of 64"),
+    (dict(docs=[DocumentRef(text="a", chunk_id="0" * 64)]), "exactly one"),
+    (dict(docs=[DocumentRef(text="a")], max_tokens=0), "max_tokens=0"),
+    (dict(docs=[DocumentRef(text="a")], slo_s=float("nan")), "slo_ms=nan"),
+    (dict(docs=[DocumentRef(text="a")], slo_s=7200.0), "at most 3.6e+06"),
+])
+def test_bad_specs_are_refused_by_field(service, bad, words):
+    docs = bad.pop("docs")
+    with pytest.raises(InputError, match=words.replace("+", r"\+")):
+        service.submit(spec(docs, **bad))
+    assert service.num_rejected["invalid"] == 1 and not service._pins
+
+
+def test_listeners_hear_results_and_close_drains(service):
+    heard = []
+    service.listeners.append(heard.append)
+    futures = [service.submit(spec([DocumentRef(text=f"{d} {i}") for d in DOCS])) for i in range(4)]
+    assert service.close(60)
+    assert all(f.done() and f.result().error is None for f in futures)
+    assert sorted(r.request_id for r in heard) == sorted(f.result().request_id for f in futures)
+    with pytest.raises(EngineClosed):
+        service.submit(spec([DocumentRef(text="late")]))
+    assert service.num_rejected["closed"] == 1
+
+
+def test_listing_skips_and_keeps_another_models_chunks(service, tmp_path):
+    other_dir = save_tiny_chat_model(tmp_path / "other", seed=1)
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path / "kv"))
+    other = RagPipeline(str(other_dir), store=store)
+    assert other.model.fingerprint != service.pipeline.model.fingerprint
+    foreign, _ = store.ensure(other.model, other.tokenizer.chunk_ids("a foreign passage"))
+    mine = service.add_chunks(["my passage"])[0].chunk_id
+    listed = [r.chunk_id for r in service.list_chunks()[0]]
+    assert mine in listed and foreign not in listed
+    assert service.chunk(foreign) is None and not service.delete_chunk(foreign)
+    assert store.contains(foreign)  # listing never evicts another model's entry
+    with pytest.raises(InputError, match="limit=0"):
+        service.list_chunks(limit=0)
+
+
+def test_service_config_is_validated():
+    with pytest.raises(ConfigError, match="live clock"):
+        ServiceConfig(engine=EngineConfig(clock="replay"))
+    with pytest.raises(ConfigError, match="max_queue"):
+        ServiceConfig(max_queue=0)
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        ServiceConfig(default_max_tokens=600)
+
+
+
+def test_answer_prefix_is_continued_as_in_the_pipeline(service):
+    pipe = service.pipeline
+    want = pipe.answer(list(DOCS), QUESTION, full_prefill(pipe.model.num_layers), 6, answer_prefix="The word is")
+    tokens: list[int] = []
+    res = service.submit(spec([DocumentRef(text=d) for d in DOCS], answer_prefix="The word is"),
+                         on_token=lambda i, t: tokens.append(t)).result(timeout=60)
+    assert res.error is None and tokens == want.token_ids
+    plain = service.submit(spec([DocumentRef(text=d) for d in DOCS])).result(timeout=60)
+    assert res.num_prompt_tokens > plain.num_prompt_tokens
