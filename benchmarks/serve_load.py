@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--method", default="cachesmith")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--serial-decode", action="store_true", help="live: decode between batches, not beside")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -145,12 +146,14 @@ def main() -> None:
     rows = [{"run": "replay", **{k: row[k] for k in COLUMNS[1:]}}]
 
     service = Service(ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched),
-                                    max_queue=args.num_requests, max_tokens_limit=512), pipe, profile)
+                                    max_queue=args.num_requests, max_tokens_limit=512,
+                                    is_decode_overlapped=not args.serial_decode), pipe, profile)
     with BackgroundServer(service, ServerConfig(port=0, log_level="warning")) as srv:
         records = asyncio.run(drive(srv.url, requests, service.config.name))
     rows += live_rows(records, service.engine.stats.num_batches)
     live_stats = service.engine.stats
-    payload = {"setting": config.name, "method": args.method, "base_slo_s": base, "slo_scale": args.slo_scale,
+    payload = {"setting": config.name, "method": args.method, "decode": "serial" if args.serial_decode else "overlapped",
+               "base_slo_s": base, "slo_scale": args.slo_scale,
                "speed_factor": factor, "profile_source": source, "rows": rows, "live_records": records,
                "replay_records": [r.to_dict() for r in results],
                "batches": {"replay": replay.stats.num_batches, "live": live_stats.num_batches},

@@ -210,7 +210,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
                            StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url),
                            args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
-                           default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit)
+                           default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
+                           is_decode_overlapped=not args.serial_decode)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(f"loading {config.model} ({config.dtype}, {config.device}) ...", file=sys.stderr, flush=True)
     service = Service(config)
@@ -237,6 +238,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--kv-capacity", type=int, default=65_536, help="tokens of KV resident at once")
     serve.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain on shutdown")
+    serve.add_argument("--serial-decode", action="store_true",
+                       help="decode between batches on the prefill thread instead of beside it")
     serve.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
     serve.set_defaults(func=_serve)
 

@@ -5,7 +5,8 @@ request's `RequestResult` (refused ones at once, with their error), and `on_toke
 calls as tokens are produced: the first token as soon as its batch's prefill ends, the rest while
 decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
 finished batch to a decode thread (prefill-decode disaggregation, DESIGN.md §5), so decoding one
-batch never delays the next batch's first tokens. Admissions (tokenizing, prefilling missing chunk
+batch never delays the next batch's first tokens (`is_decode_overlapped=False` decodes on the
+prefill thread instead: no core sharing, which can pay off on a small CPU). Admissions (tokenizing, prefilling missing chunk
 KV) run in the caller's thread, one at a time, so they never hold up scheduling. A queue limit
 answers `QueueFull` with a retry-after estimate; `close()` stops admissions and drains what is
 queued. A batch that raises turns into per-request errors; the loop keeps serving.
@@ -41,12 +42,13 @@ class EngineClosed(CachesmithError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 64, is_decode_overlapped: bool = True) -> None:
         if engine.clock.name != "live":
             raise ConfigError(f"EngineLoop needs the live clock, the engine has {engine.clock.name!r}")
         if max_queue < 1:
             raise ConfigError(f"max_queue={max_queue} must be >= 1")
-        self.engine, self.max_queue = engine, max_queue
+        # False: decode each batch on the prefill thread before the next batch (no core sharing)
+        self.engine, self.max_queue, self.is_decode_overlapped = engine, max_queue, is_decode_overlapped
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
         self._futures: dict[int, Future] = {}
@@ -136,17 +138,23 @@ class EngineLoop:
             for rid, token in prefilled.first_tokens():
                 if token not in self._stop_ids:
                     self._emit(rid, 0, token)
-            self._prefilled.put(prefilled)
+            if self.is_decode_overlapped:
+                self._prefilled.put(prefilled)
+            else:
+                self._finish(prefilled)
 
     def _decode_loop(self) -> None:
         while (prefilled := self._prefilled.get()) is not None:
-            try:
-                results = self.engine.finish_batch(prefilled, self._emit_later)
-            except Exception as exc:
-                log.exception("decoding batch %s failed", prefilled.batch_id)
-                results = [RequestResult.failed(a.request, f"internal error while decoding: {exc}")
-                           for a in prefilled.batch]
-            self._resolve(results)
+            self._finish(prefilled)
+
+    def _finish(self, prefilled: PrefilledBatch) -> None:
+        try:
+            results = self.engine.finish_batch(prefilled, self._emit_later)
+        except Exception as exc:
+            log.exception("decoding batch %s failed", prefilled.batch_id)
+            results = [RequestResult.failed(a.request, f"internal error while decoding: {exc}")
+                       for a in prefilled.batch]
+        self._resolve(results)
 
     def _emit(self, request_id: int, index: int, token_id: int) -> None:
         sink = self._sinks.get(request_id)

@@ -117,3 +117,15 @@ def test_a_failing_decode_and_a_failing_sink_do_not_stop_the_loop(pipe):
 
     assert loop.submit(instance(9), 30.0, on_token=bad_sink).result(timeout=30).error is None
     assert loop.close(timeout=10)
+
+
+def test_serial_decode_serves_and_streams_the_same(pipe):
+    answers = {}
+    for overlapped in (True, False):
+        loop = EngineLoop(live_engine(pipe, "full_prefill"), is_decode_overlapped=overlapped)
+        tokens: list[int] = []
+        res = loop.submit(instance(11), 30.0, on_token=lambda i, t: tokens.append(t)).result(timeout=30)
+        assert res.error is None and len(tokens) == res.num_output_tokens
+        answers[overlapped] = (res.answer, tokens)
+        assert loop.close(timeout=10)
+    assert answers[True] == answers[False]

@@ -52,6 +52,7 @@ class ServiceConfig:
     default_max_tokens: int = 64
     max_tokens_limit: int = 512
     max_documents: int = 64
+    is_decode_overlapped: bool = True  # decode on its own thread (False: between batches)
 
     def __post_init__(self) -> None:
         if self.engine.clock != "live":
@@ -112,7 +113,7 @@ class Service:
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
         self.engine = Engine(self.pipeline, profile, config.engine, LiveClock())
-        self.loop = EngineLoop(self.engine, config.max_queue)
+        self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped)
         self.started_at = time.time()
         self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid"
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
