@@ -115,6 +115,10 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def cancel(self, request_id: int) -> Admitted | None:
+        """Take a request off the queue if it has not been batched yet (else None)."""
+        return self._queue.pop(request_id, None)
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestResult]:
         """One batch boundary: schedule, run the batch, advance the clock. [] when idle."""

@@ -100,6 +100,7 @@ class EngineLoop:
             arrival = self.engine.clock.now() if arrival_s is None else arrival_s
             request = Request(next(self._ids), instance, slo_s, arrival)
         future: Future = Future()
+        future.request_id = request.request_id  # what `cancel` takes
         try:
             with self._admit_lock:
                 admitted = self.engine.admit(request)
@@ -142,6 +143,16 @@ class EngineLoop:
                 self._prefilled.put(prefilled)
             else:
                 self._finish(prefilled)
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request still waiting in the queue (a client that went away): its future resolves
+        with a "cancelled" result. False if it is already running or done."""
+        with self._cond:
+            admitted = self.engine.cancel(request_id)
+            if admitted is None:
+                return False
+        self._resolve([RequestResult.refused(admitted.request, "cancelled before it was scheduled", "cancelled")])
+        return True
 
     def _decode_loop(self) -> None:
         while (prefilled := self._prefilled.get()) is not None:

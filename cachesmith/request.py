@@ -39,7 +39,7 @@ class RequestResult:
     qci_entropy: float | None = None
     num_prompt_tokens: int = 0  # prefix + context + suffix
     num_output_tokens: int = 0  # generated (the first token included, end-of-sequence not)
-    is_internal_error: bool = False  # the error is the server's (a failed batch), not the request's
+    error_kind: str | None = None  # "invalid" (refused), "internal" (a batch failed), "cancelled"
 
     @property
     def ttft_s(self) -> float | None:
@@ -57,11 +57,16 @@ class RequestResult:
     def to_dict(self) -> dict:
         return {**asdict(self), "ttft_s": self.ttft_s, "is_on_time": self.is_on_time, "is_qsa": self.is_qsa}
 
+    @property
+    def is_internal_error(self) -> bool:
+        """The error is the server's (a failed batch), not the request's."""
+        return self.error_kind == "internal"
+
     @classmethod
-    def refused(cls, request: Request, error: str) -> "RequestResult":
-        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error)
+    def refused(cls, request: Request, error: str, kind: str = "invalid") -> "RequestResult":
+        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error,
+                   error_kind=kind)
 
     @classmethod
     def failed(cls, request: Request, error: str) -> "RequestResult":
-        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error,
-                   is_internal_error=True)
+        return cls.refused(request, error, "internal")

@@ -129,3 +129,21 @@ def test_serial_decode_serves_and_streams_the_same(pipe):
         answers[overlapped] = (res.answer, tokens)
         assert loop.close(timeout=10)
     assert answers[True] == answers[False]
+
+
+def test_cancel_drops_a_queued_request_but_not_a_running_one(pipe):
+    engine = live_engine(pipe, "full_reuse")
+    loop = EngineLoop(engine)
+    gate, original = threading.Event(), engine.prefill_batch
+    engine.prefill_batch = lambda d, b: (gate.wait(10), original(d, b))[1]
+    running = loop.submit(instance(12), 30.0)
+    deadline = time.monotonic() + 10
+    while engine.queue_depth and time.monotonic() < deadline:
+        time.sleep(0.001)
+    queued = loop.submit(instance(13), 30.0)
+    assert loop.cancel(queued.request_id) and not loop.cancel(running.request_id)
+    res = queued.result(timeout=1)
+    assert res.error_kind == "cancelled" and "cancelled" in res.error and engine.queue_depth == 0
+    gate.set()
+    assert running.result(timeout=30).error is None and not loop.cancel(running.request_id)
+    assert loop.close(timeout=10)

@@ -15,6 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -62,12 +63,12 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
                                             "created": int(service.started_at), "owned_by": "cachesmith"}]}
 
     @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest):
-        return await _generate(service, body, Shape.COMPLETION)
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(service, body, Shape.COMPLETION, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest):
-        return await _generate(service, body, Shape.CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _generate(service, body, Shape.CHAT, request)
 
     @app.post("/v1/chunks", dependencies=auth)
     async def add_chunks(body: ChunksRequest):
@@ -96,6 +97,50 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+async def _result_unless_abandoned(future, request: Request, service: Service,
+                                   poll_s: float = 0.25) -> RequestResult | None:
+    """The request's result, or None when its client went away first (a request not yet scheduled
+    is then dropped from the queue). Starlette does not watch the connection of a plain response."""
+    waiting = asyncio.wrap_future(future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=poll_s)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                await run_in_threadpool(service.cancel, future)
+                return None
+    except asyncio.CancelledError:  # a server that cancels the handler when the client goes
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(service.cancel, future)
+        raise
+
+
+async def _cancel_if_abandoned(events, request: Request, service: Service, future, poll_s: float = 0.25):
+    """Pass the SSE events through. When the client goes (uvicorn cancels this task; a server that
+    only reports a disconnect when asked is polled between events) before its request was
+    scheduled, the request is dropped from the queue instead of being served to nobody."""
+    pending = asyncio.ensure_future(anext(events, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=poll_s)
+            if not done:
+                if await request.is_disconnected():
+                    return
+                continue
+            event = pending.result()
+            if event is None:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events, None))
+    finally:
+        pending.cancel()
+        if not future.done():
+            # the server cancels this task when the client goes; a cancelled scope would cancel this too
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(service.cancel, future)
+
+
 def _bearer(api_key: str | None):
     async def check(request: Request) -> None:
         if api_key is None:
@@ -107,7 +152,8 @@ def _bearer(api_key: str | None):
     return check
 
 
-async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape):
+async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape,
+                    request: Request):
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
@@ -120,7 +166,9 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.name}
     if stream is None:
-        result: RequestResult = await asyncio.wrap_future(future)
+        result = await _result_unless_abandoned(future, request, service)
+        if result is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         if result.error is not None:
             raise ApiError(500 if result.is_internal_error else 400, result.error, None,
                            "internal_error" if result.is_internal_error else None,
@@ -128,6 +176,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
         return completion_body(shape, head, result, max_tokens, body.stops)
     stream.watch(future)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(sse(shape, head, stream, max_tokens, include_usage),
+    return StreamingResponse(_cancel_if_abandoned(sse(shape, head, stream, max_tokens, include_usage),
+                                                  request, service, future),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -26,19 +26,19 @@ class ServiceMetrics:
                               ["on_time", "gate"], registry=self.registry)
         self.qsa = Counter("cachesmith_qsa", "Requests on time and passing their quality gate (QSA numerator)",
                            registry=self.registry)
-        self.failed = Counter("cachesmith_requests_failed", "Requests refused at admission or failed in a batch",
+        self.failed = Counter("cachesmith_requests_failed", "Requests refused at admission, failed in a batch, or cancelled",
                               ["reason"], registry=self.registry)
         for on_time in ("true", "false"):
             for gate in ("passed", "failed", "none"):
                 self.served.labels(on_time, gate)
-        for reason in ("invalid", "internal"):
+        for reason in ("invalid", "internal", "cancelled"):
             self.failed.labels(reason)
         self.registry.register(_EngineCollector(service))
         service.listeners.append(self.observe)
 
     def observe(self, result: RequestResult) -> None:
         if result.error is not None:
-            self.failed.labels("internal" if result.is_internal_error else "invalid").inc()
+            self.failed.labels(result.error_kind or "invalid").inc()
             return
         self.ttft.observe(result.ttft_s)
         gate = "none" if result.is_passed is None else "passed" if result.is_passed else "failed"

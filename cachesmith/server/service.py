@@ -153,6 +153,11 @@ class Service:
         future.add_done_callback(lambda f: self._finished(f, pinned))
         return future
 
+    def cancel(self, future: Future) -> bool:
+        """Drop a submitted request that is still queued (its client went away); False if it is
+        already running (it then finishes and its answer is discarded)."""
+        return self.loop.cancel(future.request_id)
+
     def _limits(self, spec: CompletionSpec) -> tuple[int, float]:
         cfg = self.config
         if not spec.documents:

@@ -121,10 +121,12 @@ def test_api_key_and_body_limit(server_for):
 
 def test_queue_limit_answers_429_with_retry_after(server_for):
     srv = server_for(max_queue=2)
-    engine = srv.server.config.app.state.service.engine
-    gate, original = threading.Event(), engine.prefill_batch
+    service = srv.server.config.app.state.service
+    engine = service.engine
+    gate, entered, original = threading.Event(), threading.Event(), engine.prefill_batch
 
     def held(decision, batch):  # hold the first batch so the queue fills behind it
+        entered.set()
         gate.wait(30)
         return original(decision, batch)
 
@@ -135,9 +137,13 @@ def test_queue_limit_answers_429_with_retry_after(server_for):
         codes.append(httpx.post(srv.url + "/v1/completions", json=body(prompt=f"q{i}?"), timeout=60).status_code)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
+    threads[0].start()
+    assert entered.wait(10)  # one taken by the loop ...
+    for t in threads[1:]:
         t.start()
-        time.sleep(0.3)  # one taken by the loop, then two queued
+    deadline = time.monotonic() + 10
+    while service.queue_depth < 2 and time.monotonic() < deadline:  # ... then two queued
+        time.sleep(0.01)
     r = httpx.post(srv.url + "/v1/completions", json=body(), timeout=60)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert error_of(r)["code"] == "queue_full" and "max_queue=2" in error_of(r)["message"]
@@ -245,3 +251,26 @@ def test_a_last_assistant_message_is_the_answer_prefix(server_for):
                                                     "messages": [*messages, {"role": "assistant", "content": "y"}]})
     assert cont["usage"]["prompt_tokens"] == field["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert both.status_code == 400 and error_of(both)["param"] == "answer_prefix"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_abandoned_while_queued_is_cancelled(server_for, stream):
+    srv = server_for()
+    service = srv.server.config.app.state.service
+    engine = service.engine
+    gate, entered, original = threading.Event(), threading.Event(), engine.prefill_batch
+    engine.prefill_batch = lambda d, b: (entered.set(), gate.wait(30), original(d, b))[2]
+    first = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", json=body(), timeout=60))
+    first.start()
+    assert entered.wait(10)  # the loop took the first request, and holds it
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up before any token
+        httpx.post(srv.url + "/v1/completions", json=body(stream=stream), timeout=1.0)
+    deadline = time.monotonic() + 10
+    while service.queue_depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.queue_depth == 0  # dropped, not left to be served to nobody
+    gate.set()
+    first.join(60)
+    text = httpx.get(srv.url + "/metrics", timeout=60).text
+    assert 'cachesmith_requests_failed_total{reason="cancelled"} 1.0' in text
+    assert engine.stats.num_batches == 1  # only the first request ran

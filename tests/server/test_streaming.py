@@ -70,7 +70,7 @@ def test_an_error_result_ends_the_stream_without_text():
         ts = TokenStream(decode)
         future: Future = Future()
         ts.watch(future)
-        future.set_result(RequestResult(0, 0.0, 1.0, error="boom", is_internal_error=True))
+        future.set_result(RequestResult(0, 0.0, 1.0, error="boom", error_kind="internal"))
         return [p async for p in ts.deltas()], ts
 
     pieces, ts = asyncio.run(run())
