@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,7 +29,7 @@ from common import emit, print_table  # noqa: E402
 from cachesmith.bench.metrics import summarize  # noqa: E402
 from cachesmith.bench.run import measure_base  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
-from cachesmith.engine import Engine, EngineConfig  # noqa: E402
+from cachesmith.engine import Engine, EngineConfig, EngineStats  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
@@ -73,7 +72,6 @@ async def one(client: httpx.AsyncClient, req: Request, model: str, start: float)
     if error is None and first is not None and final is not None:
         client_ttft = first - sent
         record.update(client_ttft_s=client_ttft, server_ttft_s=final["ttft_ms"] / 1e3, is_passed=final["is_passed"],
-                      server_on_time=final["is_on_time"], client_on_time=client_ttft <= req.slo_s,
                       sent_s=sent - start, coverage=final["coverage"], plan=final["plan"],
                       batch_size=final["batch_size"], num_recomputed=final["num_recomputed"],
                       num_context_tokens=final["num_context_tokens"])
@@ -93,23 +91,22 @@ async def drive(url: str, requests: list[Request], model: str) -> list[dict]:
         return [t.result() for t in tasks]
 
 
-def live_rows(records: list[dict], num_batches: int) -> list[dict]:
-    n = len(records)
-    ok = [r for r in records if r["error"] is None]
+def live_rows(records: list[dict], method: str, slo_scale: float, stats: EngineStats) -> list[dict]:
+    """The live run summarized as the bench summarizes replay runs, once per clock: the server's
+    TTFT, and the client's (send to first SSE event, so it includes the HTTP round trip)."""
     rows = []
     for clock in ("server", "client"):
-        ttfts = np.array([r[f"{clock}_ttft_s"] for r in ok]) if ok else np.array([np.nan])
-        on_time = [r for r in ok if r[f"{clock}_on_time"]]
-        ends = [r["sent_s"] + r["client_ttft_s"] for r in ok]
-        rows.append({"run": f"live ({clock} clock)", "num_requests": n,
-                     "qsa": sum(r["is_passed"] is True for r in on_time) / n, "ttft_attainment": len(on_time) / n,
-                     "gate_rate": sum(r["is_passed"] is True for r in ok) / n,
-                     "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p90_s": float(np.percentile(ttfts, 90)),
-                     "ttft_p99_s": float(np.percentile(ttfts, 99)),
-                     "throughput_rps": len(ok) / max(ends) if ends else 0.0,
-                     "recompute_fraction": sum(r["num_recomputed"] for r in ok) / max(1, sum(r["num_context_tokens"] for r in ok)),
-                     "mean_batch_size": len(ok) / num_batches if num_batches else 0.0,
-                     "num_errors": n - len(ok)})
+        recs = []
+        for r in records:
+            if r["error"] is not None:
+                recs.append({"error": r["error"], "is_qsa": False, "is_on_time": False, "is_passed": None})
+                continue
+            ttft = r[f"{clock}_ttft_s"]
+            on_time = ttft <= r["slo_s"]
+            recs.append({**r, "ttft_s": ttft, "arrival_s": r["sent_s"], "first_token_s": r["sent_s"] + ttft,
+                         "is_on_time": on_time, "is_qsa": on_time and r["is_passed"] is True})
+        row = summarize(method, slo_scale, recs, stats)
+        rows.append({"run": f"live ({clock} clock)", **{k: row[k] for k in COLUMNS[1:]}})
     return rows
 
 
@@ -150,7 +147,7 @@ def main() -> None:
                                     is_decode_overlapped=not args.serial_decode), pipe, profile)
     with BackgroundServer(service, ServerConfig(port=0, log_level="warning")) as srv:
         records = asyncio.run(drive(srv.url, requests, service.config.name))
-    rows += live_rows(records, service.engine.stats.num_batches)
+    rows += live_rows(records, args.method, args.slo_scale, service.engine.stats)
     live_stats = service.engine.stats
     payload = {"setting": config.name, "method": args.method, "decode": "serial" if args.serial_decode else "overlapped",
                "base_slo_s": base, "slo_scale": args.slo_scale,

@@ -6,10 +6,10 @@ calls as tokens are produced: the first token as soon as its batch's prefill end
 decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
 finished batch to a decode thread (prefill-decode disaggregation, DESIGN.md §5), so decoding one
 batch never delays the next batch's first tokens (`is_decode_overlapped=False` decodes on the
-prefill thread instead: no core sharing, which can pay off on a small CPU). Admissions (tokenizing, prefilling missing chunk
-KV) run in the caller's thread, one at a time, so they never hold up scheduling. A queue limit
-answers `QueueFull` with a retry-after estimate; `close()` stops admissions and drains what is
-queued. A batch that raises turns into per-request errors; the loop keeps serving.
+prefill thread instead). Admissions (tokenizing, prefilling missing chunk KV) run in the caller's
+thread, one at a time, so they never hold up scheduling. A queue limit answers `QueueFull` with a
+retry-after estimate; `cancel` drops a request still queued; `close()` stops admissions and drains
+what is queued. A batch that raises turns into per-request errors; the loop keeps serving.
 """
 from __future__ import annotations
 

@@ -88,10 +88,6 @@ class BatchExecutor:
         return BatchExecution(outs, list(plan.coverages), seconds, stall, plan.recompute_config().label(), plan,
                               monitor.num_replans)
 
-    def execute(self, decision: ScheduleDecision, batch: list[Admitted]) -> tuple[BatchExecution, list[RequestOutput]]:
-        run = self.prefill(decision, batch)
-        return run, self.decode(batch, run)
-
     def _timed_run(self, batch: list[Admitted], plan: RecomputeConfig, replanner=None):
         """(outputs, seconds from staging to the first tokens, transfer stall seconds)."""
         start = time.perf_counter()

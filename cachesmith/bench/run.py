@@ -91,7 +91,7 @@ def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str
     engine.references = references
     requests, refused = build_requests(config, insts, base, scale)
     results = engine.run(requests, show_progress=show_progress)
-    results += [RequestResult(i, a, s, "file", error=e) for i, (a, s, e) in refused.items()]
+    results += [RequestResult(i, a, s, "file", error=e, error_kind="invalid") for i, (a, s, e) in refused.items()]
     records = [{**r.to_dict(), "method": method, "slo_scale": scale}
                for r in sorted(results, key=lambda r: r.request_id)]
     _atomic_write(path, json.dumps({"records": records, "stats": asdict(engine.stats)}))

@@ -97,48 +97,48 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-async def _result_unless_abandoned(future, request: Request, service: Service,
-                                   poll_s: float = 0.25) -> RequestResult | None:
-    """The request's result, or None when its client went away first (a request not yet scheduled
-    is then dropped from the queue). Starlette does not watch the connection of a plain response."""
+# A client that goes away before its request was scheduled gets the request dropped from the
+# queue instead of served to nobody. uvicorn cancels a streaming handler when its client goes, but
+# not a plain one, and an ASGI server may report a disconnect only when asked: so both waits poll.
+POLL_S = 0.25
+
+
+async def _done_before_gone(task: asyncio.Future, request: Request) -> bool:
+    """Wait for `task`; False if the client disconnected first."""
+    while not (await asyncio.wait({task}, timeout=POLL_S))[0]:
+        if await request.is_disconnected():
+            return False
+    return True
+
+
+async def _drop_if_waiting(service: Service, future) -> None:
+    if not future.done():
+        with anyio.CancelScope(shield=True):  # this runs in a cancelled task: anyio would cancel it too
+            await run_in_threadpool(service.cancel, future)
+
+
+async def _result_unless_abandoned(future, request: Request, service: Service) -> RequestResult | None:
+    """The request's result, or None when its client went away first."""
     waiting = asyncio.wrap_future(future)
     try:
-        while True:
-            done, _ = await asyncio.wait({waiting}, timeout=poll_s)
-            if done:
-                return waiting.result()
-            if await request.is_disconnected():
-                await run_in_threadpool(service.cancel, future)
-                return None
-    except asyncio.CancelledError:  # a server that cancels the handler when the client goes
-        with anyio.CancelScope(shield=True):
-            await run_in_threadpool(service.cancel, future)
-        raise
+        return waiting.result() if await _done_before_gone(waiting, request) else None
+    finally:
+        await _drop_if_waiting(service, future)
 
 
-async def _cancel_if_abandoned(events, request: Request, service: Service, future, poll_s: float = 0.25):
-    """Pass the SSE events through. When the client goes (uvicorn cancels this task; a server that
-    only reports a disconnect when asked is polled between events) before its request was
-    scheduled, the request is dropped from the queue instead of being served to nobody."""
-    pending = asyncio.ensure_future(anext(events, None))
+async def _cancel_if_abandoned(events, request: Request, service: Service, future):
+    """Pass the SSE events through until they end or the client goes."""
+    pending = None
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=poll_s)
-            if not done:
-                if await request.is_disconnected():
-                    return
-                continue
-            event = pending.result()
-            if event is None:
+            pending = asyncio.ensure_future(anext(events, None))
+            if not await _done_before_gone(pending, request) or (event := pending.result()) is None:
                 return
             yield event
-            pending = asyncio.ensure_future(anext(events, None))
     finally:
-        pending.cancel()
-        if not future.done():
-            # the server cancels this task when the client goes; a cancelled scope would cancel this too
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(service.cancel, future)
+        if pending is not None:
+            pending.cancel()
+        await _drop_if_waiting(service, future)
 
 
 def _bearer(api_key: str | None):

@@ -129,18 +129,12 @@ class Service:
         """Queue one request. Raises `InputError` (bad spec), `QueueFull` or `EngineClosed`; an
         error found while admitting (unknown chunk, context too long) resolves the future at once."""
         arrival = self.engine.clock.now()
+        pinned: list[str] = []
         try:
             max_tokens, slo_s = self._limits(spec)
             self.loop.check_capacity()  # before any costly work
-            token_ids = self._tokenize(spec.documents)
-        except (QueueFull, EngineClosed, InputError) as exc:
-            self.num_rejected[_reason(exc)] += 1
-            raise
-        prefix_key = self._prefix_key(spec)
-        pinned: list[str] = []
-        try:
-            keys = self._store_chunks(spec.documents, token_ids, pinned)
-            self._pin([prefix_key], pinned)
+            keys = self._store_chunks(spec.documents, self._tokenize(spec.documents), pinned)
+            self._pin([self._prefix_key(spec)], pinned)
             instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
                                         answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
                                         chunk_ids=tuple(keys))

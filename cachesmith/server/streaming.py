@@ -64,9 +64,7 @@ class TokenStream:
                     if tail:
                         yield tail
                 return
-            if index != len(self._ids):  # a repeat (the first token is announced once)
-                continue
-            self._ids.append(item)
+            self._ids.append(item)  # the engine loop emits each index once, in order
             piece = self._safe_piece()
             if piece or len(self._ids) == 1:  # the first token is announced even if its text is held back
                 yield piece

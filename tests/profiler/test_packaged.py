@@ -28,6 +28,6 @@ def test_calibrate_measures_a_finite_positive_factor(tmp_path):
     profile = make_profile(num_layers=pipe.model.num_layers)
     factor = calibrate(pipe, profile, context_tokens=(128, 256))
     assert math.isfinite(factor) and factor > 0
-    # measured against a profile 10x slower, the machine looks 10x faster (timing noise aside)
+    # measured against a profile 10x slower, the machine looks 10x faster (wide: two timed runs each)
     slower = calibrate(pipe, rescaled(profile, 10.0), context_tokens=(128, 256))
-    assert 0.05 < slower / factor < 0.2
+    assert 0.03 < slower / factor < 0.3

@@ -22,17 +22,14 @@ def result_for(ids, max_tokens=16) -> RequestResult:
                          num_output_tokens=len(ids))
 
 
-def stream(ids, stop=(), repeat_first=True):
-    """Feed tokens from another thread as the engine does (the first one twice: once at the end
-    of prefill, once from the decoder) and collect the deltas."""
+def stream(ids, stop=()):
+    """Feed tokens from another thread as the engine loop does and collect the deltas."""
     async def run():
         ts = TokenStream(decode, stop)
         future: Future = Future()
         ts.watch(future)
 
         def engine():
-            if repeat_first and ids:
-                ts.on_token(0, ids[0])
             for i, t in enumerate(ids):
                 ts.on_token(i, t)
             future.set_result(result_for(ids))
