@@ -10,6 +10,8 @@
   cachesmith workload card --task pr|msq|vt|mv [--variant V] [--json]
   cachesmith workload export --task T --num-instances N --out FILE.jsonl
   cachesmith workload trace --pattern gamma --cv 3 --utilization 0.8 --service-s 2.1 --out trace.jsonl
+  cachesmith outcomes [--num-instances 80]      (offline, resumable: the simulator's outcome tables)
+  cachesmith report                             (the paper's grid on the simulator -> docs/results.md)
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cachesmith import cli_eval
 from cachesmith.errors import CachesmithError
 
 
@@ -358,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_parser(sub)
     _add_bench_parser(sub)
     _add_serve_parser(sub)
+    cli_eval.add_parsers(sub, _add_model_args)
     prof = sub.add_parser("profile", help="measure the planner's profile (costs, bandwidth, demand)")
     _add_model_args(prof)
     prof.add_argument("--num-requests", type=int, default=200, help="profiling requests for demand")

@@ -5,23 +5,25 @@ In: `Request`s (submitted as they arrive, or a whole trace to `run`). Out: one `
 request: refused ones carry an error naming the field and the limit (bad SLO, no chunks, a context
 larger than the KV capacity or the model's positions) and the rest of the run goes on. At each
 batch boundary the scheduler picks the batch and budget from token counts and deadlines; the
-executor runs it and reports the measured TTFT, which the replay clock adds to its time.
+executor runs it and reports the measured TTFT, which the replay clock adds to its time. With the
+simulator's runtime (`cachesmith.bench.simulate`) the same loop runs on TTFTs from the cost model and
+verdicts from the outcome tables.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
 from cachesmith.clock import Clock, make_clock
 from cachesmith.errors import InputError
-from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, TokenHook
+from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, TokenHook
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
-from cachesmith.scheduler import QueuedRequest, ScheduleDecision, SchedulerConfig
+from cachesmith.scheduler import ScheduleDecision, SchedulerConfig
 from cachesmith.workloads.gates import make_gate
 
 
@@ -64,16 +66,22 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, pipeline: RagPipeline, profile: Profile, config: EngineConfig | None = None,
-                 clock: Clock | None = None) -> None:
+    """`runtime` builds the executor from the engine's planner: the simulator's (`bench.sim_executor`)
+    instead of the model's `BatchExecutor`, with no pipeline at all."""
+
+    def __init__(self, pipeline: RagPipeline | None, profile: Profile, config: EngineConfig | None = None,
+                 clock: Clock | None = None, runtime: Callable[[Planner], Executor] | None = None) -> None:
         self.pipeline = pipeline
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
-        self.planner = Planner(profile, config.planner)
+        planner_config = config.planner if self.method.signal is None else replace(config.planner,
+                                                                                   signal=self.method.signal)
+        self.planner = Planner(profile, planner_config)
         self.planner.warm_up()
-        num_layers = pipeline.model.num_layers
-        self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, num_layers)
-        self.executor = BatchExecutor(pipeline, self.planner)
+        self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, profile.num_layers)
+        if runtime is None and pipeline is None:
+            raise ValueError("an Engine needs a pipeline (the model) or a runtime (the simulator)")
+        self.executor = runtime(self.planner) if runtime else BatchExecutor(pipeline, self.planner)
         self.clock = clock or make_clock(config.clock)
         self.gate = make_gate(config.gate)
         self.references: dict[int, str] = {}  # full-prefill answers, for the fidelity gate
@@ -82,23 +90,8 @@ class Engine:
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, request: Request) -> Admitted:
-        """Validate, tokenize and make sure every chunk's KV is stored (a miss is prefilled here)."""
-        rid = request.request_id
-        inst = request.instance
-        parts = self.pipeline.instance_prompt(inst)
-        context = sum(len(c) for c in parts.chunk_ids)
-        total = len(parts.prefix_ids) + context + len(parts.suffix_ids)
-        limit = self.pipeline.model.config.max_positions
-        if total + inst.max_new_tokens > limit:
-            raise InputError(f"request {rid}: context of {total} tokens + max_new_tokens {inst.max_new_tokens} "
-                             f"exceeds the model's {limit} positions")
-        capacity = self.config.scheduler.kv_capacity_tokens
-        if total > capacity:
-            raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
-                             f"{capacity} tokens (scheduler.kv_capacity_tokens) even alone")
-        queued = QueuedRequest(rid, request.arrival_s, request.slo_s, context, len(parts.suffix_ids),
-                               len(parts.prefix_ids))  # validates the SLO before any chunk is prefilled
-        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued)
+        """Validate, count tokens and make sure every chunk's KV is stored (a miss is prefilled here)."""
+        return self.executor.admit(request, self.config.scheduler.kv_capacity_tokens)
 
     def submit(self, request: Request | Admitted) -> RequestResult | None:
         """Queue a request; a refused one comes back at once as a result with its error."""
@@ -160,7 +153,7 @@ class Engine:
             req, inst = adm.request, adm.request.instance
             results.append(RequestResult(
                 req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
-                self._gate(req, out.answer), pre.decision.mode, pre.run.plan_label, out.coverage,
+                self._gate(req, out.answer) if out.is_passed is None else out.is_passed, pre.decision.mode, pre.run.plan_label, out.coverage,
                 out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
                 out.num_prompt_tokens, out.num_output_tokens))
         return results

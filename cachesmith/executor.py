@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
+from cachesmith.errors import InputError
 from cachesmith.kvstore import KeyedRequest
 from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
@@ -34,8 +36,21 @@ PROVISIONAL = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
 class Admitted:
     """A request ready to run: chunk KV stored, prompt tokenized, token counts known."""
     request: Request
-    keyed: KeyedRequest
+    keyed: KeyedRequest | None  # None in the simulator: no KV is stored or read
     queued: QueuedRequest
+
+
+def check_request(request: Request, prefix: int, context: int, suffix: int, max_positions: int,
+                  kv_capacity_tokens: int) -> QueuedRequest:
+    """The queue's view of a request, or an `InputError` naming the limit it breaks."""
+    rid, total, max_new = request.request_id, prefix + context + suffix, request.instance.max_new_tokens
+    if total + max_new > max_positions:
+        raise InputError(f"request {rid}: context of {total} tokens + max_new_tokens {max_new} "
+                         f"exceeds the model's {max_positions} positions")
+    if total > kv_capacity_tokens:
+        raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
+                         f"{kv_capacity_tokens} tokens (scheduler.kv_capacity_tokens) even alone")
+    return QueuedRequest(rid, request.arrival_s, request.slo_s, context, suffix, prefix)  # validates the SLO
 
 
 TokenHook = Callable[[int, int, int], None]  # (request id, token index, token id)
@@ -50,6 +65,7 @@ class RequestOutput:
     qci_entropy: float | None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    is_passed: bool | None = None  # the runtime's own verdict (the simulator's); None: gate the answer
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ class BatchExecution:
     plan_label: str
     plan: BatchPlan | None = None  # "planned" batches
     num_monitor_replans: int = 0
+    verdicts: list[bool] | None = None  # the simulator's gate verdicts (it has no outputs)
 
     @property
     def planner_s(self) -> float:
@@ -68,9 +85,28 @@ class BatchExecution:
         return self.plan.decision_s if self.plan else 0.0
 
 
+class Executor(Protocol):
+    """Runs batches for the `Engine`: the model's `BatchExecutor` or the simulator's."""
+
+    def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted: ...
+
+    def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution: ...
+
+    def decode(self, batch: list[Admitted], run: BatchExecution,
+               on_token: TokenHook | None = None) -> list[RequestOutput]: ...
+
+
 class BatchExecutor:
     def __init__(self, pipeline: RagPipeline, planner: Planner | None = None) -> None:
         self.pipeline, self.planner = pipeline, planner
+
+    def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
+        """Tokenize, check the limits, then store every chunk's KV (a miss is prefilled here)."""
+        inst = request.instance
+        parts = self.pipeline.instance_prompt(inst)
+        queued = check_request(request, len(parts.prefix_ids), sum(len(c) for c in parts.chunk_ids),
+                               len(parts.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
+        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part)."""

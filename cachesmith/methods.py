@@ -3,7 +3,11 @@ preset served first-come-first-served, optionally queue-aware.
 
 Names: `cachesmith`, `full_prefill`, `full_reuse`, `<preset>@<coverage>` (e.g. `cacheblend@0.15`),
 and a `+qa` suffix for the queue-aware FCFS baseline (`epic@0.3+qa`: requests past saving go to
-full reuse). In: a name. Out: a `Method` and the scheduler that serves it.
+full reuse). The ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to
+`kv_dev` or `qci`), `planner:<preset>@<coverage>` (the planner alone: arrival-order batches under
+the preset's own TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
+(arrival-order batches under budgets from the queue's deadlines). In: a name. Out: a `Method` and
+the scheduler that serves it.
 """
 from __future__ import annotations
 
@@ -12,10 +16,13 @@ from dataclasses import dataclass
 from cachesmith.errors import ConfigError
 from cachesmith.planner import Planner
 from cachesmith.recompute import RecomputeConfig, preset
-from cachesmith.scheduler import FcfsQueueAware, FcfsStatic, Scheduler, SchedulerConfig, SloAwareScheduler
+from cachesmith.scheduler import (FcfsPlanned, FcfsQueueAware, FcfsSloBudget, FcfsStatic, Scheduler,
+                                  SchedulerConfig, SloAwareScheduler)
 
 SELECTIVE = ("cacheblend", "epic", "prophetkv", "fusionrag")
 DEFAULT_COVERAGES = (0.15, 0.3)
+SIGNAL_FAMILY = {"cacheblend": "kv_dev", "epic": "kv_dev", "prophetkv": "qci", "fusionrag": "qci"}
+PLANNER_SIGNALS = ("kv_dev", "qci")
 
 
 @dataclass(frozen=True)
@@ -24,10 +31,12 @@ class Method:
     preset: str | None = None  # None: CacheSmith
     coverage: float = 0.0
     is_queue_aware: bool = False
+    signal: str | None = None  # the planner's selection signal, fixed (None: chosen per batch)
+    scheduling: str = "slo_aware"  # "slo_aware", "fcfs" (static), "fcfs_planned" or "fcfs_slo"
 
     @property
     def is_static(self) -> bool:
-        return self.preset is not None
+        return self.scheduling == "fcfs"
 
     def plan(self, num_layers: int) -> RecomputeConfig:
         if self.preset is None:
@@ -35,16 +44,34 @@ class Method:
         return preset(self.preset, self.coverage, num_layers)
 
 
+def _signal(name: str, signal: str) -> str:
+    if signal not in PLANNER_SIGNALS:
+        raise ConfigError(f"method={name!r}: signal {signal!r} must be one of {', '.join(PLANNER_SIGNALS)}")
+    return signal
+
+
 def parse_method(name: str) -> Method:
     text = name.strip()
     is_qa = text.endswith("+qa")
     base = text.removesuffix("+qa")
-    if base == "cachesmith":
-        if is_qa:
-            raise ConfigError("method 'cachesmith+qa': CacheSmith's scheduler is queue-aware already")
-        return Method(text)
+    kind, colon, arg = base.partition(":")
+    if kind in ("cachesmith", "planner", "planner+slo") and is_qa:
+        raise ConfigError(f"method {name!r}: CacheSmith's scheduler is queue-aware already (no +qa)")
+    if kind in ("planner", "planner+slo") and not colon:
+        raise ConfigError(f"method {name!r}: needs ':<preset>@<coverage>' (planner) or ':<signal>' "
+                          f"(planner+slo), e.g. planner:cacheblend@0.15")
+    if kind == "cachesmith":
+        return Method(text, signal=_signal(text, arg) if colon else None)
+    if kind == "planner+slo":
+        return Method(text, signal=_signal(text, arg), scheduling="fcfs_slo")
+    if kind == "planner":
+        static = parse_method(arg)
+        if static.preset not in SIGNAL_FAMILY:
+            raise ConfigError(f"method={name!r}: the planner alone needs a selective preset (e.g. cacheblend@0.15)")
+        return Method(text, static.preset, static.coverage, signal=SIGNAL_FAMILY[static.preset],
+                      scheduling="fcfs_planned")
     if base in ("full_prefill", "full_reuse"):
-        return Method(text, base, 1.0 if base == "full_prefill" else 0.0, is_qa)
+        return Method(text, base, 1.0 if base == "full_prefill" else 0.0, is_qa, scheduling="fcfs")
     head, sep, cov = base.partition("@")
     if head not in SELECTIVE or not sep:
         raise ConfigError(f"method={name!r}: use cachesmith, full_prefill, full_reuse or <preset>@<coverage> "
@@ -55,7 +82,7 @@ def parse_method(name: str) -> Method:
         raise ConfigError(f"method={name!r}: coverage {cov!r} is not a number") from None
     if not 0 < coverage <= 1:
         raise ConfigError(f"method={name!r}: coverage {coverage} must be in (0, 1]")
-    return Method(text, head, coverage, is_qa)
+    return Method(text, head, coverage, is_qa, scheduling="fcfs")
 
 
 def default_methods(coverages: tuple[float, ...] = DEFAULT_COVERAGES) -> list[str]:
@@ -64,8 +91,12 @@ def default_methods(coverages: tuple[float, ...] = DEFAULT_COVERAGES) -> list[st
 
 
 def make_scheduler(method: Method, planner: Planner, config: SchedulerConfig, num_layers: int) -> Scheduler:
-    if not method.is_static:
+    if method.scheduling == "slo_aware":
         return SloAwareScheduler(planner, config)
+    if method.scheduling == "fcfs_slo":
+        return FcfsSloBudget(planner, config)
+    if method.scheduling == "fcfs_planned":
+        return FcfsPlanned(method.plan(num_layers), planner.cost, config)
     cls = FcfsQueueAware if method.is_queue_aware else FcfsStatic
     return cls(method.plan(num_layers), planner.cost, config)
 

@@ -7,7 +7,8 @@ from cachesmith.errors import ConfigError
 from cachesmith.methods import default_methods, make_scheduler, parse_method
 from cachesmith.planner import Planner
 from cachesmith.recompute import preset
-from cachesmith.scheduler import FcfsQueueAware, FcfsStatic, SchedulerConfig, SloAwareScheduler
+from cachesmith.scheduler import (FcfsPlanned, FcfsQueueAware, FcfsSloBudget, FcfsStatic, SchedulerConfig,
+                                  SloAwareScheduler)
 from tests.planner.synthetic_profile import make_profile
 
 
@@ -35,3 +36,25 @@ def test_each_method_gets_its_scheduler():
     assert isinstance(make_scheduler(parse_method("cachesmith"), planner, cfg, 30), SloAwareScheduler)
     assert type(make_scheduler(parse_method("epic@0.15"), planner, cfg, 30)) is FcfsStatic
     assert isinstance(make_scheduler(parse_method("epic@0.15+qa"), planner, cfg, 30), FcfsQueueAware)
+
+
+def test_ablation_names_parse_to_their_schedulers_and_signals():
+    planner, cfg = Planner(make_profile()), SchedulerConfig()
+    alone = parse_method("planner:prophetkv@0.15")
+    assert (alone.preset, alone.coverage, alone.signal, alone.is_static) == ("prophetkv", 0.15, "qci", False)
+    assert isinstance(make_scheduler(alone, planner, cfg, 30), FcfsPlanned)
+    slo = parse_method("planner+slo:kv_dev")
+    assert (slo.signal, slo.scheduling) == ("kv_dev", "fcfs_slo")
+    assert isinstance(make_scheduler(slo, planner, cfg, 30), FcfsSloBudget)
+    fixed = parse_method("cachesmith:qci")
+    assert (fixed.signal, fixed.is_static) == ("qci", False)
+    assert isinstance(make_scheduler(fixed, planner, cfg, 30), SloAwareScheduler)
+
+
+@pytest.mark.parametrize("name, match", [("cachesmith:position", "signal 'position' must be one of kv_dev, qci"),
+                                         ("planner", "needs ':<preset>@<coverage>'"),
+                                         ("planner:full_prefill", "needs a selective preset"),
+                                         ("planner+slo:kv_dev+qa", "queue-aware already")])
+def test_bad_ablation_names_are_named(name, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_method(name)

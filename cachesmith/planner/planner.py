@@ -33,8 +33,11 @@ class PlannerConfig:
     num_splits: int = 4  # (w, p) splits tried per rank depth
     entropy_threshold: float | None = None  # None: the profile's
     bandwidth_gbps: float | None = None  # None: the profile's fastest tier (the monitor updates it)
+    signal: str | None = None  # fix the selection signal (ablation); None: by entropy, batch majority
 
     def __post_init__(self) -> None:
+        if self.signal not in (None, "kv_dev", "qci"):
+            raise ConfigError(f"signal={self.signal!r}: must be 'kv_dev', 'qci' or None (chosen per batch)")
         if not 0 < self.r_min < self.r_max <= 1:
             raise ConfigError(f"need 0 < r_min ({self.r_min}) < r_max ({self.r_max}) <= 1")
         if not 0 < self.max_rank_fraction <= 1:
@@ -113,6 +116,8 @@ class Planner:
         self.config = replace(self.config, bandwidth_gbps=gbps)
 
     def choose_signal(self, requests: list[PlanRequest]) -> str:
+        if self.config.signal is not None:
+            return self.config.signal
         votes = [r.qci_entropy > self.theta for r in requests if r.qci_entropy is not None]
         if not votes:
             return "kv_dev"

@@ -49,7 +49,7 @@ class DemandProfiler:
                     continue  # a line cut short by an interrupted run
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
 
-    def _eval(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
+    def evaluate(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
         key = f"{instance_digest(inst)}/{tag}"
         if key not in self.cache:
             short = WorkloadInstance(**{**inst.__dict__, "max_new_tokens": min(inst.max_new_tokens,
@@ -64,12 +64,12 @@ class DemandProfiler:
     def min_coverage(self, inst: WorkloadInstance, signal: str, depth: int) -> float:
         """Smallest grid coverage that passes (monotone assumption), NEVER if none does."""
         L = self.pipe.model.num_layers
-        if not self._eval(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]:
+        if not self.evaluate(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]:
             return NEVER
 
         def passes(step: int) -> bool:
             plan = RecomputeConfig(signal, depth - 1, 1, step / GRID_STEPS)
-            return self._eval(inst, plan, f"{signal}/{depth}/{step}")["passed"]
+            return self.evaluate(inst, plan, f"{signal}/{depth}/{step}")["passed"]
 
         if passes(0):
             return 0.0
@@ -81,7 +81,7 @@ class DemandProfiler:
 
     def entropy(self, inst: WorkloadInstance) -> float:
         plan = RecomputeConfig("kv_dev", 1, 1, 0.0)
-        return float(self._eval(inst, plan, "kv_dev/2/0")["entropy"])
+        return float(self.evaluate(inst, plan, "kv_dev/2/0")["entropy"])
 
     def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True):
         depths = anchor_depths(self.pipe.model.num_layers)

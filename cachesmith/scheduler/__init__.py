@@ -2,6 +2,7 @@
 FCFS baselines. They see token counts and deadlines only, never tensors."""
 from typing import Protocol
 
+from cachesmith.scheduler.ablation import FcfsPlanned, FcfsSloBudget
 from cachesmith.scheduler.fcfs import FcfsQueueAware, FcfsStatic
 from cachesmith.scheduler.slo_aware import SchedulerConfig, SloAwareScheduler
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision
@@ -11,5 +12,5 @@ class Scheduler(Protocol):
     def next_batch(self, queue: list[QueuedRequest], now: float) -> ScheduleDecision | None: ...
 
 
-__all__ = ["FcfsQueueAware", "FcfsStatic", "QueuedRequest", "ScheduleDecision", "Scheduler", "SchedulerConfig",
+__all__ = ["FcfsPlanned", "FcfsQueueAware", "FcfsSloBudget", "FcfsStatic", "QueuedRequest", "ScheduleDecision", "Scheduler", "SchedulerConfig",
            "SloAwareScheduler"]

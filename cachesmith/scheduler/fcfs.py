@@ -14,19 +14,24 @@ from cachesmith.scheduler.slo_aware import SchedulerConfig
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
 
 
+def arrival_batch(queue: Sequence[QueuedRequest], config: SchedulerConfig) -> list[QueuedRequest]:
+    """The oldest requests, up to the batch size and the KV capacity (the first one always)."""
+    batch, tokens = [], 0
+    for r in sorted(queue, key=lambda r: r.arrival_s):
+        if len(batch) == config.max_batch_size or (batch and tokens + r.num_tokens > config.kv_capacity_tokens):
+            break
+        batch.append(r)
+        tokens += r.num_tokens
+    return batch
+
+
 class FcfsStatic:
     def __init__(self, plan: RecomputeConfig, cost: CostModel, config: SchedulerConfig | None = None) -> None:
         self.plan, self.cost = plan, cost
         self.config = config or SchedulerConfig()
 
     def _arrival_batch(self, queue: Sequence[QueuedRequest]) -> list[QueuedRequest]:
-        batch, tokens = [], 0
-        for r in sorted(queue, key=lambda r: r.arrival_s):
-            if len(batch) == self.config.max_batch_size or (batch and tokens + r.num_tokens > self.config.kv_capacity_tokens):
-                break
-            batch.append(r)
-            tokens += r.num_tokens
-        return batch
+        return arrival_batch(queue, self.config)
 
     def ttft(self, batch: Sequence[QueuedRequest], plan: RecomputeConfig) -> float:
         cov = [plan.coverage] * len(batch)

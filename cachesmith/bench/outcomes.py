@@ -1,0 +1,183 @@
+"""Outcome tables (issue #8): whether each workload instance passes its quality gate under each plan,
+measured once with the real engine, so the simulator can replay quality without a model.
+
+In: a `RagPipeline` and workload instances. Out: an `OutcomeTable`: per instance its token counts,
+layer-0 QCI entropy, the verdict of full prefill, full reuse and every baseline preset at its
+coverages, and per (signal, anchor rank depth) the coverage at which its verdict flips from the
+full-reuse-side value to the full-prefill value (5% grid, binary search, one flip assumed; p = 1 as
+in the demand profile). Every evaluated (instance, plan) is appended to a JSONL cache, so a stopped
+run resumes; a progress bar counts instances.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cachesmith.errors import InputError
+from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.demand import GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths
+from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.workloads.card import instance_digest
+from cachesmith.workloads.instance import WorkloadInstance
+
+
+@dataclass(frozen=True)
+class Flip:
+    """Verdict along coverage at one (signal, depth): `low` below `at`, `high` (full prefill's) from it."""
+    low: bool
+    high: bool
+    at: float  # coverage of the first grid step with the `high` verdict (1.0 when low == high)
+
+    def passes(self, coverage: float) -> bool:
+        return self.high if coverage >= self.at - 1e-9 else self.low
+
+
+@dataclass
+class Outcome:
+    digest: str
+    task: str
+    seed: int
+    prefix_tokens: int
+    context_tokens: int
+    suffix_tokens: int
+    max_new_tokens: int
+    entropy: float
+    plans: dict[str, bool]  # RecomputeConfig.label() -> verdict, for the measured fixed plans
+    flips: dict[str, Flip] = field(default_factory=dict)  # "signal/depth" -> Flip
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefix_tokens + self.context_tokens + self.suffix_tokens
+
+
+def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeConfig]:
+    """Full prefill, full reuse and every selective preset at each baseline coverage."""
+    plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
+    return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages]
+
+
+class OutcomeMeasurer:
+    """Measures `Outcome`s with the real pipeline, through a resumable JSONL cache of verdicts."""
+
+    def __init__(self, pipe: RagPipeline, cache_path: Path) -> None:
+        # the demand profiler's cache and evaluation, with the instance's whole answer length:
+        # the gate reads every answer token the engine would decode
+        self.profiler = DemandProfiler(pipe, Path(cache_path), max_new_tokens=1 << 30)
+        self.pipe = pipe
+        self.num_layers = pipe.model.num_layers
+
+    def _passes(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> bool:
+        return bool(self.profiler.evaluate(inst, plan, tag)["passed"])
+
+    def flip(self, inst: WorkloadInstance, signal: str, depth: int, high: bool) -> Flip:
+        def passes(step: int) -> bool:
+            return self._passes(inst, RecomputeConfig(signal, depth - 1, 1, step / GRID_STEPS), f"{signal}/{depth}/{step}")
+
+        low = passes(0)
+        if low == high:
+            return Flip(low, high, 1.0)
+        lo, hi = 0, GRID_STEPS  # low verdict at lo; r = 100% is full prefill, which gives `high`
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
+        return Flip(low, high, hi / GRID_STEPS)
+
+    def measure(self, inst: WorkloadInstance, seed: int) -> Outcome:
+        parts = self.pipe.instance_prompt(inst)
+        plans = {p.label(): self._passes(inst, p, p.label()) for p in fixed_plans(self.num_layers)}
+        high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
+        flips = {f"{s}/{d}": self.flip(inst, s, d, high) for s in SIGNALS for d in anchor_depths(self.num_layers)}
+        return Outcome(instance_digest(inst), inst.task, seed, len(parts.prefix_ids),
+                       sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), inst.max_new_tokens,
+                       self.profiler.entropy(inst), plans, flips)
+
+
+@dataclass
+class OutcomeTable:
+    model: str
+    num_layers: int
+    max_positions: int
+    outcomes: list[Outcome]
+
+    def passes(self, o: Outcome, signal: str, warmup: int, probe: int, coverage: float) -> bool:
+        """The verdict of `o` under (signal, w, p, coverage): a measured fixed plan exactly; a
+        planner plan (kv_dev or qci, w, p >= 1) from its flips at the anchor depths, the nearer
+        anchor deciding where two disagree; any other static plan from the same (S, w, p) measured
+        at the closest coverage at or below (full reuse below all of them)."""
+        full = o.plans[preset("full_prefill", 1.0, self.num_layers).label()]
+        if warmup >= self.num_layers or coverage >= 1.0 - 1e-9:
+            return full
+        label = RecomputeConfig(signal, warmup, probe, coverage).label()
+        if label in o.plans:
+            return o.plans[label]
+        if signal in SIGNALS and warmup >= 1 and probe >= 1:
+            return self._by_depth(o, signal, warmup + probe, coverage)
+        below = [(c, v) for (s, w, p, c), v in _parsed(o.plans) if (s, w, p) == (signal, warmup, probe)
+                 and c <= coverage + 1e-9]
+        return max(below)[1] if below else o.plans[preset("full_reuse", 0.0, self.num_layers).label()]
+
+    def _by_depth(self, o: Outcome, signal: str, depth: int, coverage: float) -> bool:
+        anchors = sorted(int(k.split("/")[1]) for k in o.flips if k.startswith(signal + "/"))
+        lo = max([a for a in anchors if a <= depth], default=anchors[0])
+        hi = min([a for a in anchors if a >= depth], default=anchors[-1])
+        v_lo = o.flips[f"{signal}/{lo}"].passes(coverage)
+        v_hi = o.flips[f"{signal}/{hi}"].passes(coverage)
+        if v_lo == v_hi:
+            return v_lo
+        return v_lo if depth - lo < hi - depth or (depth - lo == hi - depth) else v_hi
+
+    def by_task(self, task: str) -> list[Outcome]:
+        """A task's instances; "mix" is all of them, "pr+vt" those of both tasks."""
+        tasks = set(task.split("+"))
+        found = self.outcomes if task == "mix" else [o for o in self.outcomes if o.task in tasks]
+        missing = tasks - {o.task for o in self.outcomes} - {"mix"}
+        if missing or not found:
+            raise InputError(f"the outcome table holds no instance of task {task!r}; "
+                             f"it has {', '.join(sorted({o.task for o in self.outcomes}))}")
+        return found
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"model": self.model, "num_layers": self.num_layers, "max_positions": self.max_positions,
+                "outcomes": [asdict(o) for o in self.outcomes]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=None, separators=(",", ":")), encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "OutcomeTable":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            outcomes = [Outcome(**{**o, "flips": {k: Flip(**v) for k, v in o["flips"].items()}})
+                        for o in data["outcomes"]]
+            return cls(data["model"], data["num_layers"], data["max_positions"], outcomes)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"outcome table {path}: cannot be read ({exc})") from exc
+
+
+def _parsed(plans: dict[str, bool]):
+    """((signal, w, p, coverage), verdict) of labels like "(kv_dev,1,0,15%)"."""
+    for label, verdict in plans.items():
+        s, w, p, c = label.strip("()").split(",")
+        yield (s, int(w), int(p), float(c.rstrip("%")) / 100), verdict
+
+
+def default_table_path(pipe: RagPipeline) -> Path:
+    """Where `cachesmith outcomes` keeps this model's table (its verdict cache sits beside it)."""
+    dtype = str(pipe.model.dtype).removeprefix("torch.")
+    return cachesmith_home() / "outcomes" / f"{pipe.model.model_dir.name}-{dtype}-{pipe.model.device.type}.json"
+
+
+def measure_table(pipe: RagPipeline, instances: list[tuple[int, WorkloadInstance]], cache_path: Path,
+                  show_progress: bool = True) -> OutcomeTable:
+    """The table of `(seed, instance)` pairs; resumes from `cache_path`'s verdicts."""
+    measurer = OutcomeMeasurer(pipe, cache_path)
+    outcomes = [measurer.measure(inst, seed) for seed, inst in
+                tqdm(instances, desc="outcome tables", unit="inst", disable=not show_progress)]
+    return OutcomeTable(pipe.model.model_dir.name, pipe.model.num_layers, pipe.model.config.max_positions, outcomes)

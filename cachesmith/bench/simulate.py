@@ -1,0 +1,76 @@
+"""Simulate one bench setting: the real Engine loop, scheduler and planner on a virtual clock that
+advances by the cost model's TTFT, with gate verdicts from the outcome tables.
+
+In: an `OutcomeTable`, a `Profile` (this machine's costs), a `BenchConfig` (workload, arrivals,
+SLO scales, methods), optionally the base SLO and planner overrides. Out: a `BenchResult` (the
+bench's rows, BestStatic included, and per-request records), in seconds of simulated time.
+Requests take the table's instance with the trace's instance seed when it was measured (so a
+simulation of a measured replay serves the very same instances), else one drawn from the task's
+measured instances, seeded by the instance seed.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from cachesmith.bench.metrics import best_static, summarize
+from cachesmith.bench.run import BenchResult
+from cachesmith.bench.setting import BenchConfig, trace_config
+from cachesmith.clock import ReplayClock
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.errors import ConfigError
+from cachesmith.planner import BatchShape, CostModel, PlannerConfig, Profile
+from cachesmith.request import Request
+from cachesmith.scheduler import SchedulerConfig
+from cachesmith.bench.sim_executor import SimExecutor
+from cachesmith.bench.outcomes import Outcome, OutcomeTable
+from cachesmith.workloads.trace import make_trace
+
+
+def instance_for(table: OutcomeTable, task: str, instance_seed: int) -> Outcome:
+    pool = table.by_task(task)
+    for o in pool:
+        if o.seed == instance_seed:
+            return o
+    return pool[int(np.random.default_rng(instance_seed).integers(len(pool)))]
+
+
+def base_slo(table: OutcomeTable, profile: Profile, bandwidth_gbps: float | None = None) -> float:
+    """Mean single-request full-prefill TTFT over every measured instance (the task mix)."""
+    cost = CostModel(profile, bandwidth_gbps)
+    return float(np.mean([cost.full_prefill_ttft(BatchShape((o.context_tokens,), (o.suffix_tokens,),
+                                                             (o.prefix_tokens,))) for o in table.outcomes]))
+
+
+def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float, method: str,
+                 slo_scale: float, planner: PlannerConfig | None = None,
+                 pool: list[Outcome] | None = None) -> tuple[list[dict], object]:
+    """(records, engine stats) of one (method, SLO scale) run. `pool`: request i serves pool[i % len]
+    (a workload file's lines, as the replay bench cycles them) instead of the task's instances."""
+    if config.gate != "task":
+        raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
+    planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
+    sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
+    link = CostModel(profile, config.bandwidth_gbps)
+    engine = Engine(None, profile, EngineConfig(method, "replay", config.gate, sched, planner), ReplayClock(),
+                    runtime=lambda p: SimExecutor(table, p, link))
+    trace = make_trace(trace_config(config, base_slo_s, slo_scale))
+    requests = [Request(r.request_id, pool[r.request_id % len(pool)] if pool else
+                        instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)
+                for r in trace.requests]
+    results = engine.run(requests)
+    records = [{**r.to_dict(), "method": method, "slo_scale": slo_scale} for r in results]
+    return records, engine.stats
+
+
+def simulate(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float | None = None,
+             planner: PlannerConfig | None = None, pool: list[Outcome] | None = None) -> BenchResult:
+    base = base_slo_s or base_slo(table, profile, config.bandwidth_gbps)
+    rows, records = [], []
+    for scale in config.slo_scales:
+        for method in config.methods:
+            recs, stats = simulate_run(table, profile, config, base, method, scale, planner, pool)
+            rows.append(summarize(method, scale, recs, stats))
+            records += recs
+    return BenchResult(config, base, 1.0, "simulated", rows + best_static(rows), records)

@@ -1,0 +1,75 @@
+"""`cachesmith outcomes` and `cachesmith report`: the evaluation's commands (thin layers over
+`bench.outcomes` and `bench.evaluation`).
+
+  cachesmith outcomes [--num-instances 80]      (offline, resumable: verdicts cached as JSONL)
+  cachesmith report [--table T --validation V --out docs/results.md]   (grid resumable)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cachesmith.errors import CachesmithError
+
+PACKAGED_TABLE = Path("docs/results/outcomes-smollm2-135m-float32-cpu.json")
+
+
+def _outcomes(args: argparse.Namespace) -> int:
+    from cachesmith.bench.outcomes import default_table_path, measure_table
+    from cachesmith.pipeline import RagPipeline
+    from cachesmith.workloads.tasks import generate
+
+    if args.num_instances < 1:
+        raise CachesmithError(f"--num-instances {args.num_instances} must be >= 1")
+    pipe = RagPipeline(args.model, args.device, args.dtype)
+    out = args.out or default_table_path(pipe)
+    insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
+    table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"))
+    table.save(out)
+    print(f"{out}: {len(table.outcomes)} instances")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cachesmith.bench.evaluation import ReportInputs, make_report
+    from cachesmith.bench.grid import GridConfig
+    from cachesmith.profiler.packaged import PACKAGED_DIR
+
+    table = args.table
+    if not table.exists():
+        raise CachesmithError(f"--table {table}: no outcome table there (measure one: cachesmith outcomes)")
+    profile = args.profile or PACKAGED_DIR / table.name.removeprefix("outcomes-")
+    factor = args.speed_factor
+    if factor is None:
+        factor = 1.0
+        if args.validation and args.validation.exists():
+            factor = json.loads(args.validation.read_text(encoding="utf-8")).get("speed_factor", 1.0)
+    grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies))
+    rows = args.rows or args.out.parent / "results" / "grid.jsonl"
+    path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers))
+    print(f"wrote {path} (figures in {path.parent / 'results'})", file=sys.stderr)
+    return 0
+
+
+def add_parsers(sub, add_model_args) -> None:
+    out = sub.add_parser("outcomes", help="measure the simulator's outcome tables with the real engine")
+    add_model_args(out)
+    out.add_argument("--num-instances", type=int, default=80, help="MIX instances (the four tasks in turn)")
+    out.add_argument("--task", default="mix")
+    out.add_argument("--seed", type=int, default=0)
+    out.add_argument("--out", type=Path, default=None, help="default $CACHESMITH_HOME/outcomes/<model>.json")
+    out.set_defaults(func=_outcomes)
+    rep = sub.add_parser("report", help="the paper's grid and ablations on the simulator -> docs/results.md")
+    rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)
+    rep.add_argument("--profile", type=Path, default=None, help="default: the packaged profile of the table's model")
+    rep.add_argument("--speed-factor", type=float, default=None, help="default: the validation run's")
+    rep.add_argument("--validation", type=Path, default=Path("docs/bench/sim_validation.json"))
+    rep.add_argument("--rows", type=Path, default=None, help="grid rows JSONL (resumable cache)")
+    rep.add_argument("--out", type=Path, default=Path("docs/results.md"))
+    rep.add_argument("--num-requests", type=int, default=200)
+    rep.add_argument("--studies", nargs="+", default=["grid", "components", "signals", "band", "bandwidth"],
+                     choices=["grid", "components", "signals", "band", "bandwidth"])
+    rep.add_argument("--workers", type=int, default=2)
+    rep.set_defaults(func=_report)

@@ -1,0 +1,69 @@
+"""Outcome tables: verdict lookups, the flip search, persistence."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachesmith.errors import InputError
+from cachesmith.profiler.demand import GRID_STEPS
+from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.bench.outcomes import Flip, OutcomeMeasurer, OutcomeTable
+from tests.bench.sim_helpers import NUM_LAYERS, outcome, table
+
+
+def test_flip_gives_the_low_verdict_below_and_the_full_prefill_one_from_it():
+    f = Flip(low=False, high=True, at=0.35)
+    assert not f.passes(0.3) and f.passes(0.35) and f.passes(0.9)
+    assert Flip(True, False, 0.2).passes(0.1) and not Flip(True, False, 0.2).passes(0.25)
+
+
+def test_lookup_uses_measured_plans_flips_by_depth_and_the_closest_static_below():
+    t = table()
+    o = outcome(1, full=True, reuse=False, at=0.3)
+    assert t.passes(o, "position", NUM_LAYERS, 0, 1.0) is True  # full prefill
+    assert t.passes(o, "kv_dev", 1, 0, 0.3) is True  # a measured preset, exactly
+    assert t.passes(o, "kv_dev", 1, 0, 0.15) is False
+    assert t.passes(o, "kv_dev", 1, 1, 0.25) is False and t.passes(o, "kv_dev", 1, 1, 0.3) is True  # depth 2
+    assert t.passes(o, "qci", 5, 1, 0.2) is True  # depth 6 needs 0.2
+    assert t.passes(o, "qci", 3, 1, 0.2) is False  # depth 4: anchors 2 and 6 disagree, a tie goes low
+    assert t.passes(o, "qci", 4, 1, 0.2) is True  # depth 5: nearer to 6
+    assert t.passes(o, "qci", 20, 5, 0.1) is True  # beyond the deepest anchor: the deepest
+    # EPIC at a coverage between the measured ones: the closest measured at or below
+    o.plans[preset("epic", 0.15, NUM_LAYERS).label()] = True
+    assert t.passes(o, "position", 0, 0, 0.2) is True and t.passes(o, "position", 0, 0, 0.1) is False
+
+
+def test_tables_round_trip_and_select_tasks(tmp_path):
+    t = table()
+    t.save(tmp_path / "t.json")
+    back = OutcomeTable.load(tmp_path / "t.json")
+    assert back == t
+    assert {o.task for o in back.by_task("pr+vt")} == {"pr", "vt"} and len(back.by_task("mix")) == 24
+    with pytest.raises(InputError, match="no instance of task 'hotpot'"):
+        back.by_task("hotpot")
+    (tmp_path / "bad.json").write_text(json.dumps({"model": "x"}))
+    with pytest.raises(InputError, match="cannot be read"):
+        OutcomeTable.load(tmp_path / "bad.json")
+
+
+class FakeMeasurer(OutcomeMeasurer):
+    """The flip search against a known verdict curve, counting evaluations."""
+
+    def __init__(self, curve):
+        self.curve, self.calls = curve, []
+
+    def _passes(self, inst, plan: RecomputeConfig, tag: str) -> bool:
+        self.calls.append(plan.coverage)
+        return self.curve(plan.coverage)
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.35, 0.6, 1.0])
+def test_flip_search_finds_the_first_grid_step_with_the_full_prefill_verdict(threshold):
+    m = FakeMeasurer(lambda r: r >= threshold - 1e-9)
+    f = m.flip(None, "kv_dev", 6, high=True)
+    assert f == Flip(False, True, threshold) and len(m.calls) <= 1 + GRID_STEPS.bit_length()
+    m = FakeMeasurer(lambda r: r < threshold - 1e-9)  # passes at reuse, fails as full prefill does
+    assert m.flip(None, "qci", 2, high=False) == Flip(True, False, threshold)
+    m = FakeMeasurer(lambda r: True)
+    assert m.flip(None, "qci", 2, high=True) == Flip(True, True, 1.0) and len(m.calls) == 1

@@ -1,0 +1,37 @@
+"""Outcome tables on the packaged model: the simulator's verdict for a plan equals the one the real
+engine gives the same instance under that plan."""
+from __future__ import annotations
+
+import pytest
+
+from cachesmith.bench.outcomes import OutcomeMeasurer
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.packaged import PACKAGED_DIR
+from cachesmith.planner import Profile
+from cachesmith.recompute import preset
+from cachesmith.request import Request
+from cachesmith.workloads.tasks import generate
+
+pytestmark = pytest.mark.real_model
+
+
+def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
+    inst = generate("pr", 4)
+    measurer = OutcomeMeasurer(pipe, tmp_path / "evals.jsonl")
+    o = measurer.measure(inst, 4)
+    assert o.task == "pr" and o.context_tokens > 100 and 0.0 <= o.entropy <= 1.0
+    assert set(o.flips) == {f"{s}/{d}" for s in ("kv_dev", "qci") for d in (2, 6, 15)}
+    L = pipe.model.num_layers
+    assert all(f.high == o.plans[preset("full_prefill", 1.0, L).label()] for f in o.flips.values())
+    num_evals = len((tmp_path / "evals.jsonl").read_text().splitlines())
+    assert measurer.measure(inst, 4) == o  # resumed from the cache: nothing evaluated again
+    assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
+    profile = Profile.load(next(PACKAGED_DIR.glob("smollm2-135m-*.json")))
+    for method in ("full_prefill", "cacheblend@0.15", "prophetkv@0.3"):
+        engine = Engine(pipe, profile, EngineConfig(method))
+        (res,) = engine.run([Request(0, inst, 60.0)])
+        plan = engine.method.plan(L)
+        assert res.is_passed == o.plans[plan.label()], method

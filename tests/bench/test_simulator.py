@@ -1,0 +1,111 @@
+"""The simulator: the real Engine loop, scheduler and planner on cost-model time with table verdicts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachesmith.bench.setting import BenchConfig
+from cachesmith.clock import ReplayClock
+from cachesmith.engine import Engine, EngineConfig
+from cachesmith.planner import BatchShape, CostModel
+from cachesmith.request import Request
+from cachesmith.bench.sim_executor import SimExecutor
+from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
+from cachesmith.bench.simulate import base_slo, instance_for, simulate, simulate_run
+from tests.planner.synthetic_profile import make_profile
+from tests.bench.sim_helpers import outcome, table
+
+
+def sim_engine(method: str, profile, t, gbps: float | None = None) -> Engine:
+    link = CostModel(profile, gbps)
+    return Engine(None, profile, EngineConfig(method), ReplayClock(), runtime=lambda p: SimExecutor(t, p, link))
+
+
+def test_full_prefill_alone_takes_the_cost_models_ttft_and_the_tables_verdict():
+    profile, t = make_profile(), table()
+    engine = sim_engine("full_prefill", profile, t)
+    reqs = [Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:6])]  # far apart: alone
+    results = engine.run(reqs)
+    cost = CostModel(profile)
+    for r, o in zip(results, t.outcomes):
+        expected = cost.full_prefill_ttft(BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,)))
+        assert r.ttft_s == pytest.approx(expected, abs=5e-3)  # + the scheduler's real decision time
+        assert r.is_passed == o.plans["(position,30,0,100%)"] and r.batch_size == 1 and r.answer == ""
+    assert engine.stats.stall_s == pytest.approx(0.0, abs=1e-9)  # the profile's link outpaces compute
+
+
+def test_cachesmith_plans_from_table_entropies_and_gets_each_plans_verdict():
+    profile, t = make_profile(), table()
+    engine = sim_engine("cachesmith", profile, t)
+    reqs = [Request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)]  # a burst: real batches
+    results = engine.run(reqs)
+    assert max(r.batch_size for r in results) > 1 and {r.mode for r in results} >= {"planned"}
+    for r, o in zip(results, t.outcomes):
+        s, w, p, _ = r.plan.strip("()").split(",")
+        assert r.is_passed == t.passes(o, s, int(w), int(p), r.coverage)
+        assert r.qci_entropy == o.entropy and r.num_recomputed == round(r.coverage * o.context_tokens)
+
+
+def test_a_slow_link_stalls_full_reuse_and_the_stall_is_reported():
+    profile, t = make_profile(), table(4)
+    engine = sim_engine("full_reuse", profile, t, gbps=0.01)
+    engine.run([Request(0, t.outcomes[0], 50.0, 0.0)])
+    assert engine.stats.stall_s > 0.5 * engine.stats.busy_s
+
+
+def test_oversized_requests_are_refused_by_name_and_the_run_goes_on():
+    profile, t = make_profile(), table(4)
+    big = outcome(99, context=9000)
+    results = sim_engine("cachesmith", profile, t).run([Request(0, big, 5.0), Request(1, t.outcomes[1], 5.0)])
+    assert "exceeds the model's 8192 positions" in results[0].error and results[1].error is None
+
+
+def test_instances_are_the_measured_ones_by_seed_else_drawn_from_the_task():
+    t = table()
+    assert instance_for(t, "mix", 5) is t.outcomes[5]
+    assert instance_for(t, "vt", 6).task == "vt" and instance_for(t, "vt", 6) is t.outcomes[6]
+    drawn = instance_for(t, "vt", 1001)
+    assert drawn.task == "vt" and drawn is instance_for(t, "vt", 1001)
+
+
+def test_simulate_summarizes_every_method_with_best_static():
+    profile, t = make_profile(), table()
+    config = BenchConfig("mix", num_requests=30, utilization=0.8, slo_scales=(1.0, 3.0),
+                         methods=("cachesmith", "full_prefill", "cacheblend@0.3"))
+    res = simulate(t, profile, config)
+    assert res.base_slo_s == pytest.approx(base_slo(t, profile))
+    assert len(res.rows) == 2 * 3 + 2 and len(res.records) == 2 * 3 * 30
+    rows = {(r["method"], r["slo_scale"]): r for r in res.rows}
+    assert rows[("full_prefill", 3.0)]["ttft_attainment"] >= rows[("full_prefill", 1.0)]["ttft_attainment"]
+    best = rows[("best_static", 1.0)]
+    assert best["qsa"] == max(rows[(m, 1.0)]["qsa"] for m in ("full_prefill", "cacheblend@0.3"))
+
+
+def test_the_grid_enumerates_the_papers_settings_and_resumes(tmp_path):
+    counted = list(runs(GridConfig(studies=("grid",))))
+    assert len(counted) == 5 * 6 * 4 * 11 and len({r.key for r in counted}) == len(counted)
+    profile, t = make_profile(), table()
+    t.save(tmp_path / "t.json")
+    profile.save(tmp_path / "p.json")
+    cfg = GridConfig(num_requests=12, studies=("band",))
+    out = tmp_path / "rows.jsonl"
+    rows = run_grid(tmp_path / "t.json", tmp_path / "p.json", 1.0, out, cfg, num_workers=1, show_progress=False)
+    assert len(rows) == 9 and {(r["r_min"], r["r_max"]) for r in rows} == {
+        (a, b) for a in (0.02, 0.05, 0.1) for b in (0.3, 0.5, 0.75)}
+    lines = out.read_text().splitlines()
+    again = run_grid(tmp_path / "t.json", tmp_path / "p.json", 1.0, out, cfg, num_workers=1, show_progress=False)
+    assert out.read_text().splitlines() == lines and [r["qsa"] for r in again] == [r["qsa"] for r in rows]
+    one = Run("band", "pr", "gamma", 3.0, 0.7, 2.0, "cachesmith", r_min=0.02, r_max=0.3)
+    assert json.loads(lines[0])["key"] == one.key
+    records, _ = simulate_run(t, profile, BenchConfig("pr", num_requests=12, pattern="gamma", cv=3.0),
+                              rows[0]["base_slo_s"], "cachesmith", 2.0)
+    assert all(r["task"] == "pr" for r in records)
+
+
+def test_a_pool_is_cycled_by_request_id_like_the_replay_benchs_workload_files():
+    profile, t = make_profile(), table(6)
+    config = BenchConfig("file", workload_file="w.jsonl", num_requests=14)
+    records, _ = simulate_run(t, profile, config, 2.0, "full_prefill", 2.0, pool=t.outcomes[:4])
+    assert [r["task"] for r in records] == [t.outcomes[i % 4].task for i in range(14)]
+    assert [r["num_context_tokens"] for r in records] == [t.outcomes[i % 4].context_tokens for i in range(14)]
