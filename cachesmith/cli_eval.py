@@ -41,14 +41,14 @@ def _report(args: argparse.Namespace) -> int:
     if not table.exists():
         raise CachesmithError(f"--table {table}: no outcome table there (measure one: cachesmith outcomes)")
     profile = args.profile or PACKAGED_DIR / table.name.removeprefix("outcomes-")
-    factor = args.speed_factor
-    if factor is None:
-        factor = 1.0
-        if args.validation and args.validation.exists():
-            factor = json.loads(args.validation.read_text(encoding="utf-8")).get("speed_factor", 1.0)
+    measured = {}
+    if args.validation and args.validation.exists():  # this machine's speed, measured beside the replays
+        measured = json.loads(args.validation.read_text(encoding="utf-8"))
+    factor = args.speed_factor if args.speed_factor is not None else measured.get("speed_factor", 1.0)
     grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies))
     rows = args.rows or args.out.parent / "results" / "grid.jsonl"
-    path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers))
+    path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers,
+                                    measured.get("paces")))
     print(f"wrote {path} (figures in {path.parent / 'results'})", file=sys.stderr)
     return 0
 
@@ -64,7 +64,8 @@ def add_parsers(sub, add_model_args) -> None:
     rep = sub.add_parser("report", help="the paper's grid and ablations on the simulator -> docs/results.md")
     rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)
     rep.add_argument("--profile", type=Path, default=None, help="default: the packaged profile of the table's model")
-    rep.add_argument("--speed-factor", type=float, default=None, help="default: the validation run's")
+    rep.add_argument("--speed-factor", type=float, default=None,
+                     help="default: the validation run's (its plan-family paces are used too)")
     rep.add_argument("--validation", type=Path, default=Path("docs/bench/sim_validation.json"))
     rep.add_argument("--rows", type=Path, default=None, help="grid rows JSONL (resumable cache)")
     rep.add_argument("--out", type=Path, default=Path("docs/results.md"))

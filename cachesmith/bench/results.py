@@ -131,9 +131,20 @@ def validation_md(payload: dict | None) -> str:
     lines = [[r["setting"], r["method"], pct(r["qsa_replay"]), pct(r["qsa_sim"]), f"{r['qsa_diff_pts']:+.1f}",
               f"{r['p99_replay_s']:.2f}", f"{r['p99_sim_s']:.2f}", f"{100 * r['p99_rel_err']:+.1f}%",
               f"{pct(r['gate_replay'])} / {pct(r['gate_sim'])}", f"{pct(r['att_replay'])} / {pct(r['att_sim'])}",
-              "yes" if r["is_within"] else "**no**"] for r in payload["rows"]]
-    return table_md(["setting", "method", "QSA replay", "QSA sim", "diff (pts)", "P99 replay s", "P99 sim s",
-                     "P99 error", "gate replay / sim", "attainment replay / sim", "within bars"], lines)
+              "yes" if r["is_within"] else "**no**", "yes" if r.get("is_calibration") else "held out"]
+             for r in payload["rows"]]
+    text = table_md(["setting", "method", "QSA replay", "QSA sim", "diff (pts)", "P99 replay s", "P99 sim s",
+                     "P99 error", "gate replay / sim", "attainment replay / sim", "within bars", "pace calibration"],
+                    lines)
+    paces = payload.get("in_trace_paces")
+    if paces:
+        fams = sorted({k for v in paces.values() for k in v})
+        text += ("\nMeasured / predicted TTFT of the replay batches per plan family and batch size (what the "
+                 "simulator would need to match; it runs every family at one pace, calibrated on the first "
+                 "setting):\n\n" + table_md(["setting", *fams], [[s] + [
+                     f"{v[f]['median']:.2f} ({v[f]['num_batches']})" if f in v else "" for f in fams]
+                     for s, v in paces.items()]))
+    return text
 
 
 def bandwidth_md(rows: list[dict]) -> str:

@@ -3,7 +3,8 @@ takes the cost model's TTFT (transfer over the simulated link included) and each
 verdict is read from the outcome tables under the plan it ran.
 
 In: a `ScheduleDecision` and the `Admitted` requests it names, whose `request.instance` is an
-`Outcome` (token counts, QCI entropy, verdicts). Out: `BatchExecution` (seconds, stall, plan,
+`Outcome` (token counts, QCI entropy, verdicts). The machine is the cost model with each plan
+family's compute at this machine's measured pace (`bench.pace`). Out: `BatchExecution` (seconds, stall, plan,
 verdicts) and `RequestOutput`s with `is_passed` set. "Planned" batches ask the same `Planner` the
 engine uses, from the tables' layer-0 entropies; the planner's decision time is real and counted.
 """
@@ -19,15 +20,30 @@ from cachesmith.request import Request
 from cachesmith.scheduler import ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
+from cachesmith.bench.pace import family
+from cachesmith.profiler.packaged import rescaled
 
 INFINITE_GBPS = 1e9  # a link that never stalls: what compute alone takes
 
 
 class SimExecutor:
-    def __init__(self, table: OutcomeTable, planner: Planner, link: CostModel) -> None:
-        self.table, self.planner = table, planner
-        self.link = link  # the simulated machine: the profile's costs over the simulated link
-        self.compute_only = link.with_bandwidth(INFINITE_GBPS)
+    """`paces`: this machine's measured/predicted compute time per plan family (`bench.pace`);
+    a family not in it runs at the profile's speed."""
+
+    def __init__(self, table: OutcomeTable, planner: Planner, link: CostModel,
+                 paces: dict[str, float] | None = None) -> None:
+        self.table, self.planner, self.link = table, planner, link
+        self.paces = paces or {}
+        self._machines: dict[str, tuple[CostModel, CostModel]] = {}
+
+    def machine(self, signal: str, warmup: int, probe: int) -> tuple[CostModel, CostModel]:
+        """(the simulated machine for this plan family over the link, the same with no link limit):
+        the profile's compute costs at the family's pace; the link is not paced."""
+        key = family(signal, warmup, probe)
+        if key not in self._machines:
+            paced = CostModel(rescaled(self.link.profile, self.paces.get(key, 1.0)), self.link.bandwidth_gbps)
+            self._machines[key] = (paced, paced.with_bandwidth(INFINITE_GBPS))
+        return self._machines[key]
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
         o: Outcome = request.instance
@@ -48,8 +64,11 @@ class SimExecutor:
             coverages = [decision.coverage] * len(batch)
         signal, w, p = config.signal.value, config.warmup, config.probe
         cov = np.array([coverages])  # [1, R]
-        seconds = float(self.link.ttft(shape, signal, w, p, cov)[0])
-        stall = max(0.0, seconds - float(self.compute_only.ttft(shape, signal, w, p, cov)[0]))
+        machine, compute_only = self.machine(signal, w, p)
+        seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
+        stall = max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
+        if plan is not None:  # as the real executor does: the planner learns this machine's pace
+            self.planner.observe(signal, seconds / float(self.planner.cost.ttft(shape, signal, w, p, cov)[0]))
         verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, coverages)]
         return BatchExecution([], coverages, planner_s + seconds, stall, config.label(), plan, 0, verdicts)
 

@@ -50,3 +50,8 @@ def test_report_writes_markdown_figures_and_summaries_from_the_rows(tmp_path):
 def test_report_cli_names_a_missing_table(tmp_path, capsys):
     assert main(["report", "--table", str(tmp_path / "none.json")]) == 2
     assert "no outcome table there" in capsys.readouterr().err
+
+
+def test_outcomes_cli_refuses_a_bad_count_before_loading_anything(capsys):
+    assert main(["outcomes", "--num-instances", "0"]) == 2
+    assert "--num-instances 0 must be >= 1" in capsys.readouterr().err

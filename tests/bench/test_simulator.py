@@ -109,3 +109,22 @@ def test_a_pool_is_cycled_by_request_id_like_the_replay_benchs_workload_files():
     records, _ = simulate_run(t, profile, config, 2.0, "full_prefill", 2.0, pool=t.outcomes[:4])
     assert [r["task"] for r in records] == [t.outcomes[i % 4].task for i in range(14)]
     assert [r["num_context_tokens"] for r in records] == [t.outcomes[i % 4].context_tokens for i in range(14)]
+
+
+def test_paces_slow_a_plan_family_and_the_planner_learns_it():
+    from cachesmith.bench.pace import family
+
+    profile, t = make_profile(), table(8)
+    cost = CostModel(profile)
+    o = t.outcomes[1]
+    shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
+    link = CostModel(profile)
+    engine = Engine(None, profile, EngineConfig("full_prefill"), ReplayClock(),
+                    runtime=lambda p: SimExecutor(t, p, link, {family("position", 30, 0): 2.0}))
+    (r,) = engine.run([Request(0, o, 50.0)])
+    assert r.ttft_s == pytest.approx(2 * cost.full_prefill_ttft(shape), rel=0.02)  # the overhead is paced too
+    paced = Engine(None, profile, EngineConfig("cachesmith"), ReplayClock(),
+                   runtime=lambda p: SimExecutor(t, p, link, {"kv_dev/1/1": 1.5, "qci/1/1": 1.5}))
+    paced.run([Request(i, x, 8.0, 10.0 * i) for i, x in enumerate(t.outcomes)])
+    assert paced.planner.correction and all(k == pytest.approx(1.5, rel=0.05)
+                                            for k in paced.planner.correction.values())
