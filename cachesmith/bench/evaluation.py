@@ -101,8 +101,9 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         "## Simulator validation against replay", "",
         "Same MIX instances, base SLO and profile; replay runs the real model on the replay clock "
         "(`benchmarks/sim_validation.py`). Bars: |QSA difference| <= 3 points, P99 TTFT within 10%. The "
-        "simulator's pace per plan family was calibrated on the first (Poisson) setting's batches, so that "
-        "setting is in-sample for time; the two bursty settings are held out.", "",
+        "simulator's pace per plan family (single and multi-request batches) was calibrated on a replay of "
+        "a trace of its own" + (f" (`{validation['pace_calibration']['setting']}`)" if validation and
+                                "pace_calibration" in validation else "") + ", so all settings below are held out.", "",
         validation_md(validation),
         "## End-to-end grid (paper §6.2)", "",
         _img(figs, "qsa", "QSA vs SLO scale"),
@@ -182,8 +183,10 @@ def differences(rows: list[dict], table: OutcomeTable, batch_ratio: float) -> st
     if sig:
         lines.append("- **Signal choice.** Against the better of its two fixed-signal variants, CacheSmith is "
                      + "; ".join(f"{TASK_NAMES[t]} {g:+.1f} points on average" for t, g in sig.items())
-                     + ". The shipped profile's demand curves and entropy threshold were fit on PR requests only, "
-                     "so on VT the batch-majority vote can pick the signal VT does worse with.")
+                     + " (the paper finds CacheSmith level with the suited variant on PR and VT and above both "
+                     "on MIX and PR+VT). The shipped profile's demand curves and entropy threshold were fit on PR "
+                     "requests only, and a batch runs its majority's signal, so choosing per batch from them does "
+                     "not pay here.")
     if above_fp:
         lines.append("- **Full prefill is not the quality ceiling on this model.** On "
                      + ", ".join(TASK_NAMES[t] for t in above_fp)

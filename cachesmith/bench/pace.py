@@ -89,11 +89,18 @@ def trace_paces(records: list[dict], instances: list, profile: Profile,
     return out
 
 
+MULTI = "@2+"  # suffix of a family's pace in batches of two or more requests
+MIN_BATCHES = 3  # a traced pace needs this many batches behind it
+
+
 def combine_paces(isolated: dict[str, float], in_trace: dict[str, list[float]]) -> dict[str, float]:
-    """In-trace medians where a replay ran the family; elsewhere the isolated pace times the median
-    in-trace/isolated ratio of the families both measured (a trace runs slower or faster than
-    single requests on a warm machine, and the machine drifts between runs)."""
-    traced = {k: statistics.median(v) for k, v in in_trace.items() if v}
-    common = [traced[k] / isolated[k] for k in traced if k in isolated]
+    """Paces from a calibration replay (`trace_paces(..., is_by_size=True)`): each family's single-
+    request pace where the trace ran it, and its multi-request pace ("<family>@2+") where it ran
+    batches of several; other families take the isolated pace times the median traced/isolated
+    ratio (a trace runs slower or faster than single requests on a warm machine)."""
+    traced = {k: statistics.median(v) for k, v in in_trace.items() if len(v) >= MIN_BATCHES}
+    single = {k.removesuffix("@1"): v for k, v in traced.items() if k.endswith("@1")}
+    multi = {k: v for k, v in traced.items() if k.endswith(MULTI)}
+    common = [single[k] / isolated[k] for k in single if k in isolated]
     level = statistics.median(common) if common else 1.0
-    return {**{k: v * level for k, v in isolated.items()}, **traced}
+    return {**{k: v * level for k, v in isolated.items()}, **single, **multi}

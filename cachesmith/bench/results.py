@@ -140,8 +140,8 @@ def validation_md(payload: dict | None) -> str:
     if paces:
         fams = sorted({k for v in paces.values() for k in v})
         text += ("\nMeasured / predicted TTFT of the replay batches per plan family and batch size (what the "
-                 "simulator would need to match; it runs every family at one pace, calibrated on the first "
-                 "setting):\n\n" + table_md(["setting", *fams], [[s] + [
+                 "simulator would need to match; it runs each family at the paces of the calibration trace, "
+                 "single and multi-request, `@2+`):\n\n" + table_md(["setting", *fams], [[s] + [
                      f"{v[f]['median']:.2f} ({v[f]['num_batches']})" if f in v else "" for f in fams]
                      for s, v in paces.items()]))
     return text

@@ -20,7 +20,7 @@ from cachesmith.request import Request
 from cachesmith.scheduler import ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
-from cachesmith.bench.pace import family
+from cachesmith.bench.pace import MULTI, family
 from cachesmith.profiler.packaged import rescaled
 
 INFINITE_GBPS = 1e9  # a link that never stalls: what compute alone takes
@@ -36,10 +36,13 @@ class SimExecutor:
         self.paces = paces or {}
         self._machines: dict[str, tuple[CostModel, CostModel]] = {}
 
-    def machine(self, signal: str, warmup: int, probe: int) -> tuple[CostModel, CostModel]:
-        """(the simulated machine for this plan family over the link, the same with no link limit):
-        the profile's compute costs at the family's pace; the link is not paced."""
+    def machine(self, signal: str, warmup: int, probe: int, num_requests: int = 1) -> tuple[CostModel, CostModel]:
+        """(the simulated machine for this plan family and batch size over the link, the same with no
+        link limit): the profile's compute costs at the family's pace (its multi-request pace for
+        batches of several, where measured); the link is not paced."""
         key = family(signal, warmup, probe)
+        if num_requests > 1 and key + MULTI in self.paces:
+            key += MULTI
         if key not in self._machines:
             paced = CostModel(rescaled(self.link.profile, self.paces.get(key, 1.0)), self.link.bandwidth_gbps)
             self._machines[key] = (paced, paced.with_bandwidth(INFINITE_GBPS))
@@ -64,7 +67,7 @@ class SimExecutor:
             coverages = [decision.coverage] * len(batch)
         signal, w, p = config.signal.value, config.warmup, config.probe
         cov = np.array([coverages])  # [1, R]
-        machine, compute_only = self.machine(signal, w, p)
+        machine, compute_only = self.machine(signal, w, p, len(batch))
         seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
         stall = max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
         if plan is not None:  # as the real executor does: the planner learns this machine's pace

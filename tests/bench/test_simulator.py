@@ -128,3 +128,16 @@ def test_paces_slow_a_plan_family_and_the_planner_learns_it():
     paced.run([Request(i, x, 8.0, 10.0 * i) for i, x in enumerate(t.outcomes)])
     assert paced.planner.correction and all(k == pytest.approx(1.5, rel=0.05)
                                             for k in paced.planner.correction.values())
+
+
+def test_a_multi_request_pace_applies_to_batches_of_several_only():
+    profile, t = make_profile(), table(8)
+    ex = SimExecutor(t, None, CostModel(profile), {"kv_dev/1/1": 1.0, "kv_dev/1/1@2+": 2.0})
+    single, _ = ex.machine("kv_dev", 1, 1, 1)
+    double, _ = ex.machine("kv_dev", 3, 2, 4)
+    shape = BatchShape((900,), (30,), (10,))
+    # compute doubles; the link (not paced) hides a little less of itself
+    assert double.ttft(shape, "kv_dev", 1, 1, [0.3])[0] == pytest.approx(2 * single.ttft(shape, "kv_dev", 1, 1, [0.3])[0],
+                                                                       rel=1e-3)
+    assert ex.machine("qci", 1, 1, 3)[0].ttft(shape, "qci", 1, 1, [0.3])[0] == pytest.approx(
+        CostModel(profile).ttft(shape, "qci", 1, 1, [0.3])[0])  # no pace: the profile's speed
