@@ -151,9 +151,10 @@ class Engine:
         results = []
         for adm, out in zip(pre.batch, outputs):
             req, inst = adm.request, adm.request.instance
+            passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
             results.append(RequestResult(
                 req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
-                self._gate(req, out.answer) if out.is_passed is None else out.is_passed, pre.decision.mode, pre.run.plan_label, out.coverage,
+                passed, pre.decision.mode, pre.run.plan_label, out.coverage,
                 out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
                 out.num_prompt_tokens, out.num_output_tokens))
         return results

@@ -24,8 +24,10 @@ from tqdm import tqdm
 from cachesmith.bench.metrics import summarize
 from cachesmith.bench.setting import BenchConfig
 from cachesmith.errors import ConfigError
+from cachesmith.jsonl import load_keyed
 from cachesmith.methods import default_methods
 from cachesmith.planner import PlannerConfig, Profile
+from cachesmith.profiler.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
 from cachesmith.bench.simulate import base_slo, simulate_run
 
@@ -129,7 +131,6 @@ _CACHE: dict = {}
 
 
 def _load(table_path: str, profile_path: str, factor: float) -> tuple[OutcomeTable, Profile]:
-    from cachesmith.profiler.packaged import rescaled
     key = (table_path, profile_path, factor)
     if key not in _CACHE:
         _CACHE[key] = (OutcomeTable.load(Path(table_path)), rescaled(Profile.load(Path(profile_path)), factor))
@@ -141,25 +142,21 @@ def run_grid(table_path: Path, profile_path: Path, speed_factor: float, out: Pat
     """Every run of the studies, resuming from `out` (JSONL rows); returns all rows. The rows are
     keyed by run, not by table, profile or paces: use a fresh `out` after changing those."""
     table, profile = _load(str(table_path), str(profile_path), speed_factor)
-    done = {}
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-                done[row["key"]] = row
-            except (ValueError, KeyError):
-                continue  # a line cut short
+    done = load_keyed(out)
     todo = [r for r in runs(config) if r.key not in done]
     base_s = base_slo(table, profile)  # one base for every link: the SLO stays as the link slows
     jobs = [(str(table_path), str(profile_path), speed_factor, config, r, base_s, paces) for r in todo]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), desc="simulated runs", unit="run",
                                                     disable=not show_progress) as bar:
-        results = map(_worker, jobs) if num_workers <= 1 else ProcessPoolExecutor(num_workers).map(
-            _worker, jobs, chunksize=4)
-        for row in results:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            done[row["key"]] = row
-            bar.update(1)
+        pool = ProcessPoolExecutor(num_workers) if num_workers > 1 and jobs else None
+        try:
+            for row in pool.map(_worker, jobs, chunksize=4) if pool else map(_worker, jobs):
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                done[row["key"]] = row
+                bar.update(1)
+        finally:
+            if pool:
+                pool.shutdown()
     return [done[r.key] for r in runs(config)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from tqdm import tqdm
@@ -53,6 +54,24 @@ class Outcome:
     @property
     def num_tokens(self) -> int:
         return self.prefix_tokens + self.context_tokens + self.suffix_tokens
+
+    @cached_property
+    def static(self) -> dict[tuple[str, int, int], list[tuple[float, bool]]]:
+        """The measured fixed plans by (signal, w, p): [(coverage, verdict)] in coverage order."""
+        out: dict[tuple[str, int, int], list[tuple[float, bool]]] = {}
+        for label, verdict in self.plans.items():
+            s, w, p, c = label.strip("()").split(",")
+            out.setdefault((s, int(w), int(p)), []).append((float(c.rstrip("%")) / 100, verdict))
+        return {k: sorted(v) for k, v in out.items()}
+
+    @cached_property
+    def anchors(self) -> dict[str, list[int]]:
+        """The anchor depths of each signal's flips, ascending."""
+        out: dict[str, list[int]] = {}
+        for key in self.flips:
+            s, d = key.split("/")
+            out.setdefault(s, []).append(int(d))
+        return {s: sorted(v) for s, v in out.items()}
 
 
 def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeConfig]:
@@ -109,27 +128,20 @@ class OutcomeTable:
         planner plan (kv_dev or qci, w, p >= 1) from its flips at the anchor depths, the nearer
         anchor deciding where two disagree; any other static plan from the same (S, w, p) measured
         at the closest coverage at or below (full reuse below all of them)."""
-        full = o.plans[preset("full_prefill", 1.0, self.num_layers).label()]
         if warmup >= self.num_layers or coverage >= 1.0 - 1e-9:
-            return full
-        label = RecomputeConfig(signal, warmup, probe, coverage).label()
-        if label in o.plans:
-            return o.plans[label]
+            return o.plans[preset("full_prefill", 1.0, self.num_layers).label()]
         if signal in SIGNALS and warmup >= 1 and probe >= 1:
             return self._by_depth(o, signal, warmup + probe, coverage)
-        below = [(c, v) for (s, w, p, c), v in _parsed(o.plans) if (s, w, p) == (signal, warmup, probe)
-                 and c <= coverage + 1e-9]
-        return max(below)[1] if below else o.plans[preset("full_reuse", 0.0, self.num_layers).label()]
+        below = [v for c, v in o.static.get((signal, warmup, probe), []) if c <= coverage + 1e-9]
+        return below[-1] if below else o.plans[preset("full_reuse", 0.0, self.num_layers).label()]
 
-    def _by_depth(self, o: Outcome, signal: str, depth: int, coverage: float) -> bool:
-        anchors = sorted(int(k.split("/")[1]) for k in o.flips if k.startswith(signal + "/"))
+    @staticmethod
+    def _by_depth(o: Outcome, signal: str, depth: int, coverage: float) -> bool:
+        anchors = o.anchors[signal]
         lo = max([a for a in anchors if a <= depth], default=anchors[0])
         hi = min([a for a in anchors if a >= depth], default=anchors[-1])
-        v_lo = o.flips[f"{signal}/{lo}"].passes(coverage)
-        v_hi = o.flips[f"{signal}/{hi}"].passes(coverage)
-        if v_lo == v_hi:
-            return v_lo
-        return v_lo if depth - lo < hi - depth or (depth - lo == hi - depth) else v_hi
+        nearer = lo if depth - lo <= hi - depth else hi  # decides where the two anchors disagree
+        return o.flips[f"{signal}/{nearer}"].passes(coverage)
 
     def by_task(self, task: str) -> list[Outcome]:
         """A task's instances; "mix" is all of them, "pr+vt" those of both tasks."""
@@ -159,13 +171,6 @@ class OutcomeTable:
             return cls(data["model"], data["num_layers"], data["max_positions"], outcomes)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(f"outcome table {path}: cannot be read ({exc})") from exc
-
-
-def _parsed(plans: dict[str, bool]):
-    """((signal, w, p, coverage), verdict) of labels like "(kv_dev,1,0,15%)"."""
-    for label, verdict in plans.items():
-        s, w, p, c = label.strip("()").split(",")
-        yield (s, int(w), int(p), float(c.rstrip("%")) / 100), verdict
 
 
 def default_table_path(pipe: RagPipeline) -> Path:

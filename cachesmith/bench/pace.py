@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cachesmith.methods import SELECTIVE
+from cachesmith.bench.outcomes import fixed_plans
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, CostModel, Profile
 from cachesmith.recompute import RecomputeConfig, preset
@@ -31,9 +31,8 @@ def family(signal: str, warmup: int, probe: int) -> str:
 
 
 def calibration_plans(num_layers: int) -> list[RecomputeConfig]:
-    plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
-    plans += [preset(p, c, num_layers) for p in SELECTIVE for c in (0.15, 0.3)]
-    return plans + [RecomputeConfig(s, w, p, r) for s in ("kv_dev", "qci") for w, p, r in PLANNER_PLANS
+    """The outcome tables' fixed plans and a few plans of the planner's."""
+    return fixed_plans(num_layers) + [RecomputeConfig(s, w, p, r) for s in ("kv_dev", "qci") for w, p, r in PLANNER_PLANS
                     if w + p < num_layers]
 
 

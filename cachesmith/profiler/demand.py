@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cachesmith.jsonl import load_keyed
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.recompute import RecomputeConfig, preset
@@ -39,14 +40,7 @@ class DemandProfiler:
     max_new_tokens: int = 4  # the gate reads the first few answer tokens
 
     def __post_init__(self) -> None:
-        self.cache: dict[str, dict] = {}
-        if self.cache_path.exists():
-            for line in self.cache_path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                    self.cache[rec["key"]] = rec
-                except (ValueError, KeyError):
-                    continue  # a line cut short by an interrupted run
+        self.cache = load_keyed(self.cache_path)
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
 
     def evaluate(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:

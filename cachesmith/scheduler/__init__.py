@@ -12,5 +12,5 @@ class Scheduler(Protocol):
     def next_batch(self, queue: list[QueuedRequest], now: float) -> ScheduleDecision | None: ...
 
 
-__all__ = ["FcfsPlanned", "FcfsQueueAware", "FcfsSloBudget", "FcfsStatic", "QueuedRequest", "ScheduleDecision", "Scheduler", "SchedulerConfig",
-           "SloAwareScheduler"]
+__all__ = ["FcfsPlanned", "FcfsQueueAware", "FcfsSloBudget", "FcfsStatic", "QueuedRequest", "ScheduleDecision",
+           "Scheduler", "SchedulerConfig", "SloAwareScheduler"]

@@ -53,7 +53,7 @@ class FcfsSloBudget:
         deadlines = np.array([r.deadline_s for r in batch])
         on_time = (now + budgets[:, None] <= deadlines[None, :]).sum(1)
         if waiting:
-            floors = np.cumsum([self.bands.floor(r) for r in waiting])  # FCFS at floors after the batch
+            floors = np.cumsum(self.bands.floors(waiting))  # FCFS at floors after the batch
             wait_deadlines = np.array([r.deadline_s for r in waiting])
             on_time += (now + budgets[:, None] + floors[None, :] <= wait_deadlines[None, :]).sum(1)
         k = len(budgets) - 1 - int(np.argmax(on_time[::-1]))  # the most on time; ties: the larger budget

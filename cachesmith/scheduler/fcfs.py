@@ -30,9 +30,6 @@ class FcfsStatic:
         self.plan, self.cost = plan, cost
         self.config = config or SchedulerConfig()
 
-    def _arrival_batch(self, queue: Sequence[QueuedRequest]) -> list[QueuedRequest]:
-        return arrival_batch(queue, self.config)
-
     def ttft(self, batch: Sequence[QueuedRequest], plan: RecomputeConfig) -> float:
         cov = [plan.coverage] * len(batch)
         return float(self.cost.ttft(batch_shape(batch), plan.signal.value, plan.warmup, plan.probe, cov)[0])
@@ -41,7 +38,7 @@ class FcfsStatic:
         start = time.perf_counter()
         if not queue:
             return None
-        batch = self._arrival_batch(queue)
+        batch = arrival_batch(queue, self.config)
         return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, self.plan), "static",
                                 self.plan, self.plan.coverage, decision_s=time.perf_counter() - start)
 
@@ -56,7 +53,7 @@ class FcfsQueueAware(FcfsStatic):
             return None
         doomed = [r for r in queue if now + self.ttft([r], self.plan) > r.deadline_s]
         if doomed:
-            batch = self._arrival_batch(doomed)
+            batch = arrival_batch(doomed, self.config)
             plan = full_reuse()
             return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, plan), "full_reuse",
                                     plan, 0.0, decision_s=time.perf_counter() - start)

@@ -61,6 +61,10 @@ class SloAwareScheduler:
     def floor(self, r: QueuedRequest) -> float:
         return self.band([r])[0]
 
+    def floors(self, requests: Sequence[QueuedRequest]) -> np.ndarray:
+        """[R] each request's floor alone, in one walk of the cost model."""
+        return self._bands_of(_terms(requests))[0]
+
     def full_reuse_s(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
         """(TTFT of full reuse, the coverage that fits in it for free while KV streams in)."""
         grid = np.round(np.arange(0, 21) * 0.05, 2)
@@ -72,7 +76,7 @@ class SloAwareScheduler:
         start = time.perf_counter()
         if not queue:
             return None
-        floors = dict(zip((r.request_id for r in queue), self._bands_of(_terms(queue))[0].tolist()))
+        floors = dict(zip((r.request_id for r in queue), self.floors(queue).tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cachesmith.jsonl import load_keyed
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import Answer, RagPipeline
 from cachesmith.recompute import RecomputeConfig, preset
@@ -86,18 +87,6 @@ def _cache_path(pipe: RagPipeline, cache_dir: Path | None) -> Path:
     return root / f"answers-{pipe.model.fingerprint[:16]}-{_dtype_name(pipe)}.jsonl"
 
 
-def _load(path: Path) -> dict[str, dict]:
-    done = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-                done[rec["key"]] = rec
-            except (ValueError, KeyError):
-                continue  # a line cut short by an interrupted run is measured again
-    return done
-
-
 def _note(task: str, variant: str, fp: float, fr: float) -> str:
     default = TASKS[task].default_variant if task in TASKS else variant
     closer = f" The closest variant it can do is `{task}/{default}`." if default != variant else ""
@@ -118,7 +107,7 @@ def measure_card(pipe: RagPipeline, task: str, variant: str | None = None, num_i
     insts = generate_many(task, num_instances, seed, variant, corpus, **(knobs or {}))
     knobs = {**variant_spec.knobs, **(knobs or {})}
     path, L = _cache_path(pipe, cache_dir), pipe.model.num_layers
-    done = _load(path)
+    done = load_keyed(path)
     records: dict[str, list[dict]] = {m: [] for m in METHODS}
     with path.open("a", encoding="utf-8") as out:
         for inst in tqdm(insts, desc=f"card {task}/{variant}", unit="inst", disable=not show_progress):

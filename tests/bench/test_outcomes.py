@@ -21,6 +21,7 @@ def test_flip_gives_the_low_verdict_below_and_the_full_prefill_one_from_it():
 def test_lookup_uses_measured_plans_flips_by_depth_and_the_closest_static_below():
     t = table()
     o = outcome(1, full=True, reuse=False, at=0.3)
+    o.plans[preset("epic", 0.15, NUM_LAYERS).label()] = True  # before the first lookup parses the plans
     assert t.passes(o, "position", NUM_LAYERS, 0, 1.0) is True  # full prefill
     assert t.passes(o, "kv_dev", 1, 0, 0.3) is True  # a measured preset, exactly
     assert t.passes(o, "kv_dev", 1, 0, 0.15) is False
@@ -30,7 +31,6 @@ def test_lookup_uses_measured_plans_flips_by_depth_and_the_closest_static_below(
     assert t.passes(o, "qci", 4, 1, 0.2) is True  # depth 5: nearer to 6
     assert t.passes(o, "qci", 20, 5, 0.1) is True  # beyond the deepest anchor: the deepest
     # EPIC at a coverage between the measured ones: the closest measured at or below
-    o.plans[preset("epic", 0.15, NUM_LAYERS).label()] = True
     assert t.passes(o, "position", 0, 0, 0.2) is True and t.passes(o, "position", 0, 0, 0.1) is False
 
 

@@ -10,7 +10,6 @@ from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.planner import Profile
-from cachesmith.recompute import preset
 from cachesmith.request import Request
 from cachesmith.workloads.tasks import generate
 
@@ -25,7 +24,6 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     assert o.task == "pr" and o.context_tokens > 100 and 0.0 <= o.entropy <= 1.0
     assert set(o.flips) == {f"{s}/{d}" for s in ("kv_dev", "qci") for d in (2, 6, 15)}
     L = pipe.model.num_layers
-    assert all(f.high == o.plans[preset("full_prefill", 1.0, L).label()] for f in o.flips.values())
     num_evals = len((tmp_path / "evals.jsonl").read_text().splitlines())
     assert measurer.measure(inst, 4) == o  # resumed from the cache: nothing evaluated again
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
