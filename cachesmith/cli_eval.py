@@ -48,7 +48,7 @@ def _report(args: argparse.Namespace) -> int:
     grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies))
     rows = args.rows or args.out.parent / "results" / "grid.jsonl"
     path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers,
-                                    measured.get("paces")))
+                                    measured.get("machine") or measured.get("paces")))
     print(f"wrote {path} (figures in {path.parent / 'results'})", file=sys.stderr)
     return 0
 
@@ -65,7 +65,7 @@ def add_parsers(sub, add_model_args) -> None:
     rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)
     rep.add_argument("--profile", type=Path, default=None, help="default: the packaged profile of the table's model")
     rep.add_argument("--speed-factor", type=float, default=None,
-                     help="default: the validation run's (its plan-family paces are used too)")
+                     help="default: the validation run's (its plan-family paces and reuse cost are used too)")
     rep.add_argument("--validation", type=Path, default=Path("docs/bench/sim_validation.json"))
     rep.add_argument("--rows", type=Path, default=None, help="grid rows JSONL (resumable cache)")
     rep.add_argument("--out", type=Path, default=Path("docs/results.md"))

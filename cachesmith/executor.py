@@ -78,6 +78,7 @@ class BatchExecution:
     plan: BatchPlan | None = None  # "planned" batches
     num_monitor_replans: int = 0
     verdicts: list[bool] | None = None  # the simulator's gate verdicts (it has no outputs)
+    final_coverages: list[float] | None = None  # the simulator's, after its monitor (None: as planned)
 
     @property
     def planner_s(self) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 from cachesmith.bench import figures
 from cachesmith.bench.grid import GridConfig, run_grid
 from cachesmith.bench.outcomes import OutcomeTable
+from cachesmith.bench.pace import MachinePace
 from cachesmith.bench.results import (FOUR_TASKS, TASK_NAMES, band_md, bandwidth_md, best_static_configs, comparisons,
                                       per_task_wins, study_table, table_summary, validation_md, win_summary)
 from cachesmith.bench.simulate import base_slo
@@ -31,12 +32,12 @@ class ReportInputs:
     out_md: Path
     grid: GridConfig
     num_workers: int = 2
-    paces: dict[str, float] | None = None  # this machine's pace per plan family (`bench.pace`)
+    machine: dict | None = None  # this machine's paces and reuse cost (`bench.pace.MachinePace`)
 
 
 def make_report(inputs: ReportInputs, show_progress: bool = True) -> Path:
     rows = run_grid(inputs.table_path, inputs.profile_path, inputs.speed_factor, inputs.rows_path, inputs.grid,
-                    inputs.num_workers, show_progress, inputs.paces)
+                    inputs.num_workers, show_progress, inputs.machine)
     table = OutcomeTable.load(inputs.table_path)
     validation = None
     if inputs.validation_path and inputs.validation_path.exists():
@@ -56,10 +57,18 @@ def make_report(inputs: ReportInputs, show_progress: bool = True) -> Path:
     return inputs.out_md
 
 
-def _paces(paces: dict[str, float] | None) -> str:
-    if not paces:
+def _machine(machine: dict | None) -> str:
+    m = MachinePace.from_dict(machine)
+    if not m.paces:
         return "none measured, the profile's speed"
-    return ", ".join(f"{k} {v:.2f}x" for k, v in sorted(paces.items()))
+    paces = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(m.paces.items()))
+    return (f"{paces}; plus {m.reuse_per_row:.2f}x the cost of recomputing a row for each cached row a Patch "
+            "pass places")
+
+
+def _calibration(validation: dict | None) -> str:
+    settings = (validation or {}).get("pace_calibration", {}).get("settings")
+    return f" ({', '.join(f'`{s}`' for s in settings)})" if settings else ""
 
 
 def _img(figs: dict, key: str, alt: str) -> str:
@@ -92,18 +101,18 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         f"{len(table.outcomes)} instances measured once with the real engine (`cachesmith outcomes`), "
         "verdicts of full prefill, full reuse, every baseline preset at 15% and 30%, and per signal "
         "(KV deviation, query-context) and anchor rank depth the coverage at which the verdict flips.",
-        f"- Simulator: the real `Engine` loop, schedulers and planner; a batch takes the cost model's TTFT "
+        f"- Simulator: the real `Engine` loop, schedulers, planner and runtime monitor; a batch takes the cost model's TTFT "
         f"(profile rescaled by this machine's speed factor {inputs.speed_factor:.2f}, each plan family's compute "
-        f"at its measured pace: {_paces(inputs.paces)}); verdicts come from the table. Base SLO {base_s:.2f} s = mean single-request full-prefill TTFT over the table's instances; "
+        f"at its measured pace: {_machine(inputs.machine)}); verdicts come from the table. Base SLO {base_s:.2f} s = mean single-request full-prefill TTFT over the table's instances; "
         f"arrival rate = utilization / base. {g.num_requests} requests per run, drawn from each task's "
         "measured instances.", "",
         table_summary(table),
         "## Simulator validation against replay", "",
         "Same MIX instances, base SLO and profile; replay runs the real model on the replay clock "
-        "(`benchmarks/sim_validation.py`). Bars: |QSA difference| <= 3 points, P99 TTFT within 10%. The "
-        "simulator's pace per plan family (single and multi-request batches) was calibrated on a replay of "
-        "a trace of its own" + (f" (`{validation['pace_calibration']['setting']}`)" if validation and
-                                "pace_calibration" in validation else "") + ", so all settings below are held out.", "",
+        "(`benchmarks/sim_validation.py`). Bars, on each setting's means over its trace seeds: |QSA "
+        "difference| <= 3 points, P99 TTFT within 10%. The simulator's machine (pace per plan family, single "
+        "and multi-request batches, and the reuse time per placed cached row) was fit to replays of traces "
+        "of their own" + _calibration(validation) + ", so every trace below is held out.", "",
         validation_md(validation),
         "## End-to-end grid (paper §6.2)", "",
         _img(figs, "qsa", "QSA vs SLO scale"),
@@ -128,7 +137,8 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         _img(figs, "bw", "bandwidth"),
         bandwidth_md(rows),
     ]
-    return "\n".join(parts) + "\n" + differences(rows, table, batching_ratio(table, profile))
+    return ("\n".join(parts) + "\n" + differences(rows, table, batching_ratio(table, profile))
+            + fixed_costs(inputs.machine, profile))
 
 
 def _signal_gaps(rows: list[dict]) -> dict[str, float]:
@@ -231,3 +241,20 @@ def differences(rows: list[dict], table: OutcomeTable, batch_ratio: float) -> st
                  "verdict where the two disagree, and a request's verdict under a batch plan ignores batch "
                  "effects. The validation rows above bound what this costs.")
     return "\n".join(lines) + "\n"
+
+
+def fixed_costs(machine: dict | None, profile: Profile) -> str:
+    """The CPU's costs beyond the layers that the simulator's machine carries (empty without them)."""
+    m = MachinePace.from_dict(machine)
+    if not (m.per_batch or m.reuse_per_row):
+        return ""
+    batch_ms = 1e3 * m.per_batch * profile.overhead.intercept_s
+    row_us = 1e6 * m.reuse_row_s(profile)
+    return (f"- **Reuse and batches are not free on a CPU.** Fit to the calibration replays, each batch pays "
+            f"{batch_ms:.0f} ms before its layers (staging threads, opening entries, assembling sequences) and "
+            f"each Patch pass {row_us:.1f} us per cached row it places (RoPE to the assembled position, a copy, "
+            "and the staging threads' reads on the same two cores), on top of the profile's layer costs. A "
+            "GPU hides both behind compute. They weigh most on CacheSmith's short, single-request plans: the "
+            "runtime monitor reads them as lateness in the first Patch layers (most of its replans come in "
+            "the first three passes, in replay and simulation alike) and lowers coverage, and the pace the "
+            "planner learns from such a batch is the one measured before that replan.\n")

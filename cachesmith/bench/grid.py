@@ -110,12 +110,12 @@ def runs(config: GridConfig) -> Iterator[Run]:
 
 
 def run_one(table: OutcomeTable, profile: Profile, config: GridConfig, run: Run, base_s: float,
-            paces: dict[str, float] | None = None) -> dict:
+            machine: dict | None = None) -> dict:
     bench = BenchConfig(run.task, None, None, config.num_requests, run.pattern, run.utilization, run.cv,
                         (run.slo_scale,), (run.method,), "task", config.seed, max_batch_size=config.max_batch_size,
                         bandwidth_gbps=run.bandwidth_gbps)
     planner = PlannerConfig(r_min=run.r_min, r_max=run.r_max)
-    records, stats = simulate_run(table, profile, bench, base_s, run.method, run.slo_scale, planner, paces=paces)
+    records, stats = simulate_run(table, profile, bench, base_s, run.method, run.slo_scale, planner, machine=machine)
     row = summarize(run.method, run.slo_scale, records, stats)
     return {**row, "key": run.key, "study": run.study, "task": run.task, "pattern": run.pattern, "cv": run.cv,
             "utilization": run.utilization, "bandwidth_gbps": run.bandwidth_gbps, "r_min": run.r_min,
@@ -123,8 +123,8 @@ def run_one(table: OutcomeTable, profile: Profile, config: GridConfig, run: Run,
 
 
 def _worker(args) -> dict:
-    table_path, profile_path, factor, config, run, base_s, paces = args
-    return run_one(*_load(table_path, profile_path, factor), config, run, base_s, paces)
+    table_path, profile_path, factor, config, run, base_s, machine = args
+    return run_one(*_load(table_path, profile_path, factor), config, run, base_s, machine)
 
 
 _CACHE: dict = {}
@@ -138,14 +138,14 @@ def _load(table_path: str, profile_path: str, factor: float) -> tuple[OutcomeTab
 
 
 def run_grid(table_path: Path, profile_path: Path, speed_factor: float, out: Path, config: GridConfig,
-             num_workers: int = 2, show_progress: bool = True, paces: dict[str, float] | None = None) -> list[dict]:
+             num_workers: int = 2, show_progress: bool = True, machine: dict | None = None) -> list[dict]:
     """Every run of the studies, resuming from `out` (JSONL rows); returns all rows. The rows are
-    keyed by run, not by table, profile or paces: use a fresh `out` after changing those."""
+    keyed by run, not by table, profile or machine: use a fresh `out` after changing those."""
     table, profile = _load(str(table_path), str(profile_path), speed_factor)
     done = load_keyed(out)
     todo = [r for r in runs(config) if r.key not in done]
     base_s = base_slo(table, profile)  # one base for every link: the SLO stays as the link slows
-    jobs = [(str(table_path), str(profile_path), speed_factor, config, r, base_s, paces) for r in todo]
+    jobs = [(str(table_path), str(profile_path), speed_factor, config, r, base_s, machine) for r in todo]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), desc="simulated runs", unit="run",
                                                     disable=not show_progress) as bar:

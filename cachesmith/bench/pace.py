@@ -1,17 +1,23 @@
-"""This machine's pace per plan family: measured / predicted TTFT of real single-request runs, so
-the simulator's clock runs at the machine's speed rather than the offline cost fit's.
+"""This machine as the simulator runs it: each plan family's pace (measured / predicted compute) and
+the time per cached row a Patch pass places, which the offline cost fit does not price, so the
+simulator's clock runs at the machine's speed rather than the fit's.
 
 The fit is biased per family (on the packaged model, QCI plans ran at ~0.75x their prediction and
 CacheBlend's at ~1.1x in replay), and the replay engine's planner learns that bias while serving
 (`Planner.observe`); a simulator on the raw cost model would hand CacheSmith and every baseline
 the wrong budgets. A family is (signal, whether it warms up, whether it probes): every preset is
 one, CacheSmith's plans are two (kv_dev and qci with w, p >= 1).
-In: a `RagPipeline`, the `Profile`, workload instances. Out: {family: pace}, cached as JSON.
+Reuse is not free on a CPU: every Patch pass rotates and copies every cached row of every request
+into place, and the rows were staged from the store by threads that share the cores, so a batch
+of several long requests at low coverage ran 1.5-2x its predicted time. `fit_machine` fits both
+terms to the batches of a replay (`trace_batches`); `measure_paces` times single requests alone.
+In: a `RagPipeline`, the `Profile`, workload instances, or replay records. Out: a `MachinePace`.
 """
 from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,9 @@ from tqdm import tqdm
 from cachesmith.bench.outcomes import fixed_plans
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, CostModel, Profile
+from cachesmith.planner.cost_model import execution_steps
+from cachesmith.profiler.costs import fit_relative
+from cachesmith.profiler.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.instance import WorkloadInstance
 
@@ -60,46 +69,162 @@ def measure_paces(pipe: RagPipeline, profile: Profile, instances: list[WorkloadI
     return paces
 
 
-def trace_paces(records: list[dict], instances: list, profile: Profile,
-                is_by_size: bool = False) -> dict[str, list[float]]:
-    """Measured/predicted TTFT per family of every batch of a replay run. `records` are the bench's
-    (one method or several: batches are told apart by method); `instances[request_id % len]` holds
-    each request's token counts (`Outcome`s). A batch starts when the previous one ended or when
-    its last member arrived, whichever is later (the replay clock idles until an arrival).
-    `is_by_size`: keys get "@1" or "@2+" for single- and multi-request batches."""
+# a family's pace in batches of at least this many prompt tokens, most specific first: the
+# profile's cost grid stops at 4096 tokens a batch, and the batches a burst forms (up to 8 requests
+# of ~2K tokens) ran 10-50% over its extrapolation, which sets the tail of the burst
+SIZE_CLASSES = ((8192, "@8k+"), (4096, "@4k+"))
+MIN_BATCHES = 3  # a traced pace needs this many batches behind it
+
+
+def size_keys(family_: str, num_tokens: int) -> list[str]:
+    """The keys a batch's pace is looked up under, most specific first (the family itself last)."""
+    return [family_ + suffix for least, suffix in SIZE_CLASSES if num_tokens >= least] + [family_]
+
+
+@dataclass(frozen=True)
+class MachinePace:
+    """`paces[family]` (or the pace of the batch's size class, `family@2+` or `family@5+`, where
+    measured) times the profile's compute, plus, per cached row each Patch pass places,
+    `reuse_per_row` times the profile's cost of recomputing a row there, plus `per_batch` times the
+    profile's per-batch overhead (staging, threads, assembling the sequences: what a short batch
+    pays beyond its layers). All are relative to the profile, so the machine follows its speed."""
+    paces: dict[str, float] = field(default_factory=dict)
+    reuse_per_row: float = 0.0
+    per_batch: float = 0.0
+
+    def key(self, family_: str, num_tokens: int) -> str:
+        return next((k for k in size_keys(family_, num_tokens) if k in self.paces), family_)
+
+    def pace(self, family_: str, num_tokens: int = 0) -> float:
+        return self.paces.get(self.key(family_, num_tokens), 1.0)
+
+    def reuse_row_s(self, base: Profile) -> float:
+        """Seconds per cached row a Patch pass places, on `base`'s machine."""
+        return self.reuse_per_row * base.layer_costs["patch"].per_row_s
+
+    def profile(self, base: Profile, family_: str, num_tokens: int = 0) -> Profile:
+        """`base` at the pace of this family and batch size, its Patch pass priced per placed
+        cached row too."""
+        paced = rescaled(base, self.pace(family_, num_tokens))
+        patch = paced.layer_costs["patch"]
+        aux = patch.per_aux_s + self.reuse_row_s(base)
+        overhead = replace(paced.overhead, intercept_s=paced.overhead.intercept_s
+                           + self.per_batch * base.overhead.intercept_s)
+        return replace(paced, layer_costs={**paced.layer_costs, "patch": replace(patch, per_aux_s=aux)},
+                       overhead=overhead)
+
+    def to_dict(self) -> dict:
+        return {"paces": self.paces, "reuse_per_row": self.reuse_per_row, "per_batch": self.per_batch}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "MachinePace":
+        """From `to_dict`, or a plain {family: pace} (no reuse term)."""
+        if not d:
+            return cls()
+        if "paces" in d:
+            return cls(dict(d["paces"]), float(d.get("reuse_per_row", 0.0)), float(d.get("per_batch", 0.0)))
+        return cls(dict(d))
+
+
+@dataclass(frozen=True)
+class TraceBatch:
+    method: str
+    family: str
+    num_requests: int
+    num_tokens: int  # prompt tokens of the whole batch
+    predicted_s: float  # the profile's TTFT at the coverages the batch ended with
+    reuse_s: float  # cached rows its Patch passes placed, at the profile's per-row Patch cost
+    measured_s: float
+    batch_s: float = 0.0  # the profile's per-batch overhead
+
+    @property
+    def key(self) -> str:
+        return size_keys(self.family, self.num_tokens)[0]
+
+    def machine_s(self, machine: MachinePace) -> float:
+        """What `machine` says this batch takes (link waits aside: these traces never stalled)."""
+        return (machine.pace(self.family, self.num_tokens) * self.predicted_s + machine.reuse_per_row * self.reuse_s
+                + machine.per_batch * self.batch_s)
+
+
+def trace_batches(records: list[dict], instances: list, profile: Profile) -> list[TraceBatch]:
+    """Every batch of a replay run. `records` are the bench's (one method or several: batches are
+    told apart by method); `instances[request_id % len]` holds each request's token counts
+    (`Outcome`s). A batch starts when the previous one ended or when its last member arrived,
+    whichever is later (the replay clock idles until an arrival); its coverages are the ones it
+    ended with (the runtime monitor may have lowered them)."""
     cost = CostModel(profile)
     by_batch: dict[tuple, list[dict]] = {}
     for r in records:
         if r["error"] is None:
             by_batch.setdefault((r["method"], r["batch_id"]), []).append(r)
-    out: dict[str, list[float]] = {}
-    prev_end: dict[str, float] = {}
+    out, prev_end = [], {}
     for (method, _), batch in sorted(by_batch.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         end = batch[0]["first_token_s"]
         start = max(prev_end.get(method, 0.0), max(r["arrival_s"] for r in batch))
         prev_end[method] = end
         os_ = [instances[r["request_id"] % len(instances)] for r in batch]
         signal, w, p, _ = batch[0]["plan"].strip("()").split(",")
+        w, p = int(w), int(p)
         shape = BatchShape(tuple(o.context_tokens for o in os_), tuple(o.suffix_tokens for o in os_),
                            tuple(o.prefix_tokens for o in os_))
-        predicted = float(cost.ttft(shape, signal, int(w), int(p), np.array([[r["coverage"] for r in batch]]))[0])
-        key = family(signal, int(w), int(p)) + (("@1" if len(batch) == 1 else "@2+") if is_by_size else "")
-        out.setdefault(key, []).append((end - start) / predicted)
+        cov = np.array([[r["num_recomputed"] / max(1, r["num_context_tokens"]) for r in batch]])  # [1, R]
+        num_patch = sum(s.kind == "patch" for s in execution_steps(signal, w, p, profile.num_layers))
+        placed = num_patch * sum(o.context_tokens + o.prefix_tokens for o in os_)
+        num_tokens = int(shape.arrays()[3].sum())
+        out.append(TraceBatch(method, family(signal, w, p), len(batch), num_tokens,
+                              float(cost.ttft(shape, signal, w, p, cov)[0]),
+                              placed * profile.layer_costs["patch"].per_row_s, end - start,
+                              profile.overhead.intercept_s))
     return out
 
 
-MULTI = "@2+"  # suffix of a family's pace in batches of two or more requests
-MIN_BATCHES = 3  # a traced pace needs this many batches behind it
+def _fitted_keys(batches: list[TraceBatch]) -> list[str]:
+    """The paces a fit can carry: a size class with `MIN_BATCHES` batches of its own; a rarer one
+    lends its batches to the next coarser class (@5+ to @2+ to the family)."""
+    groups: dict[str, int] = {}
+    for b in batches:
+        groups[b.key] = groups.get(b.key, 0) + 1
+    keys = []
+    for fam in sorted({b.family for b in batches}):
+        carry = 0
+        for k in size_keys(fam, max(least for least, _ in SIZE_CLASSES)):
+            carry += groups.get(k, 0)
+            if carry >= MIN_BATCHES:
+                keys.append(k)
+                carry = 0
+    return keys
 
 
-def combine_paces(isolated: dict[str, float], in_trace: dict[str, list[float]]) -> dict[str, float]:
-    """Paces from a calibration replay (`trace_paces(..., is_by_size=True)`): each family's single-
-    request pace where the trace ran it, and its multi-request pace ("<family>@2+") where it ran
-    batches of several; other families take the isolated pace times the median traced/isolated
-    ratio (a trace runs slower or faster than single requests on a warm machine)."""
-    traced = {k: statistics.median(v) for k, v in in_trace.items() if len(v) >= MIN_BATCHES}
-    single = {k.removesuffix("@1"): v for k, v in traced.items() if k.endswith("@1")}
-    multi = {k: v for k, v in traced.items() if k.endswith(MULTI)}
-    common = [single[k] / isolated[k] for k in single if k in isolated]
+def fit_machine(batches: list[TraceBatch], isolated: dict[str, float] | None = None) -> MachinePace:
+    """Each family's pace (and its size classes' where `MIN_BATCHES` batches of that size ran) and
+    one reuse cost per placed row and one per-batch overhead, fit to `batches` by relative least
+    squares (non-negative).
+    Families the trace ran too rarely are left out of the fit; families it never ran take their
+    `isolated` pace times the median fitted/isolated ratio (a trace runs at its own level)."""
+    keys = _fitted_keys(batches)
+
+    def key_of(b: TraceBatch) -> str | None:
+        return next((k for k in size_keys(b.family, b.num_tokens) if k in keys), None)
+
+    used = [b for b in batches if key_of(b) is not None]
+    x = np.zeros((len(used), len(keys) + 2))  # [B, families + reuse + batch]
+    for i, b in enumerate(used):
+        x[i, keys.index(key_of(b))] = b.predicted_s
+        x[i, -2:] = b.reuse_s, b.batch_s
+    coef = fit_relative(x, np.array([b.measured_s for b in used])) if used else np.zeros(2)
+    fitted = {k: float(c) for k, c in zip(keys, coef) if c > 0}
+    common = [fitted[k] / isolated[k] for k in fitted if isolated and k in isolated]
     level = statistics.median(common) if common else 1.0
-    return {**{k: v * level for k, v in isolated.items()}, **single, **multi}
+    rest = {k: v * level for k, v in (isolated or {}).items() if k not in fitted}
+    return MachinePace({**rest, **fitted}, float(coef[-2]), float(coef[-1]))
+
+
+def residuals(batches: list[TraceBatch], machine: MachinePace) -> dict[str, dict]:
+    """Per family, single or several requests (`@1`, `@2+`) and token class (`@4k+`, `@8k+`): median
+    measured / `machine` time, and how many batches."""
+    ratios: dict[str, list[float]] = {}
+    for b in batches:
+        key = b.family + ("@1" if b.num_requests == 1 else "@2+") + b.key.removeprefix(b.family)
+        ratios.setdefault(key, []).append(b.measured_s / b.machine_s(machine))
+    return {k: {"median": statistics.median(v), "num_batches": len(v)} for k, v in sorted(ratios.items())}

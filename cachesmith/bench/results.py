@@ -125,25 +125,34 @@ def study_table(rows: list[dict], study: str, keys: tuple[str, ...]) -> str:
     return table_md([*keys, *methods], lines)
 
 
+def _validation_rows(rows: list[dict]) -> str:
+    lines = [[r["setting"], str(r.get("seeds", "")), r["method"], pct(r["qsa_replay"]), pct(r["qsa_sim"]),
+              f"{r['qsa_diff_pts']:+.1f}", f"{r['p99_replay_s']:.2f}", f"{r['p99_sim_s']:.2f}",
+              f"{100 * r['p99_rel_err']:+.1f}%", f"{pct(r['gate_replay'])} / {pct(r['gate_sim'])}",
+              f"{pct(r['att_replay'])} / {pct(r['att_sim'])}", "yes" if r["is_within"] else "**no**"]
+             for r in rows]
+    return table_md(["setting", "seeds", "method", "QSA replay", "QSA sim", "diff (pts)", "P99 replay s",
+                     "P99 sim s", "P99 error", "gate replay / sim", "attainment replay / sim", "within bars"], lines)
+
+
 def validation_md(payload: dict | None) -> str:
     if not payload:
         return "_No validation payload (run `benchmarks/sim_validation.py --out-json docs/bench/sim_validation.json`)._\n"
-    lines = [[r["setting"], r["method"], pct(r["qsa_replay"]), pct(r["qsa_sim"]), f"{r['qsa_diff_pts']:+.1f}",
-              f"{r['p99_replay_s']:.2f}", f"{r['p99_sim_s']:.2f}", f"{100 * r['p99_rel_err']:+.1f}%",
-              f"{pct(r['gate_replay'])} / {pct(r['gate_sim'])}", f"{pct(r['att_replay'])} / {pct(r['att_sim'])}",
-              "yes" if r["is_within"] else "**no**", "yes" if r.get("is_calibration") else "held out"]
-             for r in payload["rows"]]
-    text = table_md(["setting", "method", "QSA replay", "QSA sim", "diff (pts)", "P99 replay s", "P99 sim s",
-                     "P99 error", "gate replay / sim", "attainment replay / sim", "within bars", "pace calibration"],
-                    lines)
-    paces = payload.get("in_trace_paces")
-    if paces:
-        fams = sorted({k for v in paces.values() for k in v})
-        text += ("\nMeasured / predicted TTFT of the replay batches per plan family and batch size (what the "
-                 "simulator would need to match; it runs each family at the paces of the calibration trace, "
-                 "single and multi-request, `@2+`):\n\n" + table_md(["setting", *fams], [[s] + [
+    text = _validation_rows(payload["rows"])
+    if payload.get("per_seed"):
+        text += "\nEach seed alone (the noise the means average out):\n\n" + _validation_rows(payload["per_seed"])
+    if payload.get("replay_noise"):
+        text += ("\nThe replay's own noise: the same trace (same arrivals, SLOs and base) replayed a second time "
+                 "and compared with the first under the same bars:\n\n" + _validation_rows(payload["replay_noise"]))
+    resid = payload.get("residuals")
+    if resid:
+        fams = sorted({k for v in resid.values() for k in v})
+        text += ("\nMeasured / simulated time of each replay's batches, median per plan family and batch size "
+                 "(`@1` single, `@2+` several, `@4k+` / `@8k+` at least that many prompt tokens; batch counts in "
+                 "brackets): what the simulator's machine misses on traces it was not fit to. The machine's speed "
+                 "drifts: the seed-2 replays, run last, ran 7-20% over it in every family.\n\n" + table_md(["replay", *fams], [[s] + [
                      f"{v[f]['median']:.2f} ({v[f]['num_batches']})" if f in v else "" for f in fams]
-                     for s, v in paces.items()]))
+                     for s, v in resid.items()]))
     return text
 
 

@@ -1,12 +1,16 @@
 """The simulator's runtime (DESIGN.md §5 `simulate`): the Engine's executor with no model. A batch
-takes the cost model's TTFT (transfer over the simulated link included) and each request's gate
-verdict is read from the outcome tables under the plan it ran.
+takes the cost model's TTFT (transfer over the simulated link included) on this machine's measured
+pace, and each request's gate verdict is read from the outcome tables under the plan it ran.
 
 In: a `ScheduleDecision` and the `Admitted` requests it names, whose `request.instance` is an
-`Outcome` (token counts, QCI entropy, verdicts). The machine is the cost model with each plan
-family's compute at this machine's measured pace (`bench.pace`). Out: `BatchExecution` (seconds, stall, plan,
-verdicts) and `RequestOutput`s with `is_passed` set. "Planned" batches ask the same `Planner` the
-engine uses, from the tables' layer-0 entropies; the planner's decision time is real and counted.
+`Outcome` (token counts, QCI entropy, verdicts). The machine is the profile's costs at each plan
+family's pace plus the reuse time per placed cached row (`bench.pace.MachinePace`). Out:
+`BatchExecution` (seconds, stall, plan, verdicts) and `RequestOutput`s with `is_passed` set.
+"Planned" batches ask the same `Planner` the engine uses, from the tables' layer-0 entropies (the
+planner's decision time is real and counted), and run under the same `RuntimeMonitor`, driven on
+the batch's virtual time: when the machine runs behind the plan, the monitor lowers the remaining
+Patch layers' coverage as it does on the real runner, and the verdicts are read at the coverage the
+batch ended with.
 """
 from __future__ import annotations
 
@@ -15,36 +19,36 @@ from dataclasses import replace
 import numpy as np
 
 from cachesmith.executor import Admitted, BatchExecution, RequestOutput, TokenHook, check_request
-from cachesmith.planner import CostModel, Planner, PlanRequest
+from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlanRequest
+from cachesmith.planner.cost_model import Step
+from cachesmith.planner.monitor import RuntimeMonitor
+from cachesmith.recompute.hooks import LayerInfo
 from cachesmith.request import Request
 from cachesmith.scheduler import ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
-from cachesmith.bench.pace import MULTI, family
-from cachesmith.profiler.packaged import rescaled
+from cachesmith.bench.pace import MachinePace, family
 
 INFINITE_GBPS = 1e9  # a link that never stalls: what compute alone takes
 
 
 class SimExecutor:
-    """`paces`: this machine's measured/predicted compute time per plan family (`bench.pace`);
-    a family not in it runs at the profile's speed."""
+    """`machine`: this machine's pace per plan family and reuse cost (`bench.pace`); a plain
+    {family: pace} dict is taken too. Without one the batches run at the profile's speed."""
 
     def __init__(self, table: OutcomeTable, planner: Planner, link: CostModel,
-                 paces: dict[str, float] | None = None) -> None:
+                 machine: MachinePace | dict | None = None) -> None:
         self.table, self.planner, self.link = table, planner, link
-        self.paces = paces or {}
+        self.pace = machine if isinstance(machine, MachinePace) else MachinePace.from_dict(machine)
         self._machines: dict[str, tuple[CostModel, CostModel]] = {}
 
-    def machine(self, signal: str, warmup: int, probe: int, num_requests: int = 1) -> tuple[CostModel, CostModel]:
-        """(the simulated machine for this plan family and batch size over the link, the same with no
-        link limit): the profile's compute costs at the family's pace (its multi-request pace for
-        batches of several, where measured); the link is not paced."""
-        key = family(signal, warmup, probe)
-        if num_requests > 1 and key + MULTI in self.paces:
-            key += MULTI
+    def machine(self, signal: str, warmup: int, probe: int, num_tokens: int = 0) -> tuple[CostModel, CostModel]:
+        """(the simulated machine for this plan family and batch size in prompt tokens over the
+        link, the same with no link limit); the link is not paced."""
+        fam = family(signal, warmup, probe)
+        key = self.pace.key(fam, num_tokens)
         if key not in self._machines:
-            paced = CostModel(rescaled(self.link.profile, self.paces.get(key, 1.0)), self.link.bandwidth_gbps)
+            paced = CostModel(self.pace.profile(self.link.profile, fam, num_tokens), self.link.bandwidth_gbps)
             self._machines[key] = (paced, paced.with_bandwidth(INFINITE_GBPS))
         return self._machines[key]
 
@@ -56,31 +60,81 @@ class SimExecutor:
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         shape = batch_shape([a.queued for a in batch])
-        plan, planner_s = None, 0.0
-        if decision.mode == "planned":
+        if decision.mode != "planned":
+            config = replace(decision.static_plan, coverage=decision.coverage)
+            coverages = [decision.coverage] * len(batch)
+            signal, w, p = config.signal.value, config.warmup, config.probe
+            seconds, stall = self._ttft(shape, signal, w, p, np.array([coverages]))
+            final, plan, replans = coverages, None, 0
+        else:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
                                 a.request.instance.entropy) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
-            config, coverages, planner_s = plan.recompute_config(), list(plan.coverages), plan.decision_s
-        else:
-            config = replace(decision.static_plan, coverage=decision.coverage)
-            coverages = [decision.coverage] * len(batch)
+            config, coverages = plan.recompute_config(), list(plan.coverages)
+            seconds, stall, final, replans = self._monitored(plan, shape)
         signal, w, p = config.signal.value, config.warmup, config.probe
-        cov = np.array([coverages])  # [1, R]
-        machine, compute_only = self.machine(signal, w, p, len(batch))
+        verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, final)]
+        return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
+                              [float(c) for c in final])
+
+    def _ttft(self, shape: BatchShape, signal: str, w: int, p: int, cov: np.ndarray) -> tuple[float, float]:
+        """(TTFT, transfer stall) of a plan run as planned on the simulated machine."""
+        machine, compute_only = self.machine(signal, w, p, int(shape.arrays()[3].sum()))
         seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
-        stall = max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
-        if plan is not None:  # as the real executor does: the planner learns this machine's pace
-            self.planner.observe(signal, seconds / float(self.planner.cost.ttft(shape, signal, w, p, cov)[0]))
-        verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, coverages)]
-        return BatchExecution([], coverages, planner_s + seconds, stall, config.label(), plan, 0, verdicts)
+        return seconds, max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
+
+    def _monitored(self, plan: BatchPlan, shape: BatchShape) -> tuple[float, float, list[float], int]:
+        """(TTFT, stall, coverages at the end, monitor replans) of a planned batch: layer 0, the
+        planner's decision, then the remaining passes one by one under the runtime monitor, on
+        virtual time; a lowered coverage reprices the passes still to run. The planner learns the
+        pace the monitor saw, as the real executor's does."""
+        signal, w, p = plan.signal, plan.warmup, plan.probe
+        machines = self.machine(signal, w, p, int(shape.arrays()[3].sum()))
+        now = [0.0]
+        monitor = RuntimeMonitor(plan, self.planner.cost, shape, steps_done=1, clock=lambda: now[0],
+                                 time_scale=self.planner.correction.get(signal, 1.0))
+        monitor.start(at=0.0)
+        cov = np.array(plan.coverages, float)  # [R]
+        steps, durations = self._durations(machines, shape, plan, cov)  # [2, num_steps]
+        t = durations[:, 0] + plan.decision_s  # the plan is made after layer 0, as on the runner
+        for j in range(1, len(steps)):
+            now[0] = t[0]
+            monitor.before_layer(steps[j].layer, _phase(steps[j], w))
+            t = t + durations[:, j]
+            now[0] = t[0]
+            lowered = monitor.after_layer(LayerInfo(steps[j].layer, _phase(steps[j], w), 0, 0))
+            if lowered:
+                cov = np.array([lowered.get(i, c) for i, c in enumerate(cov)])
+                durations[:, j + 1:] = self._durations(machines, shape, plan, cov)[1][:, j + 1:]
+        if monitor.pace is not None:
+            self.planner.observe(signal, monitor.time_scale * monitor.pace)
+        return float(t[0]), max(0.0, float(t[0] - t[1])), cov.tolist(), monitor.num_replans
+
+    @staticmethod
+    def _durations(machines: tuple[CostModel, CostModel], shape: BatchShape, plan: BatchPlan,
+                   cov: np.ndarray) -> tuple[list[Step], np.ndarray]:
+        """(steps, each pass's time [2, num_steps] over the link and with compute alone)."""
+        out = []
+        for m in machines:
+            steps, ends = m.schedule(shape, plan.signal, plan.warmup, plan.probe, cov[None, :])
+            out.append(np.diff(ends[:, 0], prepend=0.0))
+        return steps, np.array(out)
 
     def decode(self, batch: list[Admitted], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:
-        """No tokens: each request's coverage, counts and verdict."""
+        """No tokens: each request's planned coverage, recomputed count (at the coverage it ended
+        with) and verdict."""
         out = []
-        for a, cov, verdict in zip(batch, run.coverages, run.verdicts):
+        final = run.final_coverages or run.coverages
+        for a, cov, end, verdict in zip(batch, run.coverages, final, run.verdicts):
             o: Outcome = a.request.instance
-            out.append(RequestOutput("", float(cov), o.context_tokens, int(round(cov * o.context_tokens)),
+            out.append(RequestOutput("", float(cov), o.context_tokens, int(round(end * o.context_tokens)),
                                      o.entropy, o.num_tokens, 0, verdict))
         return out
+
+
+def _phase(step: Step, warmup: int) -> str:
+    """The runner's name for a pass (what the monitor's hooks are told)."""
+    if step.kind in ("patch", "score_patch"):
+        return "patch"
+    return "warmup" if step.layer < warmup else "probe"

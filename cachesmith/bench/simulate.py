@@ -3,7 +3,7 @@ advances by the cost model's TTFT, with gate verdicts from the outcome tables.
 
 In: an `OutcomeTable`, a `Profile` (this machine's costs), a `BenchConfig` (workload, arrivals,
 SLO scales, methods), optionally the base SLO, planner overrides and this machine's pace per plan
-family (`bench.pace`). Out: a `BenchResult` (the
+family and reuse cost (`bench.pace.MachinePace`). Out: a `BenchResult` (the
 bench's rows, BestStatic included, and per-request records), in seconds of simulated time.
 Requests take the table's instance with the trace's instance seed when it was measured (so a
 simulation of a measured replay serves the very same instances), else one drawn from the task's
@@ -26,6 +26,7 @@ from cachesmith.request import Request
 from cachesmith.scheduler import SchedulerConfig
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
+from cachesmith.bench.pace import MachinePace
 from cachesmith.workloads.trace import make_trace
 
 
@@ -46,16 +47,17 @@ def base_slo(table: OutcomeTable, profile: Profile, bandwidth_gbps: float | None
 
 def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float, method: str,
                  slo_scale: float, planner: PlannerConfig | None = None, pool: list[Outcome] | None = None,
-                 paces: dict[str, float] | None = None) -> tuple[list[dict], object]:
+                 machine: MachinePace | dict | None = None, machine_profile: Profile | None = None
+                 ) -> tuple[list[dict], object]:
     """(records, engine stats) of one (method, SLO scale) run. `pool`: request i serves pool[i % len]
     (a workload file's lines, as the replay bench cycles them) instead of the task's instances."""
     if config.gate != "task":
         raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
     planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
     sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
-    link = CostModel(profile, config.bandwidth_gbps)
+    link = CostModel(machine_profile or profile, config.bandwidth_gbps)
     engine = Engine(None, profile, EngineConfig(method, "replay", config.gate, sched, planner), ReplayClock(),
-                    runtime=lambda p: SimExecutor(table, p, link, paces))
+                    runtime=lambda p: SimExecutor(table, p, link, machine))
     trace = make_trace(trace_config(config, base_slo_s, slo_scale))
     requests = [Request(r.request_id, pool[r.request_id % len(pool)] if pool else
                         instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)
@@ -67,12 +69,12 @@ def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, bas
 
 def simulate(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float | None = None,
              planner: PlannerConfig | None = None, pool: list[Outcome] | None = None,
-             paces: dict[str, float] | None = None) -> BenchResult:
+             machine: MachinePace | dict | None = None, machine_profile: Profile | None = None) -> BenchResult:
     base = base_slo_s or base_slo(table, profile, config.bandwidth_gbps)
     rows, records = [], []
     for scale in config.slo_scales:
         for method in config.methods:
-            recs, stats = simulate_run(table, profile, config, base, method, scale, planner, pool, paces)
+            recs, stats = simulate_run(table, profile, config, base, method, scale, planner, pool, machine, machine_profile)
             rows.append(summarize(method, scale, recs, stats))
             records += recs
     return BenchResult(config, base, 1.0, "simulated", rows + best_static(rows), records)

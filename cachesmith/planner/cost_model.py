@@ -82,7 +82,8 @@ def execution_steps(signal: str, warmup: int, probe: int, num_layers: int) -> li
 
 
 def step_features(kind: str, shape: BatchShape, coverages: np.ndarray) -> np.ndarray:
-    """[K, 4] features (1, rows, attention pairs, aux rows) of one pass; coverages is [K, R]."""
+    """[K, 4] features (1, rows, attention pairs, aux rows) of one pass; coverages is [K, R]. Aux rows
+    are all rows for score_patch (it scores them) and the cached rows for patch (it places them)."""
     c, q, p, n = shape.arrays()
     K = coverages.shape[0]
     if kind == "full":
@@ -94,7 +95,9 @@ def step_features(kind: str, shape: BatchShape, coverages: np.ndarray) -> np.nda
     else:  # patch / score_patch: the selected context rows and the suffix, over all n keys
         sel = coverages * c + q  # [K, R]
         rows, pairs = sel.sum(1), (sel * n).sum(1)
-        aux = n.sum() if kind == "score_patch" else 0.0
+        # aux: score_patch scores every row; a patch pass places every cached row (RoPE to its
+        # assembled position, copied into the cache) before the selected ones overwrite theirs
+        aux = n.sum() if kind == "score_patch" else (c + p).sum()
     out = np.empty((K, 4))
     out[:, 0], out[:, 1], out[:, 2], out[:, 3] = 1.0, rows, pairs, aux
     return out

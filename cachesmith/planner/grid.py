@@ -72,7 +72,7 @@ def ttft_totals(model: CostModel, signal: str, pairs: tuple[tuple[int, int], ...
     ones, zeros = np.ones_like(n), np.zeros_like(n)
     sel_rows, sel_pairs = r * c + q, r * cn + qn
     feats = {"full": (n, nn, zeros), "qci_probe": (q, qn, zeros), "query_only": (q, qqp, zeros),
-             "patch": (sel_rows, sel_pairs, zeros), "score_patch": (sel_rows, sel_pairs, n)}
+             "patch": (sel_rows, sel_pairs, c + p), "score_patch": (sel_rows, sel_pairs, n)}
     loads = {"full": (c + p) * per, "prefix": p * per, "reused": ((1.0 - r) * c + p) * per}
 
     def compute(kind):  # [1, M]

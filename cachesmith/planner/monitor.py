@@ -23,8 +23,9 @@ SCALES = np.linspace(1.0, 0.0, 41)  # candidate multipliers of the current cover
 class RuntimeMonitor(RunnerHooks):
     def __init__(self, plan: BatchPlan, cost: CostModel, shape: BatchShape, tolerance: float = 0.05,
                  bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> None:
         self.plan, self.cost, self.shape = plan, cost, shape
+        self.clock = clock  # the simulator's executor drives the monitor on its virtual time
         self.tolerance = tolerance
         self.bandwidth = bandwidth
         self.coverages = np.array(plan.coverages, float)
@@ -40,19 +41,19 @@ class RuntimeMonitor(RunnerHooks):
 
     def start(self, at: float | None = None) -> None:
         """Call when the batch starts (before staging), so elapsed time matches the TTFT clock;
-        `at` (a `time.perf_counter()` reading) when the batch started before the monitor existed."""
-        self._start = time.perf_counter() if at is None else at
+        `at` (a `clock()` reading) when the batch started before the monitor existed."""
+        self._start = self.clock() if at is None else at
 
     def before_layer(self, layer: int, phase: str) -> None:
         if self._start is None:
             self.start()
         if self._last is None:
-            self._last = time.perf_counter()
+            self._last = self.clock()
 
     def after_layer(self, info: LayerInfo) -> dict[int, float] | None:
         j = self._step
         self._step += 1
-        now = time.perf_counter()
+        now = self.clock()
         elapsed = now - self._start
         last, self._last = self._last, now
         if (last is not None and 0 < j < len(self.planned_end) and info.phase == "patch"

@@ -79,7 +79,7 @@ def measure(model: Decoder, shapes: list[tuple[int, ...]], plans=PROFILE_PLANS, 
     return out
 
 
-def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def fit_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Relative least squares with non-negative coefficients (drop negative features, refit)."""
     active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     while True:
@@ -100,11 +100,11 @@ def fit_costs(runs: list[RunTiming]) -> tuple[dict[str, PhaseCost], PhaseCost]:
             raise ValueError(f"no layer passes of kind {kind!r} were measured; widen the plan grid")
         x = np.array([f for f, _ in rows])
         y = np.array([t for _, t in rows])
-        costs[kind] = PhaseCost(*map(float, _fit(x, y)))
+        costs[kind] = PhaseCost(*map(float, fit_relative(x, y)))
     over_x = np.array([[1.0, sum(c + q + p for c, q, p in zip(r.shape.context_tokens, r.shape.suffix_tokens,
                                                                r.shape.prefix_tokens)), 0.0, 0.0] for r in runs])
     over_y = np.array([max(r.total_s - r.layer_s, 1e-6) for r in runs])
-    return costs, PhaseCost(*map(float, _fit(over_x, over_y)))
+    return costs, PhaseCost(*map(float, fit_relative(over_x, over_y)))
 
 
 def default_shapes(max_tokens: int = 4096) -> list[tuple[int, ...]]:

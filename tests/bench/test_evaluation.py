@@ -22,13 +22,17 @@ def small_grid() -> GridConfig:
 def test_report_writes_markdown_figures_and_summaries_from_the_rows(tmp_path):
     table().save(tmp_path / "outcomes-x.json")
     make_profile().save(tmp_path / "profile.json")
-    (tmp_path / "val.json").write_text(json.dumps({"speed_factor": 1.0, "rows": [
-        {"setting": "mix-poisson", "method": "cachesmith", "qsa_replay": 0.5, "qsa_sim": 0.52, "qsa_diff_pts": 2.0,
-         "p99_replay_s": 4.0, "p99_sim_s": 4.2, "p99_rel_err": 0.05, "gate_replay": 0.6, "gate_sim": 0.6,
-         "att_replay": 0.9, "att_sim": 0.9, "is_within": True}]}))
+    row = {"setting": "mix-poisson", "seeds": "0,1", "method": "cachesmith", "qsa_replay": 0.5, "qsa_sim": 0.52,
+           "qsa_diff_pts": 2.0, "p99_replay_s": 4.0, "p99_sim_s": 4.2, "p99_rel_err": 0.05, "gate_replay": 0.6,
+           "gate_sim": 0.6, "att_replay": 0.9, "att_sim": 0.9, "is_within": True}
+    noise = {**row, "setting": "mix-gamma (replay again)", "seeds": "0", "p99_sim_s": 4.8, "p99_rel_err": 0.2,
+             "is_within": False}
+    (tmp_path / "val.json").write_text(json.dumps({"speed_factor": 1.0, "rows": [row], "replay_noise": [noise],
+                                                   "machine": {"paces": {"qci/1/1": 0.7}, "reuse_per_row": 0.2}}))
     out = tmp_path / "docs" / "results.md"
     inputs = ReportInputs(tmp_path / "outcomes-x.json", tmp_path / "profile.json", 1.0, tmp_path / "val.json",
-                          tmp_path / "rows.jsonl", out, small_grid(), num_workers=1)
+                          tmp_path / "rows.jsonl", out, small_grid(), num_workers=1,
+                          machine={"paces": {"qci/1/1": 0.7}, "reuse_per_row": 0.2})
     make_report(inputs, show_progress=False)
     text = out.read_text()
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
@@ -43,7 +47,9 @@ def test_report_writes_markdown_figures_and_summaries_from_the_rows(tmp_path):
     for png in ("qsa_vs_slo", "accuracy_vs_attainment", "p99_ttft", "bandwidth", "band"):
         path = out.parent / "results" / f"{png}.png"
         assert path.stat().st_size > 5000 and f"(results/{png}.png)" in text
-    assert "| mix-poisson | cachesmith | 50% | 52% | +2.0 |" in text
+    assert "| mix-poisson | 0,1 | cachesmith | 50% | 52% | +2.0 |" in text
+    assert "| mix-gamma (replay again) | 0 | cachesmith | 50% | 52% | +2.0 | 4.00 | 4.80 | +20.0% |" in text
+    assert "qci/1/1 0.70x; plus 0.20x the cost of recomputing a row" in text
     assert "## Where these results differ from the paper's, and why" in text
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from cachesmith.bench.setting import BenchConfig
@@ -10,6 +11,7 @@ from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.planner import BatchShape, CostModel
 from cachesmith.request import Request
+from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
 from cachesmith.bench.simulate import base_slo, instance_for, simulate, simulate_run
@@ -130,14 +132,79 @@ def test_paces_slow_a_plan_family_and_the_planner_learns_it():
                                             for k in paced.planner.correction.values())
 
 
-def test_a_multi_request_pace_applies_to_batches_of_several_only():
+def test_a_large_batch_pace_applies_to_batches_of_that_many_tokens_only():
     profile, t = make_profile(), table(8)
-    ex = SimExecutor(t, None, CostModel(profile), {"kv_dev/1/1": 1.0, "kv_dev/1/1@2+": 2.0})
-    single, _ = ex.machine("kv_dev", 1, 1, 1)
-    double, _ = ex.machine("kv_dev", 3, 2, 4)
+    ex = SimExecutor(t, None, CostModel(profile), {"kv_dev/1/1": 1.0, "kv_dev/1/1@4k+": 2.0})
+    single, _ = ex.machine("kv_dev", 1, 1, 4095)
+    double, _ = ex.machine("kv_dev", 3, 2, 4096)
     shape = BatchShape((900,), (30,), (10,))
     # compute doubles; the link (not paced) hides a little less of itself
     assert double.ttft(shape, "kv_dev", 1, 1, [0.3])[0] == pytest.approx(2 * single.ttft(shape, "kv_dev", 1, 1, [0.3])[0],
                                                                        rel=1e-3)
-    assert ex.machine("qci", 1, 1, 3)[0].ttft(shape, "qci", 1, 1, [0.3])[0] == pytest.approx(
+    assert ex.machine("qci", 1, 1, 9000)[0].ttft(shape, "qci", 1, 1, [0.3])[0] == pytest.approx(
         CostModel(profile).ttft(shape, "qci", 1, 1, [0.3])[0])  # no pace: the profile's speed
+
+
+def _planned_run(ex: SimExecutor, t, ids=(1, 2), budget: float = 2.0):
+    from cachesmith.scheduler import ScheduleDecision
+
+    batch = [ex.admit(Request(i, t.outcomes[i], 10.0), 1 << 20) for i in ids]
+    return batch, ex.prefill(ScheduleDecision(tuple(ids), budget, "planned"), batch)
+
+
+def test_on_the_machine_the_planner_believes_the_monitor_never_acts():
+    from cachesmith.planner import Planner
+
+    profile, t = make_profile(), table(8)
+    ex = SimExecutor(t, Planner(profile), CostModel(profile))
+    batch, run = _planned_run(ex, t, budget=50.0)
+    assert run.num_monitor_replans == 0 and run.final_coverages == run.coverages
+    assert run.seconds == pytest.approx(run.plan.predicted_ttft_s + run.plan.decision_s, rel=1e-9)
+    outs = ex.decode(batch, run)
+    assert [o.num_recomputed for o in outs] == [round(c * a.request.instance.context_tokens)
+                                               for c, a in zip(run.coverages, batch)]
+
+
+def test_a_machine_slower_than_the_plan_makes_the_monitor_lower_coverage_and_verdicts_follow():
+    from cachesmith.bench.pace import MachinePace
+    from cachesmith.planner import Planner
+
+    profile, t = make_profile(), table(8)
+    slow = MachinePace({"kv_dev/1/1": 2.0, "qci/1/1": 2.0})
+    planner = Planner(profile)
+    ex = SimExecutor(t, planner, CostModel(profile), slow)
+    batch, run = _planned_run(ex, t)
+    unmonitored = SimExecutor(t, Planner(profile), CostModel(profile), slow)
+    signal, w, p = run.plan.signal, run.plan.warmup, run.plan.probe
+    as_planned, _ = unmonitored._ttft(batch_shape([a.queued for a in batch]), signal, w, p, np.array([run.coverages]))
+    assert run.num_monitor_replans > 0
+    assert all(f < c for f, c in zip(run.final_coverages, run.coverages))
+    assert run.seconds < as_planned  # lowered coverage: the batch ends sooner than its plan would
+    assert run.verdicts == [t.passes(a.request.instance, signal, w, p, f) for a, f in zip(batch, run.final_coverages)]
+    assert planner.correction[signal] == pytest.approx(2.0, rel=0.1)  # the pace the monitor saw
+
+
+def test_the_machine_prices_placed_cached_rows_per_patch_pass():
+    from cachesmith.bench.pace import MachinePace
+    from cachesmith.planner.cost_model import execution_steps
+
+    profile, t = make_profile(), table(4)
+    shape = BatchShape((900, 400), (30, 20), (10, 0))
+    plain = SimExecutor(t, None, CostModel(profile, 1e9), MachinePace({"qci/1/1": 1.5}))
+    priced = SimExecutor(t, None, CostModel(profile, 1e9), MachinePace({"qci/1/1": 1.5}, reuse_per_row=0.2))
+    num_patch = sum(s.kind == "patch" for s in execution_steps("qci", 1, 1, 30))
+    extra = (priced.machine("qci", 1, 1, 1360)[0].ttft(shape, "qci", 1, 1, [[0.3, 0.3]])[0]
+             - plain.machine("qci", 1, 1, 1360)[0].ttft(shape, "qci", 1, 1, [[0.3, 0.3]])[0])
+    row_s = 0.2 * profile.layer_costs["patch"].per_row_s  # a fifth of recomputing the row
+    assert extra == pytest.approx(row_s * num_patch * (900 + 10 + 400), rel=1e-9)
+
+
+def test_the_machine_can_run_on_another_profile_than_the_planner_plans_with():
+    from cachesmith.profiler.packaged import rescaled
+
+    profile, t = make_profile(), table(4)
+    o = t.outcomes[1]
+    records, _ = simulate_run(t, profile, BenchConfig("file", workload_file="w.jsonl", num_requests=1), 2.0,
+                              "full_prefill", 50.0, pool=[o], machine_profile=rescaled(profile, 2.0))
+    shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
+    assert records[0]["ttft_s"] == pytest.approx(2 * CostModel(profile).full_prefill_ttft(shape), rel=0.02)

@@ -187,3 +187,26 @@ def test_a_learned_correction_sizes_plans_for_the_measured_pace(planner):
     assert sum(after.coverages) < sum(before.coverages)  # less fits once the pace is known
     fresh.observe("qci", 50.0)  # a wild outlier is clipped, not believed
     assert fresh.correction["qci"] <= 0.7 * 1.25 + 0.3 * 2.0 + 1e-9
+
+
+@pytest.mark.parametrize("signal,w,p", [("position", 0, 0), ("qci", 1, 1), ("kv_dev", 1, 1), ("qci_last", 2, 0)])
+def test_patch_passes_price_every_placed_cached_row_in_the_walk_and_the_grid(signal, w, p):
+    """A Patch pass rotates and copies every cached row (prefix and context) into place, whatever
+    the coverage: its aux feature. The closed-form grid prices it as the walk does."""
+    from dataclasses import replace
+
+    from cachesmith.planner.cost_model import execution_steps
+
+    base = make_profile()
+    priced = replace(base, layer_costs={**base.layer_costs,
+                                        "patch": replace(base.layer_costs["patch"], per_aux_s=2e-6)})
+    shape = BatchShape((700, 1500), (24, 40), (16, 0))
+    num_patch = sum(s.kind == "patch" for s in execution_steps(signal, w, p, base.num_layers))
+    for r in (0.0, 0.3, 1.0):
+        cov = np.array([[r, r]])
+        extra = CostModel(priced, 1e9).ttft(shape, signal, w, p, cov)[0] - CostModel(base, 1e9).ttft(shape, signal, w, p, cov)[0]
+        assert extra == pytest.approx(2e-6 * num_patch * (700 + 1500 + 16), rel=1e-9)
+    slow = CostModel(priced, 0.05)  # with stalls in the walk too
+    grid = np.array([0.0, 0.3, 1.0])
+    np.testing.assert_allclose(ttft_grid(slow, shape, signal, ((w, p),), grid)[0],
+                               slow.ttft(shape, signal, w, p, np.repeat(grid[:, None], 2, axis=1)), rtol=1e-12)
