@@ -14,7 +14,9 @@ Every validation trace is held out. The replay runs are cached under --out (a st
 Bars, on each setting's means over its seeds: |QSA difference| <= 3 points and P99 TTFT within
 10%. One run is noisy: a burst's batching turns on tens of milliseconds and this shared machine
 drifts by 10-20% between replays. The per-seed rows show by how much, and one trace is replayed
-twice (NOISE) to measure the replay's own noise under the same bars. Rows: setting, seeds,
+twice (NOISE) to measure the replay's own noise under the same bars. Cross-validated rows: each
+setting against a machine fit to the calibration replays and the other two settings' replays
+(leave one setting out), which averages the drift over all the hours the replays took. Rows: setting, seeds,
 method, qsa_replay, qsa_sim, p99_replay_s, p99_sim_s, their gaps, and attainment and gate rate of
 both. `--json` prints the payload; `--out-json FILE` writes it.
 """
@@ -100,27 +102,36 @@ def main() -> None:
     machine = fit_machine(calib_batches, isolated)
     calibration = {"settings": [r.config.name for r in calib_runs], "isolated": isolated,
                    "residuals": residuals(calib_batches, machine)}
-    rows, per_seed, factors, bases, by_setting = [], [], [], [], {}
     seeds = [int(x) for x in args.seeds.split(",")]
-    for pattern, cv in SETTINGS:
-        replays, sims = [], []
-        for seed in seeds:
-            config = config_of(pattern, cv, seed)
-            replay = run_bench(pipe, config, args.out / config.name)
-            factors.append(replay.speed_factor)
-            bases.append(replay.base_slo_s)
-            # the simulator plans with the replay's profile and runs on the machine fit to the calibration
-            sim = simulate(table, profile_of(replay), config, replay.base_slo_s, pool=table.outcomes, machine=machine,
-                           machine_profile=reference)
-            # what the simulator misses: measured / simulated time of this replay's batches
-            batches = trace_batches(replay.records, table.outcomes, reference)
-            by_setting[config.name] = residuals(batches, machine)
-            replays.append({r["method"]: r for r in replay.rows})
-            sims.append({r["method"]: r for r in sim.rows})
-            per_seed += [{**compare([replays[-1][m]], [sims[-1][m]], config.name), "seeds": str(seed)} for m in methods]
-        name = config.name.rsplit("-s", 1)[0]
-        rows += [{**compare([r[m] for r in replays], [s_[m] for s_ in sims], name), "seeds": args.seeds}
-                 for m in methods]
+    runs = {(pattern, cv): [run_bench(pipe, c, args.out / c.name) for c in (config_of(pattern, cv, s) for s in seeds)]
+            for pattern, cv in SETTINGS}
+    batches = {k: [trace_batches(r.records, table.outcomes, reference) for r in rs] for k, rs in runs.items()}
+
+    def against(setting, fitted) -> tuple[list[dict], list[dict]]:
+        """(per-seed rows, mean rows) of one setting's replays against the simulator on `fitted`;
+        the simulator plans with each replay's profile, as the replay's engine did."""
+        sims = [{r["method"]: r for r in simulate(table, profile_of(run), run.config, run.base_slo_s,
+                                                  pool=table.outcomes, machine=fitted,
+                                                  machine_profile=reference).rows} for run in runs[setting]]
+        replays = [{r["method"]: r for r in run.rows} for run in runs[setting]]
+        name = runs[setting][0].config.name.rsplit("-s", 1)[0]
+        per = [{**compare([rp[m]], [sm[m]], run.config.name), "seeds": str(run.config.seed)}
+               for run, rp, sm in zip(runs[setting], replays, sims) for m in methods]
+        return per, [{**compare([r[m] for r in replays], [s_[m] for s_ in sims], name), "seeds": args.seeds}
+                     for m in methods]
+
+    rows, per_seed, cross = [], [], []
+    for setting in runs:
+        per, mean = against(setting, machine)
+        per_seed, rows = per_seed + per, rows + mean
+        # leave this setting out, fit on the calibration and the other settings' replays: drift over
+        # the hours the replays took is averaged in, and this setting is still never seen
+        others = [b for k, bs in batches.items() if k != setting for run_batches in bs for b in run_batches]
+        cross += against(setting, fit_machine(calib_batches + others, isolated))[1]
+    # what the simulator misses: measured / simulated time of each replay's batches
+    by_setting = {r.config.name: residuals(b, machine) for k in runs for r, b in zip(runs[k], batches[k])}
+    factors = [r.speed_factor for rs in runs.values() for r in rs]
+    bases = [r.base_slo_s for rs in runs.values() for r in rs]
     noise = []  # the same trace replayed twice, compared with the same bars
     for pattern, cv, seed in NOISE:
         config = config_of(pattern, cv, seed)
@@ -136,7 +147,8 @@ def main() -> None:
           "speed_factors": factors, "base_slo_s": bases, "machine": machine.to_dict(),
           "pace_calibration": calibration, "residuals": by_setting,
           "num_within": sum(r["is_within"] for r in rows), "rows": rows, "per_seed": per_seed,
-          "replay_noise": noise}, args.json, args.out_json, lambda: print_table(per_seed + rows + noise, COLUMNS))
+          "cross_validated": cross, "num_within_cross": sum(r["is_within"] for r in cross), "replay_noise": noise},
+         args.json, args.out_json, lambda: print_table(per_seed + rows + cross + noise, COLUMNS))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,10 @@ def validation_md(payload: dict | None) -> str:
     if not payload:
         return "_No validation payload (run `benchmarks/sim_validation.py --out-json docs/bench/sim_validation.json`)._\n"
     text = _validation_rows(payload["rows"])
+    if payload.get("cross_validated"):
+        text += ("\nThe same with the machine fit leaving each setting out (on the calibration replays and the other "
+                 "two settings' replays, so the machine's drift over the hours the replays took is averaged in):\n\n"
+                 + _validation_rows(payload["cross_validated"]))
     if payload.get("per_seed"):
         text += "\nEach seed alone (the noise the means average out):\n\n" + _validation_rows(payload["per_seed"])
     if payload.get("replay_noise"):

@@ -27,7 +27,9 @@ def test_report_writes_markdown_figures_and_summaries_from_the_rows(tmp_path):
            "gate_sim": 0.6, "att_replay": 0.9, "att_sim": 0.9, "is_within": True}
     noise = {**row, "setting": "mix-gamma (replay again)", "seeds": "0", "p99_sim_s": 4.8, "p99_rel_err": 0.2,
              "is_within": False}
+    cross = {**row, "setting": "mix-poisson (left out)"}
     (tmp_path / "val.json").write_text(json.dumps({"speed_factor": 1.0, "rows": [row], "replay_noise": [noise],
+                                                   "cross_validated": [cross],
                                                    "machine": {"paces": {"qci/1/1": 0.7}, "reuse_per_row": 0.2}}))
     out = tmp_path / "docs" / "results.md"
     inputs = ReportInputs(tmp_path / "outcomes-x.json", tmp_path / "profile.json", 1.0, tmp_path / "val.json",
@@ -48,6 +50,7 @@ def test_report_writes_markdown_figures_and_summaries_from_the_rows(tmp_path):
         path = out.parent / "results" / f"{png}.png"
         assert path.stat().st_size > 5000 and f"(results/{png}.png)" in text
     assert "| mix-poisson | 0,1 | cachesmith | 50% | 52% | +2.0 |" in text
+    assert "| mix-poisson (left out) | 0,1 | cachesmith |" in text
     assert "| mix-gamma (replay again) | 0 | cachesmith | 50% | 52% | +2.0 | 4.00 | 4.80 | +20.0% |" in text
     assert "qci/1/1 0.70x; plus 0.20x the cost of recomputing a row" in text
     assert "## Where these results differ from the paper's, and why" in text
