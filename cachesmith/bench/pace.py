@@ -1,16 +1,16 @@
-"""This machine as the simulator runs it: each plan family's pace (measured / predicted compute) and
-the time per cached row a Patch pass places, which the offline cost fit does not price, so the
-simulator's clock runs at the machine's speed rather than the fit's.
+"""This machine as the simulator runs it: each plan family's pace (measured / predicted compute),
+per batch size in prompt tokens, plus the costs the offline cost fit does not price (placing
+cached rows, a per-batch overhead), so the simulator's clock runs at the machine's speed.
 
-The fit is biased per family (on the packaged model, QCI plans ran at ~0.75x their prediction and
+The fit is biased per family (on the packaged model, QCI plans ran at ~0.7x their prediction and
 CacheBlend's at ~1.1x in replay), and the replay engine's planner learns that bias while serving
 (`Planner.observe`); a simulator on the raw cost model would hand CacheSmith and every baseline
 the wrong budgets. A family is (signal, whether it warms up, whether it probes): every preset is
-one, CacheSmith's plans are two (kv_dev and qci with w, p >= 1).
-Reuse is not free on a CPU: every Patch pass rotates and copies every cached row of every request
-into place, and the rows were staged from the store by threads that share the cores, so a batch
-of several long requests at low coverage ran 1.5-2x its predicted time. `fit_machine` fits both
-terms to the batches of a replay (`trace_batches`); `measure_paces` times single requests alone.
+one, CacheSmith's plans are two (kv_dev and qci with w, p >= 1). Reuse is not free on a CPU:
+every Patch pass rotates and copies every cached row of every request into place, and the rows
+were staged from the store by threads that share the cores, so a batch of several long requests
+at low coverage ran 1.5-2x its predicted time. `fit_machine` fits all terms to the batches of
+replays (`trace_batches`); `measure_paces` times single requests alone.
 In: a `RagPipeline`, the `Profile`, workload instances, or replay records. Out: a `MachinePace`.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def size_keys(family_: str, num_tokens: int) -> list[str]:
 
 @dataclass(frozen=True)
 class MachinePace:
-    """`paces[family]` (or the pace of the batch's size class, `family@2+` or `family@5+`, where
+    """`paces[family]` (or the pace of the batch's token class, `family@4k+` or `family@8k+`, where
     measured) times the profile's compute, plus, per cached row each Patch pass places,
     `reuse_per_row` times the profile's cost of recomputing a row there, plus `per_batch` times the
     profile's per-batch overhead (staging, threads, assembling the sequences: what a short batch
@@ -181,7 +181,7 @@ def trace_batches(records: list[dict], instances: list, profile: Profile) -> lis
 
 def _fitted_keys(batches: list[TraceBatch]) -> list[str]:
     """The paces a fit can carry: a size class with `MIN_BATCHES` batches of its own; a rarer one
-    lends its batches to the next coarser class (@5+ to @2+ to the family)."""
+    lends its batches to the next coarser class (@8k+ to @4k+ to the family)."""
     groups: dict[str, int] = {}
     for b in batches:
         groups[b.key] = groups.get(b.key, 0) + 1
