@@ -95,9 +95,9 @@ def main() -> None:
         """The profile the replay's engine planned with: the packaged one at the run's speed factor."""
         return rescaled(packaged, run.speed_factor) if source == "packaged" else packaged
 
-    isolated = measure_paces(pipe, profile_of(calib_runs[0]), [generate("mix", o.seed) for o in table.outcomes[:4]],
-                             args.out / "paces.json")
     reference = profile_of(calib_runs[0])  # the machine's paces are relative to this profile
+    isolated = measure_paces(pipe, reference, [generate("mix", o.seed) for o in table.outcomes[:4]],
+                             args.out / "paces.json")
     calib_batches = [b for run in calib_runs for b in trace_batches(run.records, table.outcomes, reference)]
     machine = fit_machine(calib_batches, isolated)
     calibration = {"settings": [r.config.name for r in calib_runs], "isolated": isolated,

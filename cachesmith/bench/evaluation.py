@@ -255,6 +255,6 @@ def fixed_costs(machine: dict | None, profile: Profile) -> str:
             f"each Patch pass {row_us:.1f} us per cached row it places (RoPE to the assembled position, a copy, "
             "and the staging threads' reads on the same two cores), on top of the profile's layer costs. A "
             "GPU hides both behind compute. They weigh most on CacheSmith's short, single-request plans: the "
-            "runtime monitor reads them as lateness in the batch's first layers (most of its replans come in "
-            "the first three passes after the plan is made, in replay and simulation alike) and lowers coverage, and the pace the "
-            "planner learns from such a batch is the one measured before that replan.\n")
+            "runtime monitor, which judges lateness from the batch's start, can read them as a slow machine in "
+            "the first layers and lower coverage, and the pace the planner learns from such a batch is the "
+            "one measured before that replan.\n")

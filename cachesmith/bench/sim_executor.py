@@ -22,6 +22,7 @@ from cachesmith.executor import Admitted, BatchExecution, RequestOutput, TokenHo
 from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlanRequest
 from cachesmith.planner.cost_model import Step
 from cachesmith.planner.monitor import RuntimeMonitor
+from cachesmith.recompute import RecomputeConfig
 from cachesmith.recompute.hooks import LayerInfo
 from cachesmith.request import Request
 from cachesmith.scheduler import ScheduleDecision
@@ -63,8 +64,7 @@ class SimExecutor:
         if decision.mode != "planned":
             config = replace(decision.static_plan, coverage=decision.coverage)
             coverages = [decision.coverage] * len(batch)
-            signal, w, p = config.signal.value, config.warmup, config.probe
-            seconds, stall = self._ttft(shape, signal, w, p, np.array([coverages]))
+            seconds, stall = self._ttft(shape, config, np.array([coverages]))
             final, plan, replans = coverages, None, 0
         else:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
@@ -77,8 +77,9 @@ class SimExecutor:
         return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
                               [float(c) for c in final])
 
-    def _ttft(self, shape: BatchShape, signal: str, w: int, p: int, cov: np.ndarray) -> tuple[float, float]:
+    def _ttft(self, shape: BatchShape, config: RecomputeConfig, cov: np.ndarray) -> tuple[float, float]:
         """(TTFT, transfer stall) of a plan run as planned on the simulated machine."""
+        signal, w, p = config.signal.value, config.warmup, config.probe
         machine, compute_only = self.machine(signal, w, p, int(shape.arrays()[3].sum()))
         seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
         return seconds, max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))

@@ -26,13 +26,9 @@ NUM_BUDGET_LEVELS = 16  # budgets tried between the batch's floor and its cap
 
 
 class FcfsPlanned(FcfsStatic):
-    def next_batch(self, queue: Sequence[QueuedRequest], now: float) -> ScheduleDecision | None:
-        start = time.perf_counter()
-        if not queue:
-            return None
-        batch = arrival_batch(queue, self.config)
-        return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, self.plan), "planned",
-                                decision_s=time.perf_counter() - start)
+    def decide(self, batch: Sequence[QueuedRequest]) -> ScheduleDecision:
+        """The same batch and budget as the preset's; the planner decides the plan."""
+        return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, self.plan), "planned")
 
 
 class FcfsSloBudget:

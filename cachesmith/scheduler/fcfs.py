@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from cachesmith.planner import CostModel
 from cachesmith.recompute import RecomputeConfig, full_reuse
@@ -38,9 +39,13 @@ class FcfsStatic:
         start = time.perf_counter()
         if not queue:
             return None
-        batch = arrival_batch(queue, self.config)
+        decision = self.decide(arrival_batch(queue, self.config))
+        return replace(decision, decision_s=time.perf_counter() - start)
+
+    def decide(self, batch: Sequence[QueuedRequest]) -> ScheduleDecision:
+        """The arrival-order batch under the preset, its budget the preset's own TTFT."""
         return ScheduleDecision(tuple(r.request_id for r in batch), self.ttft(batch, self.plan), "static",
-                                self.plan, self.plan.coverage, decision_s=time.perf_counter() - start)
+                                self.plan, self.plan.coverage)
 
 
 class FcfsQueueAware(FcfsStatic):

@@ -176,7 +176,8 @@ def test_a_machine_slower_than_the_plan_makes_the_monitor_lower_coverage_and_ver
     batch, run = _planned_run(ex, t)
     unmonitored = SimExecutor(t, Planner(profile), CostModel(profile), slow)
     signal, w, p = run.plan.signal, run.plan.warmup, run.plan.probe
-    as_planned, _ = unmonitored._ttft(batch_shape([a.queued for a in batch]), signal, w, p, np.array([run.coverages]))
+    as_planned, _ = unmonitored._ttft(batch_shape([a.queued for a in batch]), run.plan.recompute_config(),
+                                      np.array([run.coverages]))
     assert run.num_monitor_replans > 0
     assert all(f < c for f, c in zip(run.final_coverages, run.coverages))
     assert run.seconds < as_planned  # lowered coverage: the batch ends sooner than its plan would
