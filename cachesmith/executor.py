@@ -166,6 +166,7 @@ class BatchExecutor:
             hook = None if on_token is None else (lambda i, t, rid=rid: on_token(rid, i, t))
             ids = greedy_decode(self.pipeline.model, out.logits, out.cache, adm.request.instance.max_new_tokens,
                                 on_token=hook)
+            out.cache.release()  # its slabs serve the next batch without fresh page faults
             q = adm.queued
             outputs.append(RequestOutput(self.pipeline.tokenizer.decode(ids).strip(), float(cov), out.num_context,
                                          int(out.selected.numel()), out.qci_entropy,

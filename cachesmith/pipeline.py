@@ -103,5 +103,6 @@ class RagPipeline:
             out.first_token  # reading the argmax synchronizes with the device
             ttft = time.perf_counter() - start
         ids = greedy_decode(self.model, out.logits, out.cache, max_new_tokens)
+        out.cache.release()
         return Answer(self.tokenizer.decode(ids).strip(), ids, ttft, out.num_context, out.num_suffix,
                       int(out.selected.numel()), plan.label(), out.qci_entropy)

@@ -85,12 +85,19 @@ class EntryReader:
         """Fill k_out/v_out [T, Hkv, D] of `layer`, or with `rows` only the 64-row blocks holding
         them (their other rows get their stored values too: harmless, and no scatter copy).
         Returns bytes read."""
+        if rows is None:
+            return self.read_blocks_into(layer, k_out, v_out, None)
+        return self.read_blocks_into(layer, k_out, v_out, sorted(set((rows // BLOCK_ROWS).tolist())))
+
+    def read_blocks_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                         blocks: list[int] | None) -> int:
+        """Fill the rows of the given sorted 64-row blocks (None: all) of k_out/v_out [T, Hkv, D]."""
         h = self.header
         num_blocks = -(-h.num_tokens // BLOCK_ROWS)
-        if rows is None:
+        if blocks is None or len(blocks) == num_blocks:
             return self._read_run(layer, (0, num_blocks), k_out, v_out)
         nbytes = 0
-        for run in _runs(sorted(set((rows // BLOCK_ROWS).tolist()))):
+        for run in _runs(blocks):
             first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
             nbytes += self._read_run(layer, run, k_out[first:end], v_out[first:end])
         return nbytes

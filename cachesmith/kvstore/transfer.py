@@ -1,15 +1,18 @@
 """The transfer engine: loads stored chunk KV into staging buffers, layer by layer, ahead of the runner.
 
 In: keyed requests (prefix key, chunk keys, suffix ids) and the batch's `(S, w, p, r)` plan.
-Out: `RecomputeRequest`s whose chunk tensors are staging buffers, and a `BatchTransfer` hook the
-runner calls: `before_layer` blocks until that layer's KV has arrived (the stall), `after_selection`
-turns the selection into row loads.
+Out: `RecomputeRequest`s whose prefix and chunk tensors are views of the request's own KV cache (the
+one decoding will use): stored rows land there directly, pre-RoPE, and the runner rotates them in
+place. And a `BatchTransfer` hook the runner calls: `before_layer` blocks until that layer's KV has
+arrived (the stall), `after_selection` turns the selection into row loads.
 
 Transfer plan (paper §5.3): a WarmUp layer loads nothing; a Probe layer (and kv_dev's scoring layer)
 loads its full KV; a Patch layer loads only the rows it reuses, known once the selection is. The
-prefix is loaded whole wherever cached KV is read. Loads run on worker threads in deadline (layer)
-order through a token-bucket link that emulates a capped bandwidth. With prefetch off, a layer's
-loads are issued only when the runner reaches it.
+prefix is loaded whole wherever cached KV is read. Loads run on the engine's long-lived worker
+threads in deadline (layer) order, one task per (layer, request), through a token-bucket link that
+emulates a capped bandwidth. Which rows are loaded or issued is one boolean matrix per request
+[layer, cached row] (numpy), so the runner's thread does no per-chunk bookkeeping. With prefetch
+off, a layer's loads are issued only when the runner reaches it.
 """
 from __future__ import annotations
 
@@ -18,16 +21,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cachesmith.errors import ConfigError
-from cachesmith.kvstore.entry_format import CorruptEntry
+from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry
 from cachesmith.kvstore.link import Link
 from cachesmith.kvstore.reader import EntryReader
 from cachesmith.kvstore.store import ChunkStore
-from cachesmith.model import ChunkKV, Decoder, prefill_chunk
+from cachesmith.model import ChunkKV, Decoder, KVCache, prefill_chunk
 from cachesmith.recompute import RecomputeConfig, RecomputeRequest, RunnerHooks, Signal
 
 log = logging.getLogger(__name__)
@@ -81,18 +85,8 @@ def layer_needs(plan: RecomputeConfig, num_layers: int) -> tuple[set[int], range
     return set(), range(w, num_layers)
 
 
-@dataclass
-class _Segment:
-    reader: EntryReader
-    chunk: ChunkKV  # staging buffers
-    is_prefix: bool
-    context_start: int  # where its rows start among the request's context rows
-    have: list[torch.Tensor] = field(default_factory=list)  # [layer] bool [T]: loaded or issued
-    failed: bool = False
-
-
 class TransferEngine:
-    """Long-lived: holds the link and the bandwidth estimate across batches."""
+    """Long-lived: holds the link, the bandwidth estimate and the loader threads across batches."""
 
     def __init__(self, store: ChunkStore, model: Decoder, config: TransferConfig | None = None) -> None:
         self.store, self.model = store, model
@@ -100,6 +94,9 @@ class TransferEngine:
         self.link = Link(self.config.bandwidth_gbps)
         self.stats = TransferStats()
         self._lock = threading.Lock()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._workers: list[threading.Thread] = []
 
     def record_load(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -113,25 +110,77 @@ class TransferEngine:
     def stage(self, requests: list[KeyedRequest], plan: RecomputeConfig) -> "BatchTransfer":
         return BatchTransfer(self, requests, plan)
 
+    def submit(self, layer: int, batch: "BatchTransfer", request: int, rows: np.ndarray) -> None:
+        """Queue one load in deadline order; the workers start on first use and live on."""
+        with self._lock:
+            if not self._workers:
+                self._workers = [threading.Thread(target=self._work, daemon=True, name=f"kv-loader-{i}")
+                                 for i in range(self.config.num_workers)]
+                for t in self._workers:
+                    t.start()
+        self._queue.put((layer, next(self._order), batch, request, rows))
+
+    def _work(self) -> None:
+        while True:
+            layer, _, batch, request, rows = self._queue.get()
+            if batch is None:
+                return
+            batch.run_load(layer, request, rows)
+
+    def close(self) -> None:
+        """Stop the loader threads (a closed engine starts new ones if used again)."""
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for _ in workers:
+            self._queue.put((-1, next(self._order), None, -1, None))
+        for t in workers:
+            t.join()
+
+
+@dataclass
+class _Segment:
+    reader: EntryReader | None
+    chunk: ChunkKV  # views of the request's cache rows [start, end) in every layer
+    is_prefix: bool
+    start: int  # first row in the request (its assembled position)
+    failed: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.chunk.num_tokens
+
+
+@dataclass
+class _Staged:
+    """One request's cache, its segments, and which cached rows are loaded or issued per layer."""
+    cache: KVCache
+    segments: list[_Segment]
+    have: np.ndarray  # [num_layers, num_cached_rows] bool
+    num_prefix: int
+
+    @property
+    def num_cached(self) -> int:
+        return self.have.shape[1]
+
 
 class BatchTransfer(RunnerHooks):
     def __init__(self, engine: TransferEngine, requests: list[KeyedRequest], plan: RecomputeConfig) -> None:
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_layers
-        self.segments: list[list[_Segment]] = []
-        self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()
-        self._pending = [0] * self.num_layers
-        self._deferred: dict[int, list[tuple[_Segment, torch.Tensor | None]]] = {}
         self._cond = threading.Condition()
+        self._pending = [0] * self.num_layers
+        self._deferred: dict[int, list[tuple[int, np.ndarray]]] = {}
         self._error: BaseException | None = None
+        self._is_closed = False
         self.stall_s = 0.0
         self._last_patched = -1  # Patch layers up to here have run: later selections skip them
-        self._workers = [threading.Thread(target=self._work, daemon=True)
-                         for _ in range(engine.config.num_workers)]
-        for t in self._workers:
-            t.start()
+        self._max_layer = -1  # the deepest layer the runner has reached
+        self.staged: list[_Staged] = []
+        try:
+            self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
+        except BaseException:
+            self._close_readers()
+            raise
         self.set_plan(plan)
 
     def set_plan(self, plan: RecomputeConfig) -> None:
@@ -140,10 +189,10 @@ class BatchTransfer(RunnerHooks):
         full_layers, self.patch_layers = layer_needs(plan, self.num_layers)
         reads_cache = range(plan.warmup, self.num_layers) if plan.warmup < self.num_layers else range(0)
         for layer in sorted(full_layers | set(reads_cache)):
-            for segs in self.segments:
-                for seg in segs:
-                    if seg.is_prefix or layer in full_layers:
-                        self._need(layer, seg, None)
+            for i, st in enumerate(self.staged):
+                want = np.zeros(st.num_cached, dtype=bool)
+                want[: st.num_cached if layer in full_layers else st.num_prefix] = True
+                self._need(layer, i, want)
 
     # -- staging -----------------------------------------------------------------------------
     def _open(self, key: str, field_name: str) -> EntryReader:
@@ -152,111 +201,125 @@ class BatchTransfer(RunnerHooks):
             raise CorruptEntry(f"{field_name}: chunk {key[:12]} is not in the store (or was corrupt)")
         return reader
 
-    def _stage_request(self, index: int, req: KeyedRequest) -> RecomputeRequest:
-        segs, start = [], 0
+    def _open_all(self, index: int, req: KeyedRequest) -> list[tuple[bool, EntryReader]]:
         keys = ([("prefix", req.prefix_key)] if req.prefix_key else []) + \
             [(f"chunks[{j}]", k) for j, k in enumerate(req.chunk_keys)]
-        for name, key in keys:
-            reader = self._open(key, f"requests[{index}].{name}")
+        readers: list[tuple[bool, EntryReader]] = []
+        try:
+            for name, key in keys:
+                readers.append((name == "prefix", self._open(key, f"requests[{index}].{name}")))
+        except BaseException:
+            for _, r in readers:
+                r.close()
+            raise
+        return readers
+
+    def _stage_request(self, index: int, req: KeyedRequest) -> RecomputeRequest:
+        """Open every entry, then give the request its cache: each entry's rows are a view of it."""
+        readers = self._open_all(index, req)
+        num_cached = sum(r.header.num_tokens for _, r in readers)
+        cache = self.model.new_cache(num_cached + len(req.suffix_ids) + req.extra_capacity)
+        segs, start = [], 0
+        for is_prefix, reader in readers:
             h = reader.header
-            shape = (h.num_layers, h.num_tokens, h.num_kv_heads, h.head_dim)
-            chunk = ChunkKV(h.token_ids, torch.empty(shape, dtype=h.torch_dtype),
-                            torch.empty(shape, dtype=h.torch_dtype), h.model_fingerprint)
-            is_prefix = name == "prefix"
-            segs.append(_Segment(reader, chunk, is_prefix, -1 if is_prefix else start,
-                                 [torch.zeros(h.num_tokens, dtype=torch.bool) for _ in range(h.num_layers)]))
-            start += 0 if is_prefix else h.num_tokens
-        self.segments.append(segs)
+            keys, values = cache.rows(start, start + h.num_tokens)  # [L, T, Hkv, D]
+            segs.append(_Segment(reader, ChunkKV(h.token_ids, keys, values, h.model_fingerprint), is_prefix, start))
+            start += h.num_tokens
+        num_prefix = segs[0].chunk.num_tokens if segs and segs[0].is_prefix else 0
+        self.staged.append(_Staged(cache, segs, np.zeros((self.num_layers, num_cached), dtype=bool), num_prefix))
         chunks = [s.chunk for s in segs if not s.is_prefix]
-        prefix = next((s.chunk for s in segs if s.is_prefix), None)
-        return RecomputeRequest(chunks, list(req.suffix_ids), prefix, req.coverage, req.extra_capacity)
+        prefix = segs[0].chunk if num_prefix else None
+        return RecomputeRequest(chunks, list(req.suffix_ids), prefix, req.coverage, req.extra_capacity,
+                                cache=cache)
 
     # -- issuing -----------------------------------------------------------------------------
-    def _need(self, layer: int, seg: _Segment, rows: torch.Tensor | None) -> None:
-        """Mark rows (None = all) of `layer` as needed; issue now (prefetch) or at before_layer."""
-        have = seg.have[layer]
-        rows = (~have).nonzero().flatten() if rows is None else rows[~have[rows]]
-        if rows.numel() == 0:
+    def _need(self, layer: int, request: int, want: np.ndarray) -> None:
+        """Mark cached rows `want` [num_cached] of `layer` as needed; issue now (prefetch) or at
+        before_layer."""
+        have = self.staged[request].have[layer]
+        new = want & ~have
+        if not new.any():
             return
-        have[rows] = True
-        load_rows = None if rows.numel() == have.numel() else rows
+        have |= new
         if self.engine.config.is_prefetch:
-            self._issue(layer, seg, load_rows)
+            self._issue(layer, request, new)
         else:
-            self._deferred.setdefault(layer, []).append((seg, load_rows))
+            self._deferred.setdefault(layer, []).append((request, new))
 
-    def _issue(self, layer: int, seg: _Segment, rows: torch.Tensor | None) -> None:
+    def _issue(self, layer: int, request: int, rows: np.ndarray) -> None:
         with self._cond:
             self._pending[layer] += 1
-        self._queue.put((layer, next(self._order), seg, rows))
+        self.engine.submit(layer, self, request, rows)
 
-    def _work(self) -> None:
-        while True:
-            layer, _, seg, rows = self._queue.get()
-            if seg is None:
-                return
-            try:
-                if not seg.failed:
-                    self._load(layer, seg, rows)
-            except CorruptEntry as exc:
-                log.warning("transfer: %s; the chunk will be recomputed", exc)
-                seg.failed = True
-            except BaseException as exc:  # surfaced to the runner in before_layer
-                self._error = exc
-            finally:
-                with self._cond:
-                    self._pending[layer] -= 1
-                    self._cond.notify_all()
+    def run_load(self, layer: int, request: int, rows: np.ndarray) -> None:
+        """On a loader thread: the cached rows `rows` [num_cached] of one request's `layer`."""
+        try:
+            if not self._is_closed:
+                for seg in self.staged[request].segments:
+                    wanted = rows[seg.start:seg.end]
+                    if not seg.failed and seg.reader is not None and wanted.any():
+                        self._load_segment(layer, seg, wanted)
+        except BaseException as exc:  # surfaced to the runner in before_layer
+            self._error = exc
+        finally:
+            with self._cond:
+                self._pending[layer] -= 1
+                self._cond.notify_all()
 
-    def _load(self, layer: int, seg: _Segment, rows: torch.Tensor | None) -> None:
-        num_rows = seg.chunk.num_tokens if rows is None else rows.numel()
+    def _load_segment(self, layer: int, seg: _Segment, wanted: np.ndarray) -> None:
+        num_rows = int(wanted.sum())
         on_link = self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
-        nbytes = seg.reader.read_layer_into(layer, seg.chunk.keys[layer], seg.chunk.values[layer], rows)
+        blocks = None if num_rows == wanted.size else np.unique(wanted.nonzero()[0] // BLOCK_ROWS).tolist()
+        try:
+            nbytes = seg.reader.read_blocks_into(layer, seg.chunk.keys[layer], seg.chunk.values[layer], blocks)
+        except CorruptEntry as exc:
+            log.warning("transfer: %s; the chunk will be recomputed", exc)
+            seg.failed = True
+            return
         self.engine.record_load(nbytes, time.monotonic() - on_link)
 
     # -- runner hooks ------------------------------------------------------------------------
     def after_selection(self, selected: list[torch.Tensor]) -> None:
-        for segs, sel in zip(self.segments, selected):
-            for seg in segs:
-                if seg.is_prefix:
-                    continue
-                local = sel[(sel >= seg.context_start) & (sel < seg.context_start + seg.chunk.num_tokens)]
-                reused = torch.ones(seg.chunk.num_tokens, dtype=torch.bool)
-                reused[local - seg.context_start] = False
-                rows = reused.nonzero().flatten()
-                for layer in self.patch_layers:
-                    if layer > self._last_patched:
-                        self._need(layer, seg, rows)
+        layers = [layer for layer in self.patch_layers if layer > self._last_patched]
+        for i, (st, sel) in enumerate(zip(self.staged, selected)):
+            reused = np.ones(st.num_cached, dtype=bool)  # the prefix (exact) is read with them
+            reused[st.num_prefix + sel.numpy()] = False
+            for layer in layers:
+                self._need(layer, i, reused)
 
     def before_layer(self, layer: int, phase: str) -> None:
         start = time.perf_counter()
         if phase == "patch":
             self._last_patched = layer
-        for seg, rows in self._deferred.pop(layer, []):
-            self._issue(layer, seg, rows)
+        for request, rows in self._deferred.pop(layer, []):
+            self._issue(layer, request, rows)
         with self._cond:
             self._cond.wait_for(lambda: self._pending[layer] == 0 or self._error is not None)
         if self._error is not None:
             raise self._error
-        self._recompute_failed()
+        first_unread = layer if layer > self._max_layer else self._max_layer + 1
+        self._max_layer = max(self._max_layer, layer)
+        self._recompute_failed(first_unread)
         self.stall_s += time.perf_counter() - start
 
-    def _recompute_failed(self) -> None:
-        failed = [seg for segs in self.segments for seg in segs if seg.failed and seg.reader is not None]
+    def _recompute_failed(self, first_layer: int) -> None:
+        failed = [seg for st in self.staged for seg in st.segments if seg.failed and seg.reader is not None]
         if failed:  # let in-flight loads land first, so none writes over the recomputed rows
             with self._cond:
                 self._cond.wait_for(lambda: sum(self._pending) == 0)
         for seg in failed:
-            self._replace(seg)
+            self._replace(seg, first_layer)
 
-    def _replace(self, seg: _Segment) -> None:
-        """A corrupt entry: recompute the chunk into the staging buffers, evict and store it anew."""
+    def _replace(self, seg: _Segment, first_layer: int) -> None:
+        """A corrupt entry: recompute the chunk into the layers the runner has not read yet (the
+        earlier ones already hold what it computed), evict it and store it anew."""
         key = self.engine.store.key_for(self.model, seg.chunk.token_ids)
         fresh = prefill_chunk(self.model, list(seg.chunk.token_ids))
-        seg.chunk.keys.copy_(fresh.keys)
-        seg.chunk.values.copy_(fresh.values)
-        for have in seg.have:
-            have.fill_(True)
+        seg.chunk.keys[first_layer:].copy_(fresh.keys[first_layer:])
+        seg.chunk.values[first_layer:].copy_(fresh.values[first_layer:])
+        for st in self.staged:
+            if any(s is seg for s in st.segments):
+                st.have[:, seg.start:seg.end] = True
         seg.reader.close()
         seg.reader = None
         self.engine.store.delete(key)
@@ -264,15 +327,20 @@ class BatchTransfer(RunnerHooks):
         self.engine.stats.num_recomputed += 1
 
     def close(self) -> None:
-        for _ in self._workers:
-            self._queue.put((-1, -1, None, None))
-        for t in self._workers:
-            t.join()
-        for segs in self.segments:
-            for seg in segs:
+        """Skip what is still queued and wait for the loads in flight: none may land in a cache
+        once its batch is done (the cache goes on to decoding, or back to the pool)."""
+        self._is_closed = True
+        with self._cond:
+            self._cond.wait_for(lambda: sum(self._pending) == 0)
+        self._close_readers()
+        self.engine.stats.stall_s += self.stall_s
+
+    def _close_readers(self) -> None:
+        for st in self.staged:
+            for seg in st.segments:
                 if seg.reader is not None:
                     seg.reader.close()
-        self.engine.stats.stall_s += self.stall_s
+                    seg.reader = None
 
     def __enter__(self) -> "BatchTransfer":
         return self

@@ -13,7 +13,7 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.model.config import ModelConfig, load_hf_config
-from cachesmith.model.kv_cache import KVCache
+from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
 from cachesmith.model.rope import RotaryEmbedding
 from cachesmith.model.weights import fingerprint, load_weights
@@ -53,6 +53,7 @@ class Decoder:
         self.layers = [DecoderLayer(self.config, w) for w in weights.layers]
         self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
         self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
+        self.kv_pool = SlabPool()  # released caches' slabs, reused by the next ones
 
     @property
     def num_layers(self) -> int:
@@ -109,7 +110,8 @@ class Decoder:
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.device, self.dtype)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.device, self.dtype,
+                       self.kv_pool)
 
     def prefill(self, token_ids: Sequence[int] | torch.Tensor,
                 extra_capacity: int = 0) -> tuple[torch.Tensor, KVCache]:
@@ -120,20 +122,29 @@ class Decoder:
         return self.head(hidden[-1:])[0], cache
 
     @torch.inference_mode()
-    def decode_step(self, token_id: int, cache: KVCache) -> torch.Tensor:
-        """One token at position cache.num_tokens attending to the whole cache -> logits [vocab]."""
-        pos = cache.num_tokens
-        if pos >= self.config.max_positions:
+    def extend(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """New tokens at positions [cache.num_tokens, + T) over everything the cache holds (causal
+        among themselves); their K/V are appended. Returns the final-normed hidden [T, hidden]."""
+        start = cache.num_tokens
+        if start + len(token_ids) > self.config.max_positions:
             raise InputError(f"decode reached the model's maximum of {self.config.max_positions} positions")
-        ids = torch.tensor([token_id], device=self.device)
-        cos, sin = self.rope.cos_sin(torch.tensor([pos], device=self.device))
+        ids = self.as_token_tensor(token_ids, start=start)
+        end = start + ids.numel()
+        positions = torch.arange(start, end, device=self.device)
+        cos, sin = self.rope.cos_sin(positions)
+        # one row sees every key; several need the causal-by-position mask [T, end]
+        mask = None if ids.numel() == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
         h = self.embed(ids)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(layer.input_norm(h))
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            cache.write(i, pos, k, v)
-            keys, values = cache.view(i, pos + 1)
-            h = h + layer.out_proj(layer.attend(q, keys, values))
+            cache.write(i, start, k, v)
+            keys, values = cache.view(i, end)
+            h = h + layer.out_proj(layer.attend(q, keys, values, mask=mask))
             h = layer.mlp_block(h)
-        cache.num_tokens = pos + 1
-        return self.head(self.norm(h))[0]
+        cache.num_tokens = end
+        return self.norm(h)
+
+    def decode_step(self, token_id: int, cache: KVCache) -> torch.Tensor:
+        """One token at position cache.num_tokens attending to the whole cache -> logits [vocab]."""
+        return self.head(self.extend([token_id], cache))[0]

@@ -61,6 +61,19 @@ class RotaryEmbedding:
         out[..., half:].addcmul_(x1, s)
         return out
 
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, num_heads, head_dim] in place (e.g. cached K staged pre-RoPE into a
+        KV cache); bit-identical to `apply`, with one half-size temporary."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[..., :half], sin[..., :half]
+        first = torch.mul(x1, c)
+        first.addcmul_(x2, s, value=-1)
+        x2.mul_(c).addcmul_(x1, s)
+        x1.copy_(first)
+        return x
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, num_heads, head_dim] pre-RoPE -> rotated to `positions` [num_tokens]."""
         cos, sin = self.cos_sin(positions)

@@ -22,8 +22,7 @@ from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs
 from cachesmith.errors import ConfigError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
-from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence,
-                                           cached_pre_rope, fill_cached_rows)
+from cachesmith.recompute.sequence import RecomputeRequest, Sequence, build_sequence, fill_cached_rows
 
 
 # entropies after layer 0 -> (plan for the rest, per-request coverages or None)
@@ -138,9 +137,8 @@ class BatchRunner:
         x = layer.input_norm(h)
         k, v = layer.kv(x)  # all rows; the selected ones are reused in Patch
         for i, (s, a) in enumerate(zip(seqs, self._offsets(seqs))):
-            ctx = slice(a + s.context_start, a + s.suffix_start)
-            ck, cv = cached_pre_rope(s, start)
-            scores[i] = scores[i] + signals.kv_deviation(k[ctx], v[ctx], ck, cv, config.kv_dev_target)
+            scores[i] = scores[i] + self._deviation(s, start, k[a:a + s.num_tokens], v[a:a + s.num_tokens],
+                                                    config.kv_dev_target, is_rotated=False)
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = sc, signals.rank(sc)
             s.selected = signals.select(s, s.coverage)
@@ -158,19 +156,26 @@ class BatchRunner:
         for s, a in zip(seqs, self._offsets(seqs)):
             b = a + s.num_tokens
             qi, ki = rope.apply(q[a:b], s.cos, s.sin), rope.apply(k[a:b], s.cos, s.sin)
+            if dev_target is not None:  # before the fresh rows overwrite the cached ones
+                devs.append(self._deviation(s, index, ki, v[a:b], dev_target, is_rotated=True))
+                kv_rows += s.num_context
             s.cache.write(index, 0, ki, v[a:b])
             keys, values = s.cache.view(index, s.num_tokens)  # contiguous V: faster SDPA
             outs.append(layer.attend(qi, keys, values, is_causal=True))
             if want_entropy:
                 s.qci_entropy = self._entropy(s, qi, ki)
-            if dev_target is not None:
-                ck, cv = cached_pre_rope(s, index)
-                ctx = slice(a + s.context_start, a + s.suffix_start)
-                devs.append(signals.kv_deviation(k[ctx], v[ctx], ck, cv, dev_target))
-                kv_rows += s.num_context
         h = layer.mlp_block(h.add_(layer.out_proj(torch.cat(outs))))
         self._after(hooks, index, phase, h.shape[0], kv_rows)
         return h, devs
+
+    def _deviation(self, s: Sequence, index: int, k: torch.Tensor, v: torch.Tensor, target: str,
+                   is_rotated: bool) -> torch.Tensor:
+        """KV deviation of the context rows: fresh k, v [num_tokens, Hkv, D] of one request against
+        its cached rows, compared rotated (RoPE keeps norms; staged rows are rotated in place)."""
+        fill_cached_rows(self.model, s, index)
+        ctx = slice(s.context_start, s.suffix_start)
+        fresh_k = k[ctx] if is_rotated else self.model.rope.apply(k[ctx], s.cos[ctx], s.sin[ctx])
+        return signals.kv_deviation(fresh_k, v[ctx], s.cache.keys[index][ctx], s.cache.values[index][ctx], target)
 
     def _entropy(self, s: Sequence, q: torch.Tensor, k: torch.Tensor) -> float:
         pos = torch.arange(s.num_tokens, device=q.device)

@@ -24,6 +24,9 @@ class RecomputeRequest:
     prefix: ChunkKV | None = None  # cached at position 0, hence exact
     coverage: float | None = None  # overrides the plan's coverage for this request
     extra_capacity: int = 0  # cache rows reserved for decoding
+    # Staged by the transfer engine: prefix and chunk tensors are views of this cache's rows at
+    # their assembled positions, holding pre-RoPE K as stored (the runner rotates them in place).
+    cache: KVCache | None = None
 
 
 @dataclass
@@ -44,7 +47,11 @@ class Sequence:
     scores: torch.Tensor | None = None  # [N] selection scores
     is_position_signal: bool = False
     qci_entropy: float | None = None
-    filled_layers: set[int] = field(default_factory=set)  # layers whose cached rows are in `cache`
+    placed_layers: set[int] = field(default_factory=set)  # layers whose cached rows are placed, rotated
+
+    @property
+    def is_staged(self) -> bool:
+        return self.request.cache is not None
 
     @property
     def num_tokens(self) -> int:
@@ -89,26 +96,34 @@ def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index
     return Sequence(
         request=req, coverage=coverage, token_ids=token_ids, cos=cos, sin=sin, segments=segments,
         num_prefix=num_prefix, num_context=num_context, num_suffix=suffix.numel(),
-        cache=model.new_cache(num_tokens + req.extra_capacity), chunk_starts=chunk_starts,
+        cache=_request_cache(model, req, num_tokens, field_name), chunk_starts=chunk_starts,
     )
+
+
+def _request_cache(model: Decoder, req: RecomputeRequest, num_tokens: int, field_name: str) -> KVCache:
+    if req.cache is None:
+        return model.new_cache(num_tokens + req.extra_capacity)
+    if req.cache.num_tokens:  # its cached K were rotated in place by the run that filled it
+        raise InputError(f"{field_name}.cache was already run: a staged request runs once")
+    if req.cache.capacity < num_tokens:
+        raise InputError(f"{field_name}.cache holds {req.cache.capacity} rows, the request needs {num_tokens}")
+    return req.cache
 
 
 def fill_cached_rows(model: Decoder, seq: Sequence, layer: int) -> int:
     """Place the cached K (rotated to its assembled positions) and V of prefix and chunks into the
     layer's cache buffer, once: a QCI probe fills a layer, and Patch revisits it after the rewind
-    (probes only write suffix rows, which Patch rewrites). Returns the number of cached rows."""
-    if layer in seq.filled_layers:
-        return seq.suffix_start
-    seq.filled_layers.add(layer)
+    (probes only write suffix rows, which Patch rewrites). A staged request's rows are already in
+    the buffer, pre-RoPE, so only the rotation runs: one in-place pass over every cached row.
+    Returns the number of cached rows."""
+    end = seq.suffix_start
+    if layer in seq.placed_layers:
+        return end
+    seq.placed_layers.add(layer)
     keys, values = seq.cache.keys[layer], seq.cache.values[layer]
-    for start, entry in seq.segments:
-        end = start + entry.num_tokens
-        model.rope.apply(entry.keys[layer], seq.cos[start:end], seq.sin[start:end], out=keys[start:end])
-        values[start:end] = entry.values[layer]
-    return seq.suffix_start
-
-
-def cached_pre_rope(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-RoPE cached K and V of the context rows [N, Hkv, D] (prefix excluded)."""
-    chunks = [e for _, e in seq.segments[1 if seq.request.prefix is not None else 0:]]
-    return (torch.cat([c.keys[layer] for c in chunks]), torch.cat([c.values[layer] for c in chunks]))
+    if not seq.is_staged:
+        for start, entry in seq.segments:
+            keys[start:start + entry.num_tokens] = entry.keys[layer]
+            values[start:start + entry.num_tokens] = entry.values[layer]
+    model.rope.apply_(keys[:end], seq.cos[:end], seq.sin[:end])
+    return end

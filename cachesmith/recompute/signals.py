@@ -15,9 +15,10 @@ from cachesmith.recompute.sequence import Sequence
 
 def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor,
                  cached_v: torch.Tensor, target: str) -> torch.Tensor:
-    """Per-token L2 deviation over heads and dims. All inputs [N, Hkv, D] pre-RoPE -> [N] float32.
+    """Per-token L2 deviation over heads and dims. All inputs [N, Hkv, D] -> [N] float32.
 
-    Pre-RoPE K compares directly: RoPE is a rotation per token, so it does not change the norm.
+    K may be compared pre-RoPE or rotated (both sides alike): RoPE rotates each token's fresh and
+    cached K by the same angles, which keeps the norm of their difference.
     """
     score = torch.zeros(fresh_k.shape[0], device=fresh_k.device)
     if target in ("k", "kv"):

@@ -83,3 +83,27 @@ def test_bad_prompts_are_rejected_by_field(tiny_llama_dir):
     with pytest.raises(InputError, match="max_new_tokens"):
         logits, cache = model.prefill([5, 6])
         greedy_decode(model, logits, cache, -1)
+
+
+def test_extend_over_a_cache_equals_prefill_of_the_whole(tiny_model_dir):
+    model = Decoder(tiny_model_dir[0])
+    ids = _ids(40, seed=3)
+    ref_logits, ref_cache = model.prefill(ids)
+    _, cache = model.prefill(ids[:31], extra_capacity=4)  # grows past its capacity on the way
+    hidden = model.extend(ids[31:], cache)  # 9 rows, causal among themselves
+    assert cache.num_tokens == 40
+    assert (model.head(hidden[-1:])[0] - ref_logits).abs().max().item() < 1e-4
+    for layer in range(model.num_layers):
+        assert (cache.view(layer)[0] - ref_cache.view(layer)[0]).abs().max().item() < 1e-5
+
+
+def test_released_cache_slabs_are_reused(tiny_llama_dir):
+    model = Decoder(tiny_llama_dir[0])
+    _, cache = model.prefill(_ids(30))
+    slab = cache.key_slab
+    cache.release()
+    assert cache.keys == [] and cache.num_tokens == 0
+    logits, again = model.prefill(_ids(24, seed=2))  # fits in the released slab (24 <= 30 <= 48)
+    assert again.key_slab.data_ptr() == slab.data_ptr() and model.kv_pool.num_reused >= 1
+    ref, _ = Decoder(tiny_llama_dir[0]).prefill(_ids(24, seed=2))
+    assert torch.equal(logits, ref)  # stale rows beyond the prompt never leak into the result
