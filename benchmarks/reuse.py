@@ -7,7 +7,9 @@ and bfloat16, with the chunk KV on the disk tier (page-cached: read once before 
 - `limit_s`, measured in the same run: the suffix rows' compute (a forward of every request's
   suffix over a cache of the same context, linear layers batched over the batch's rows) plus one
   copy of the batch's KV bytes into memory already mapped;
-- `full_prefill_s`: one request's full prefill times the batch size (measured once per context).
+- `full_prefill_s`: one request's full prefill times the batch size (measured once per context);
+- `fixed_s`: the per-batch fixed cost inside `full_reuse_s` (opening every entry, giving each
+  request its cache, assembling the sequences) with a plan that loads nothing.
 Caches are released after each timed run, as serving does, so the steady state is measured.
 `--json` prints the list of rows; `--out` writes it. Target: full_reuse_s / limit_s <= 2.0.
 """
@@ -28,6 +30,7 @@ from common import emit, median, print_table, timed  # noqa: E402
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferEngine  # noqa: E402
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.recompute import BatchRunner, preset  # noqa: E402
+from cachesmith.recompute.sequence import build_sequence  # noqa: E402
 
 NUM_CHUNKS, NUM_SUFFIX = 16, 19
 
@@ -93,6 +96,21 @@ def _limit(model: Decoder, caches, suffixes, context: int, repeats: int) -> floa
     return median([timed(run) for _ in range(repeats)])
 
 
+def _fixed(model: Decoder, engine: TransferEngine, requests: list[KeyedRequest], repeats: int) -> float:
+    """Per-batch fixed cost: opening every entry, giving each request its cache, assembling the
+    sequences, closing; with a plan that loads nothing."""
+    plan = preset("full_prefill", 0.0, model.num_layers)
+
+    def run():
+        with engine.stage(requests, plan) as staged:
+            for i, r in enumerate(staged.requests):
+                build_sequence(model, r, 0.0, i)
+        for r in staged.requests:
+            r.cache.release()
+    run()
+    return median([timed(run) for _ in range(repeats)])
+
+
 def measure(dtype: str, contexts: list[int], batches: list[int], repeats: int, root: Path) -> list[dict]:
     model = Decoder(resolve_model("smollm2-135m"), "cpu", dtype)
     store = ChunkStore(StoreConfig(tiers=("disk",), root=root / dtype))
@@ -115,6 +133,7 @@ def measure(dtype: str, contexts: list[int], batches: list[int], repeats: int, r
             reuse = median(times)
             rows.append({"dtype": dtype, "context_tokens": context, "batch_size": batch,
                          "full_reuse_s": reuse, "limit_s": limit, "full_prefill_s": full * batch,
+                         "fixed_s": _fixed(model, engine, requests[:batch], repeats),
                          "vs_limit": reuse / limit, "vs_full_prefill": reuse / (full * batch)})
     engine.close()
     return rows
@@ -131,8 +150,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cachesmith-reuse-") as tmp:
         rows = [r for d in args.dtypes for r in measure(d, args.contexts, args.batches, args.repeats, Path(tmp))]
-    cols = ["dtype", "context_tokens", "batch_size", "full_reuse_s", "limit_s", "vs_limit", "full_prefill_s",
-            "vs_full_prefill"]
+    cols = ["dtype", "context_tokens", "batch_size", "full_reuse_s", "limit_s", "vs_limit", "fixed_s",
+            "full_prefill_s", "vs_full_prefill"]
     emit(rows, args.json, args.out, lambda: print_table(rows, cols))
 
 

@@ -35,14 +35,31 @@ class RotaryEmbedding:
         inv_freq, self.attention_scaling = _inv_freq(hf_config)
         self.inv_freq = inv_freq.to(device)  # [head_dim // 2]
         self.dtype = dtype
+        self._cos = self._sin = None  # [num_positions, 1, head_dim] tables, grown on demand
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in the model dtype."""
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
         return cos[:, None, :], sin[:, None, :]
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in the model dtype.
+
+        Rows of one table computed once (elementwise, so each row is what computing it alone
+        gives): every request of every batch needs them, and computing them costs more than
+        indexing them. Contiguous positions come back as views."""
+        if positions.numel() == 0:
+            return self._tables(positions)
+        needed = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
+            self._cos, self._sin = self._tables(torch.arange(size, device=self.inv_freq.device))
+        first = int(positions[0])
+        if positions.numel() == needed - first and bool((positions.diff() == 1).all()):
+            return self._cos[first:needed], self._sin[first:needed]  # a contiguous run: views
+        return self._cos[positions], self._sin[positions]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
