@@ -145,9 +145,12 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="cachesmith-reuse-") as tmp:
         rows = [r for d in args.dtypes for r in measure(d, args.contexts, args.batches, args.repeats, Path(tmp))]
     cols = ["dtype", "context_tokens", "batch_size", "full_reuse_s", "limit_s", "vs_limit", "fixed_s",
