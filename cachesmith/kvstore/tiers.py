@@ -157,12 +157,40 @@ class MemoryTier(Tier):
             return sorted(self._entries)
 
 
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 class DiskTier(Tier):
     name = "disk"
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.num_swept = self._sweep_temp_files()
+
+    def _sweep_temp_files(self) -> int:
+        """Remove temporary files of writers that died mid-write (`kill -9` during a put): their
+        process is gone, so no rename will ever come. A live writer's file is left alone."""
+        swept = 0
+        for tmp in self.root.glob("*/.*.tmp"):
+            pid = tmp.name.rsplit(".", 3)[-3] if tmp.name.count(".") >= 4 else ""
+            if pid.isdigit() and _is_alive(int(pid)):
+                continue
+            try:
+                tmp.unlink()
+                swept += 1
+            except OSError:
+                pass
+        if swept:
+            log.warning("disk tier: removed %d temporary file(s) left by writers that died mid-write", swept)
+        return swept
 
     def path(self, key: str) -> Path:
         # a valid key is 64 lower-case hex digits, so the path stays under the (resolved) root

@@ -1,6 +1,7 @@
 """The tiered store: read-through with fill, eviction of bad entries, recompute on a miss."""
 from __future__ import annotations
 
+import os
 import dataclasses
 
 import pytest
@@ -89,3 +90,16 @@ def test_keys_and_describe_across_tiers_count_nothing(model, tmp_path):
     assert store.describe(b)[1] == ("memory", "disk")
     assert store.describe("f" * 64) is None
     assert not store.stats.hits and store.stats.misses == 0 and not store.tiers[0].contains(a)
+
+
+def test_temp_files_of_dead_writers_are_swept_on_open(tmp_path):
+    from cachesmith.kvstore.tiers import DiskTier
+
+    (tmp_path / "ab").mkdir()
+    dead = tmp_path / "ab" / f".{'ab' + '0' * 62}.cskv.999999999.deadbeef.tmp"  # no such pid
+    live = tmp_path / "ab" / f".{'ab' + '1' * 62}.cskv.{os.getpid()}.cafef00d.tmp"  # this process
+    kept = tmp_path / "ab" / f"{'ab' + '2' * 62}.cskv"
+    for f in (dead, live, kept):
+        f.write_bytes(b"x")
+    tier = DiskTier(tmp_path)
+    assert tier.num_swept == 1 and not dead.exists() and live.exists() and kept.exists()
