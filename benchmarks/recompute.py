@@ -1,7 +1,7 @@
 """Selective recomputation on the packaged model: speed of every preset, accuracy vs coverage.
 
-Speed: TTFT of each preset at r in {5,15,30,50}% against our full prefill (timed interleaved with
-each plan), at 1K/2K/4K context tokens in 256-512-token chunks, float32 and bfloat16;
+Speed: TTFT of each preset at r in {5,15,30,50}% (or --coverages) against our full prefill (timed
+interleaved with each plan), at 1K/2K/4K context tokens in 256-512-token chunks, float32 and bfloat16;
 `ideal_fraction` = w/L + (1-w/L)(rN+n)/(N+n).
 Accuracy: the multi-needle task (several needles in different chunks, ask for one key) over
 --instances instances, including the kv_dev K / V / K+V study. Accuracy results are cached on disk
@@ -33,7 +33,7 @@ SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]
 
 
 def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int,
-              methods: list[str]) -> list[dict]:
+              methods: list[str], coverages: list[float] = COVERAGES) -> list[dict]:
     rows = []
     for dtype in dtypes:
         pipe = RagPipeline(model_name, "cpu", dtype)
@@ -42,7 +42,7 @@ def run_speed(model_name: str, dtypes: list[str], sizes: list[int], repeats: int
             prefix = pipe.prompt(["x"], "q").prefix_ids
             req, flat = random_request(pipe.model, prefix, n_ctx, random.Random(n_ctx))
             n = len(req.suffix_ids)
-            plans = [("full_reuse", 0.0)] + [(m, r) for m in methods for r in COVERAGES]
+            plans = [("full_reuse", 0.0)] + [(m, r) for m in methods for r in coverages]
             for method, r in tqdm(plans, desc=f"speed {dtype} {n_ctx}", file=sys.stderr):
                 plan = preset(method, r, L)
                 pipe.runner.run([req], plan)  # warm
@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=SELECTIVE, choices=SELECTIVE)
+    ap.add_argument("--coverages", type=float, nargs="+", default=COVERAGES, help="speed part only")
     ap.add_argument("--instances", type=int, default=40)
     ap.add_argument("--accuracy-dtype", default="float32")
     ap.add_argument("--cache", default="results/recompute_accuracy.jsonl")
@@ -155,7 +156,8 @@ def main() -> None:
     ap.add_argument("--plot", default="results/recompute.png", help="PNG path ('' for none)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    speed = run_speed(args.model, args.dtypes, args.sizes, args.repeats, args.methods) if args.part != "accuracy" else []
+    speed = run_speed(args.model, args.dtypes, args.sizes, args.repeats, args.methods,
+                      args.coverages) if args.part != "accuracy" else []
     acc = run_accuracy(args.model, args.accuracy_dtype, args.instances, Path(args.cache)) if args.part != "speed" else []
 
     def tables():

@@ -23,7 +23,11 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # fused kernel; same arithmetic as the float32 upcast path
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # bfloat16 / float16: transformers rounds x * rsqrt(mean(x^2) + eps), computed in float32,
+        # to the model dtype and then multiplies by the weight in the model dtype. F.rms_norm
+        # without a weight does the first step on low-precision input (float32 inside, one
+        # rounding), so no float32 copy of x is made; bit-identical to the upcast path.
+        return F.rms_norm(x, self.weight.shape, eps=self.eps).mul_(self.weight)
 
 
 def causal_by_position_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

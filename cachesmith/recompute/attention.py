@@ -5,7 +5,9 @@ or the softmax probabilities the QCI signal sums.
 
 A single masked call over the full key length does twice the work of a causal pass for rows spread
 over the sequence. `ScatteredAttention` splits the sorted query rows into blocks and gives each
-block only the keys up to its last position, so the work moves toward the causal half.
+block only the keys up to its last position, so the work moves toward the causal half: the key
+tiles past a block's last row are never computed. The CPU flash kernel skips nothing under a mask,
+so that slicing is the tile skipping; on CPU float32 `split_attention` goes further.
 """
 from __future__ import annotations
 
@@ -16,12 +18,21 @@ import torch
 from cachesmith.model.layers import DecoderLayer, causal_by_position_mask
 
 
+# Reduced precision on CPU: at most this many scattered rows per block (docs/decisions.md). The
+# kernel's cost per (row, key) is flat from about 128 rows per call up and climbs below (smaller
+# query tiles), so blocks of 128-256 rows cut the masked keys without paying for small calls.
+ROWS_PER_BLOCK_REDUCED = 256
 
-def default_num_blocks(device: torch.device, dtype: torch.dtype) -> int:
+
+def default_num_blocks(device: torch.device, dtype: torch.dtype, num_scattered: int = 0) -> int:
     """Blocks per request for scattered attention, from measurements on the CPU flash kernel
-    (docs/decisions.md): in float32 four blocks cut the work best; in bfloat16 every extra call
-    costs more than the keys it saves, so one block."""
-    return 4 if device.type == "cpu" and dtype == torch.float32 else 1
+    (docs/decisions.md): in float32 four blocks cut the work best; in bfloat16 / float16 one block
+    per `ROWS_PER_BLOCK_REDUCED` scattered rows (1 for up to 256 rows); elsewhere (CUDA) one."""
+    if device.type != "cpu":
+        return 1
+    if dtype == torch.float32:
+        return 4
+    return max(1, -(-num_scattered // ROWS_PER_BLOCK_REDUCED))
 
 
 class ScatteredAttention:
@@ -29,9 +40,9 @@ class ScatteredAttention:
 
     def __init__(self, q_positions: torch.Tensor, device: torch.device, dtype: torch.dtype,
                  num_suffix: int, num_blocks: int | None = None) -> None:
-        num_blocks = default_num_blocks(device, dtype) if num_blocks is None else num_blocks
         num_q = q_positions.numel()
         num_scattered = num_q - num_suffix
+        num_blocks = default_num_blocks(device, dtype, num_scattered) if num_blocks is None else num_blocks
         groups = min(num_blocks, num_scattered)
         bounds = [num_scattered * g // groups for g in range(groups + 1)] if groups else [0]
         if num_blocks > 1 or not groups:
