@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
+from cachesmith.planner import Profile, ProfileError
 from cachesmith.profiler.synthetic import random_request
 
-__all__ = ["emit", "median", "print_table", "random_request", "timed"]
+__all__ = ["emit", "load_profile", "median", "print_table", "random_request", "timed"]
+
+MEASURED = "smollm2-135m-float32-cpu.json"  # what `cachesmith profile` writes for the packaged model
 
 
 def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
@@ -50,3 +53,21 @@ def emit(payload, as_json: bool, out: str | None, table: Callable[[], None]) -> 
         table()
 
 
+def load_profile(path: Path | None) -> tuple[Profile, str]:
+    """(profile, "given" | "measured" | "packaged") for benchmarks that load no model. An explicit
+    `path` must be usable (else exit naming the fault); by default the measured profile of the
+    packaged model, else the packaged one as shipped (not rescaled: no model runs here to measure
+    this machine's speed). Where it came from goes to stderr, so `--json` output stays JSON."""
+    from cachesmith.model.assets import cachesmith_home
+    from cachesmith.profiler.packaged import PACKAGED_DIR, measured_or_packaged
+
+    own = cachesmith_home() / "profiles" / MEASURED
+    try:
+        profile, source = (Profile.load(path), "given") if path is not None else measured_or_packaged(own)
+    except ProfileError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    where = {"given": f"{path}", "measured": f"{own}",
+             "packaged": f"{PACKAGED_DIR / MEASURED}, as shipped: no usable measured profile at {own} "
+                         f"(run `cachesmith profile` to measure this machine)"}[source]
+    print(f"profile: {source} ({where})", file=sys.stderr, flush=True)
+    return profile, source

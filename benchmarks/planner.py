@@ -1,6 +1,8 @@
 """Planner decision time, cost-model error and the demand table (paper Fig. 2 style).
 
-Reads the profile written by `cachesmith profile` (default path for the model/dtype/device).
+Reads the profile written by `cachesmith profile` (default path for the packaged model, float32,
+CPU); when that is missing or unusable, the packaged profile (as shipped: decision time does not
+depend on this machine's speed, but the cost-model error is then the packaging machine's), and says so.
 decision: --num-batches random batches of 1-16 requests (contexts 256-4096 tokens, QCI entropies
 spread around the threshold), budgets drawn inside each batch's band, plus a few outside it;
 p50/p99 of `Planner.plan` wall time. cost_model_rel_err: the profile's held-out TTFT error (mean;
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from common import emit, load_profile, print_table  # noqa: E402
 
 from cachesmith.planner import Planner, PlanRequest, Profile  # noqa: E402
 from cachesmith.planner.demand import DemandModel  # noqa: E402
@@ -56,16 +58,13 @@ def demand_rows(profile: Profile) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", type=Path, default=None, help="default: the packaged model's profile")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="default: the measured profile of the packaged model, else the packaged one")
     ap.add_argument("--num-batches", type=int, default=500)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="results/planner.json")
     args = ap.parse_args()
-    path = args.profile
-    if path is None:
-        from cachesmith.model.assets import cachesmith_home
-        path = cachesmith_home() / "profiles" / "smollm2-135m-float32-cpu.json"
-    profile = Profile.load(path)
+    profile, source = load_profile(args.profile)
     planner = Planner(profile)
     planner.plan([PlanRequest(1024, 32, 24, 0.5)], 1.0)  # warm caches
     ms = np.array(decision_times(planner, args.num_batches)) * 1e3
@@ -73,12 +72,12 @@ def main() -> None:
                "cost_model_rel_err": profile.fit_error.get("ttft_rel_err_mean"),
                "cost_model_rel_err_max": profile.fit_error.get("ttft_rel_err_max"),
                "entropy_threshold": profile.entropy_threshold, "tier_gbps": profile.tier_gbps,
-               "demand": demand_rows(profile)}
+               "profile_source": source, "demand": demand_rows(profile)}
 
     def table() -> None:
         print(f"planner decision over {args.num_batches} batches of 1-16 requests: "
               f"p50 {payload['decision_ms_p50']:.2f} ms, p99 {payload['decision_ms_p99']:.2f} ms")
-        print(f"cost model TTFT error on held-out shapes: mean {payload['cost_model_rel_err']:.1%}, "
+        print(f"cost model TTFT error on held-out shapes ({source} profile): mean {payload['cost_model_rel_err']:.1%}, "
               f"max {payload['cost_model_rel_err_max']:.1%}")
         print_table(payload["demand"], ["signal", "rank_depth", "median_coverage", "p90_coverage",
                                         "passable_median", "passable_p90", "never_fraction", "num_requests"])

@@ -1,7 +1,8 @@
 """Full reuse through the store against its limit, on the packaged model.
 
-For contexts of 2K and 8K tokens (16 stored chunks each), batches of 1, 4 and 8 requests, float32
-and bfloat16, with the chunk KV on the disk tier (page-cached: read once before timing):
+For contexts of 2K and 8K tokens (2048 and 8000: 8192 plus the suffix would pass the model's 8192
+positions; 16 stored chunks each), batches of 1, 4 and 8 requests, float32 and bfloat16, with the
+chunk KV on the disk tier (page-cached: read once before timing):
 - `full_reuse_s`: staging through the transfer engine plus the runner's full-reuse plan (the
   suffix recomputed over the stitched cache) up to the first tokens: what serving runs;
 - `limit_s`, measured in the same run: the suffix rows' compute (a forward of every request's
@@ -142,7 +143,7 @@ def measure(dtype: str, contexts: list[int], batches: list[int], repeats: int, r
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 8000])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -90,6 +90,8 @@ def main() -> None:
     # in batches of several, and the reuse time per placed row (other families: single requests timed here)
     calib_runs = [run_bench(pipe, c, args.out / c.name) for c in (config_of(*x) for x in CALIBRATION)]
     packaged, source = find_profile(pipe)
+    print(f"profile: {source}" + (" (rescaled to each replay's speed factor)" if source == "packaged" else ""),
+          file=sys.stderr, flush=True)
 
     def profile_of(run) -> Profile:
         """The profile the replay's engine planned with: the packaged one at the run's speed factor."""

@@ -4,7 +4,7 @@
   cachesmith demo [--dtype bfloat16]
   cachesmith ask --doc FILE ... --question TEXT [--method cacheblend --coverage 0.15]
   cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
-  cachesmith profile [--num-requests 200]      (offline, resumable)
+  cachesmith profile [--num-requests 200]      (offline, resumable; --costs-only keeps the packaged demand)
   cachesmith serve [--host 127.0.0.1 --port 8000 --api-key-file F --max-queue 64]
   cachesmith bench --task mix --pattern gamma --cv 3 --slo-scale 1 2 --methods cachesmith cacheblend@0.15
   cachesmith workload card --task pr|msq|vt|mv [--variant V] [--json]
@@ -153,12 +153,17 @@ def _workload_export(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import ChunkStore, StoreConfig
     from cachesmith.pipeline import RagPipeline
-    from cachesmith.profiler.run import ProfileConfig, run_profile
+    from cachesmith.profiler.run import ProfileConfig, run_costs_profile, run_profile
 
     config = ProfileConfig(num_requests=args.num_requests, task=args.task, variant=args.variant,
-                           max_tokens=args.max_tokens, tiers=tuple(args.tiers), redis_url=args.redis_url)
+                           max_tokens=args.max_tokens, num_shapes=args.num_shapes,
+                           plans_per_shape=args.plans_per_shape, tiers=tuple(args.tiers), redis_url=args.redis_url,
+                           quiet_max_busy=args.quiet)
     pipe = RagPipeline(args.model, args.device, args.dtype, store=ChunkStore(StoreConfig(tiers=("memory",))))
-    profile = run_profile(pipe, config, args.out)
+    if args.costs_only:
+        profile = run_costs_profile(pipe, config, args.out, args.demand_from)
+    else:
+        profile = run_profile(pipe, config, args.out)
     print(f"profile for {profile.model_name} ({profile.dtype}, {profile.device}): cost model TTFT error "
           f"mean {profile.fit_error['ttft_rel_err_mean']:.1%}, max {profile.fit_error['ttft_rel_err_max']:.1%}; "
           f"tiers " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in profile.tier_gbps.items())
@@ -367,7 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--num-requests", type=int, default=200, help="profiling requests for demand")
     prof.add_argument("--task", default="pr")
     prof.add_argument("--variant", default=None)
-    prof.add_argument("--max-tokens", type=int, default=4096, help="largest batch in the cost grid")
+    prof.add_argument("--max-tokens", type=int, default=16_384, help="largest batch in the cost grid")
+    prof.add_argument("--num-shapes", type=int, default=36, help="batch shapes in the cost grid")
+    prof.add_argument("--plans-per-shape", type=int, default=6)
+    prof.add_argument("--costs-only", action="store_true",
+                      help="measure costs and bandwidth only; demand and entropy threshold from --demand-from")
+    prof.add_argument("--demand-from", type=Path, default=None,
+                      help="profile to take demand from with --costs-only (default: the packaged one)")
+    prof.add_argument("--quiet", type=float, default=None, metavar="BUSY",
+                      help="on a shared machine: wait before each timed cost run until at most this "
+                           "fraction of all cores is busy (e.g. 0.2)")
     prof.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk", "redis"])
     prof.add_argument("--redis-url", default=None)
     prof.add_argument("--out", type=Path, default=None, help="default $CACHESMITH_HOME/profiles/...")

@@ -156,7 +156,7 @@ class Engine:
                 req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
                 passed, pre.decision.mode, pre.run.plan_label, out.coverage,
                 out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
-                out.num_prompt_tokens, out.num_output_tokens))
+                out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds))
         return results
 
     def _gate(self, req: Request, answer: str) -> bool | None:

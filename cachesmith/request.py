@@ -40,6 +40,7 @@ class RequestResult:
     num_prompt_tokens: int = 0  # prefix + context + suffix
     num_output_tokens: int = 0  # generated (the first token included, end-of-sequence not)
     error_kind: str | None = None  # "invalid" (refused), "internal" (a batch failed), "cancelled"
+    batch_s: float | None = None  # the batch's measured (or simulated) TTFT: staging to its first tokens
 
     @property
     def ttft_s(self) -> float | None:

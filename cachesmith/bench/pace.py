@@ -169,7 +169,7 @@ def trace_batches(records: list[dict], instances: list, profile: Profile) -> lis
         shape = BatchShape(tuple(o.context_tokens for o in os_), tuple(o.suffix_tokens for o in os_),
                            tuple(o.prefix_tokens for o in os_))
         cov = np.array([[r["num_recomputed"] / max(1, r["num_context_tokens"]) for r in batch]])  # [1, R]
-        num_patch = sum(s.kind == "patch" for s in execution_steps(signal, w, p, profile.num_layers))
+        num_patch = sum(s.kind == "patch" and s.places for s in execution_steps(signal, w, p, profile.num_layers))
         placed = num_patch * sum(o.context_tokens + o.prefix_tokens for o in os_)
         num_tokens = int(shape.arrays()[3].sum())
         out.append(TraceBatch(method, family(signal, w, p), len(batch), num_tokens,

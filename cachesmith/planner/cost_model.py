@@ -58,54 +58,79 @@ class Step:
     layer: int
     kind: str  # a key of Profile.layer_costs
     load: str  # "none", "full" (whole layer, issued at start), "prefix", "reused" (after selection)
+    places: bool = False  # the first pass of its layer to read cached KV: rotates every cached row into place
+    selects: bool = False  # the selection (ranking, row loads, Patch row plans) runs just before it
 
 
 def execution_steps(signal: str, warmup: int, probe: int, num_layers: int) -> list[Step]:
-    """The runner's layer passes in order (recompute/runner.py), one `Step` each."""
+    """The runner's layer passes in order (recompute/runner.py), one `Step` each. kv_dev selects
+    inside its scoring pass (`score_patch`); the other signals select between passes, just before
+    the first Patch pass (`selects`). A layer's cached rows are placed (`places`) by the first pass
+    of that layer that reads them: a probe layer's, so QCI's Patch passes over its probe layers
+    (and FusionRAG's over its last layer) place nothing."""
     L, w, p = num_layers, min(warmup, num_layers), probe
     steps = [Step(i, "full", "none") for i in range(w)]
     if w >= L:
         return steps
     if signal == "kv_dev":
-        steps += [Step(i, "full", "full") for i in range(w, w + p)]
+        steps += [Step(i, "full", "full", places=True) for i in range(w, w + p)]
         start = w + p
         if start >= L:
             return steps
-        return steps + [Step(start, "score_patch", "full")] + [Step(i, "patch", "reused") for i in range(start + 1, L)]
+        return steps + [Step(start, "score_patch", "full", places=True)] + [
+            Step(i, "patch", "reused", places=True) for i in range(start + 1, L)]
     if signal == "qci":
-        steps += [Step(i, "qci_probe", "full") for i in range(w, w + p)]
-        return steps + [Step(i, "patch", "none" if i < w + p else "reused") for i in range(w, L)]
+        steps += [Step(i, "qci_probe", "full", places=True) for i in range(w, w + p)]
+        return steps + [Step(i, "patch", "none" if i < w + p else "reused", places=i >= w + p, selects=i == w)
+                        for i in range(w, L)]
     if signal == "qci_last":
-        steps += [Step(i, "query_only", "prefix") for i in range(w, L - 1)] + [Step(L - 1, "qci_probe", "full")]
-        return steps + [Step(i, "patch", "none" if i == L - 1 else "reused") for i in range(w, L)]
-    return steps + [Step(i, "patch", "reused") for i in range(w, L)]  # position
+        steps += [Step(i, "query_only", "prefix") for i in range(w, L - 1)] + [
+            Step(L - 1, "qci_probe", "full", places=True)]
+        return steps + [Step(i, "patch", "none" if i == L - 1 else "reused", places=i < L - 1, selects=i == w)
+                        for i in range(w, L)]
+    return steps + [Step(i, "patch", "reused", places=True, selects=i == w) for i in range(w, L)]  # position
 
 
-def step_features(kind: str, shape: BatchShape, coverages: np.ndarray) -> np.ndarray:
-    """[K, 4] features (1, rows, attention pairs, aux rows) of one pass; coverages is [K, R]. Aux rows
-    are all rows for score_patch (it scores them) and the cached rows for patch (it places them)."""
+NUM_FEATURES = 5  # (1, rows, attention pairs, aux rows, requests): `PhaseCost.coefficients` order
+
+
+def step_features(kind: str, shape: BatchShape, coverages: np.ndarray, places: bool = True) -> np.ndarray:
+    """[K, 5] features (1, rows, attention pairs, aux rows, requests) of one pass; coverages is [K, R].
+    Aux rows: the cached rows a pass places (RoPE to their assembled positions; `Step.places`), and
+    every row for score_patch (it projects and scores them all); requests prices the per-request
+    work of a pass (its attention, RoPE and cache writes run request by request). The "select"
+    kind prices a plan's selection: (1, context rows, 0, 0, requests)."""
     c, q, p, n = shape.arrays()
     K = coverages.shape[0]
+    placed = (c + p).sum() if places else 0.0
     if kind == "full":
-        rows, pairs, aux = n.sum(), (n * n).sum(), 0.0
+        rows, pairs, aux = n.sum(), (n * n).sum(), placed
     elif kind == "qci_probe":
-        rows, pairs, aux = q.sum(), (q * n).sum(), 0.0
+        rows, pairs, aux = q.sum(), (q * n).sum(), placed
     elif kind == "query_only":
         rows, pairs, aux = q.sum(), (q * (q + p)).sum(), 0.0
+    elif kind == "select":
+        rows, pairs, aux = c.sum(), 0.0, 0.0
     else:  # patch / score_patch: the selected context rows and the suffix, over all n keys
         sel = coverages * c + q  # [K, R]
         rows, pairs = sel.sum(1), (sel * n).sum(1)
-        # aux: score_patch scores every row; a patch pass places every cached row (RoPE to its
-        # assembled position, copied into the cache) before the selected ones overwrite theirs
-        aux = n.sum() if kind == "score_patch" else (c + p).sum()
-    out = np.empty((K, 4))
-    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = 1.0, rows, pairs, aux
+        aux = n.sum() if kind == "score_patch" else placed
+    out = np.empty((K, NUM_FEATURES))
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] = 1.0, rows, pairs, aux, len(c)
     return out
 
 
+def overhead_features(shape: BatchShape) -> np.ndarray:
+    """[1, 5] features of the per-batch overhead: (1, all tokens, 0, 0, requests). Staging and
+    assembling scale with the prompt's tokens (cached rows are all but the suffix's few, so they
+    are not a feature of their own here) and with the requests (an entry set, a cache, a sequence
+    each); the placed cached rows are priced in the Patch passes."""
+    n = shape.arrays()[3]
+    return np.array([[1.0, n.sum(), 0.0, 0.0, len(n)]])
+
+
 def phase_seconds(cost: PhaseCost, feats: np.ndarray) -> np.ndarray:
-    coef = np.array([cost.intercept_s, cost.per_row_s, cost.per_pair_s, cost.per_aux_s])
-    return np.maximum(feats @ coef, 0.0)
+    return np.maximum(feats @ np.array(cost.coefficients()), 0.0)
 
 
 class CostModel:
@@ -136,26 +161,36 @@ class CostModel:
         coverages = np.atleast_2d(np.asarray(coverages, float))  # [K, R]
         steps = execution_steps(signal, warmup, probe, self.num_layers)
         K, bw = coverages.shape[0], self.bandwidth_gbps * 1e9
-        kinds = {s.kind for s in steps}
-        compute = {k: phase_seconds(self.profile.layer_costs[k], step_features(k, shape, coverages)) for k in kinds}
+        costs = self.profile.layer_costs
+        compute = {(s.kind, s.places): phase_seconds(costs[s.kind], step_features(s.kind, shape, coverages, s.places))
+                   for s in steps}
         loads = {ld: self.load_bytes(ld, shape, coverages) / bw for ld in {s.load for s in steps}}
-        n = shape.arrays()[3]
-        t = np.full(K, phase_seconds(self.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0])
+        t = np.full(K, self.overhead_seconds(shape))
         link = np.zeros(K)
         selection = None  # when the selection is known: patch row loads are issued then
         ends = np.empty((len(steps), K))
         for j, step in enumerate(steps):
             if step.kind == "patch" and selection is None:
                 selection = t
+            if step.selects:
+                t = t + self.select_seconds(shape)
             if step.load != "none":
                 ready = selection if (step.load == "reused" and selection is not None) else 0.0
                 link = np.maximum(link, ready) + loads[step.load]
                 t = np.maximum(t, link)
-            t = t + compute[step.kind]
+            t = t + compute[(step.kind, step.places)]
             if step.kind == "score_patch":
                 selection = t
             ends[j] = t
         return steps, ends
+
+    def overhead_seconds(self, shape: BatchShape) -> float:
+        return float(phase_seconds(self.profile.overhead, overhead_features(shape))[0])
+
+    def select_seconds(self, shape: BatchShape) -> float:
+        """The selection of a plan that selects between passes (all but kv_dev and full prefill)."""
+        feats = step_features("select", shape, np.zeros((1, shape.num_requests)))
+        return float(phase_seconds(self.profile.layer_costs["select"], feats)[0])
 
     def ttft(self, shape: BatchShape, signal: str, warmup: int, probe: int, coverages) -> np.ndarray:
         """Predicted TTFT [K] for coverage rows [K, R] (or one row [R])."""

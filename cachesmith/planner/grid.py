@@ -39,50 +39,53 @@ def ttft_rows(model: CostModel, shape: BatchShape, signal: str, pairs: tuple[tup
     """TTFT [J, K] for per-request coverage rows cov [K, R]."""
     costs, bw = model.profile.layer_costs, model.bandwidth_gbps * 1e9
 
-    def compute(kind):  # [1, K]
-        return phase_seconds(costs[kind], step_features(kind, shape, cov))[None, :]
+    def compute(kind, places=True):  # [1, K]
+        return phase_seconds(costs[kind], step_features(kind, shape, cov, places))[None, :]
 
     def load(kind):  # [1, K] seconds on the link
         return (model.load_bytes(kind, shape, cov) / bw)[None, :]
 
-    n = shape.arrays()[3]
-    t0 = phase_seconds(model.profile.overhead, np.array([[1.0, n.sum(), 0.0, 0.0]]))[0]
+    t0 = model.overhead_seconds(shape)
     return _walk(model.num_layers, signal, pairs, compute, load, np.full((len(pairs), cov.shape[0]), t0))
 
 
 # per-request terms whose sums over a batch give every feature of a uniform-coverage plan
-TERMS = ("n", "nn", "q", "qn", "qqp", "c", "cn", "p")
+TERMS = ("n", "nn", "q", "qn", "qqp", "c", "cn", "p", "one")
 
 
 def request_terms(context, suffix, prefix) -> np.ndarray:
-    """[R, 8] terms (see TERMS) of R requests given their token counts; a batch's are the sum."""
+    """[R, 9] terms (see TERMS) of R requests given their token counts; a batch's are the sum."""
     c, q, p = (np.atleast_1d(np.asarray(x, float)) for x in (context, suffix, prefix))
     n = c + q + p
-    return np.stack([n, n * n, q, q * n, q * (q + p), c, c * n, p], 1)
+    return np.stack([n, n * n, q, q * n, q * (q + p), c, c * n, p, np.ones_like(n)], 1)
 
 
 def ttft_totals(model: CostModel, signal: str, pairs: tuple[tuple[int, int], ...], coverage,
                 totals: np.ndarray) -> np.ndarray:
-    """TTFT [J, M] of uniform-coverage plans for M batches given by their summed terms [M, 8], at
+    """TTFT [J, M] of uniform-coverage plans for M batches given by their summed terms [M, 9], at
     coverage [M] (or one for all): one batch over a coverage grid, or the scheduler's hundreds of
     candidate batches at one coverage, in one walk."""
-    n, nn, q, qn, qqp, c, cn, p = np.asarray(totals, float).T
+    n, nn, q, qn, qqp, c, cn, p, num = np.asarray(totals, float).T
     r = np.broadcast_to(np.asarray(coverage, float), n.shape)
     costs, per, bw = model.profile.layer_costs, model.profile.kv_bytes_per_token_layer, model.bandwidth_gbps * 1e9
     ones, zeros = np.ones_like(n), np.zeros_like(n)
     sel_rows, sel_pairs = r * c + q, r * cn + qn
-    feats = {"full": (n, nn, zeros), "qci_probe": (q, qn, zeros), "query_only": (q, qqp, zeros),
-             "patch": (sel_rows, sel_pairs, c + p), "score_patch": (sel_rows, sel_pairs, n)}
+    # (rows, attention pairs, aux rows when the pass places the cached rows) per kind; + requests
+    feats = {"full": (n, nn, c + p), "qci_probe": (q, qn, c + p), "query_only": (q, qqp, zeros),
+             "patch": (sel_rows, sel_pairs, c + p), "score_patch": (sel_rows, sel_pairs, n),
+             "select": (c, zeros, zeros)}
     loads = {"full": (c + p) * per, "prefix": p * per, "reused": ((1.0 - r) * c + p) * per}
 
-    def compute(kind):  # [1, M]
+    def compute(kind, places=True):  # [1, M]
         rows, pairs_, aux = feats[kind]
-        return phase_seconds(costs[kind], np.stack([ones, rows, pairs_, aux], 1))[None, :]
+        if not places and kind != "score_patch":
+            aux = zeros
+        return phase_seconds(costs[kind], np.stack([ones, rows, pairs_, aux, num], 1))[None, :]
 
     def load(kind):
         return (loads[kind] / bw)[None, :]
 
-    t0 = phase_seconds(model.profile.overhead, np.stack([ones, n, zeros, zeros], 1))[None, :]
+    t0 = phase_seconds(model.profile.overhead, np.stack([ones, n, zeros, zeros, num], 1))[None, :]
     return _walk(model.num_layers, signal, pairs, compute, load, t0)
 
 
@@ -92,14 +95,14 @@ def _walk(L: int, signal: str, pairs: tuple[tuple[int, int], ...], compute, load
     p = np.array([p[1] for p in pairs], float)[:, None]
     t = t + np.zeros((len(pairs), 1))
     link = np.zeros_like(t)
-    t, link = _run(t, link, w, compute("full"))
-    patch, reused = compute("patch"), load("reused")
-    if signal == "qci":
+    t, link = _run(t, link, w, compute("full", places=False))
+    patch, reused, select = compute("patch"), load("reused"), compute("select")
+    if signal == "qci":  # Patch over the probe layers places nothing (the probe did)
         t, link = _run(t, link, p, compute("qci_probe"), load("full"))
-        selection = t
-        t, link = _run(t, link, p, patch)
+        selection, t = t, t + select
+        t, link = _run(t, link, p, compute("patch", places=False))
         t, link = _run(t, link, L - w - p, patch, reused, selection)
-    elif signal == "kv_dev":
+    elif signal == "kv_dev":  # selects inside its scoring pass
         t, link = _run(t, link, p, compute("full"), load("full"))
         scoring = (w + p < L).astype(float)
         t, link = _run(t, link, scoring, compute("score_patch"), load("full"))
@@ -107,8 +110,10 @@ def _walk(L: int, signal: str, pairs: tuple[tuple[int, int], ...], compute, load
     elif signal == "qci_last":
         t, link = _run(t, link, L - 1 - w, compute("query_only"), load("prefix"))
         t, link = _run(t, link, np.ones_like(w), compute("qci_probe"), load("full"))
-        t, link = _run(t, link, L - 1 - w, patch, reused, t)
-        t, link = _run(t, link, np.ones_like(w), patch)
+        selection, t = t, t + select
+        t, link = _run(t, link, L - 1 - w, patch, reused, selection)
+        t, link = _run(t, link, np.ones_like(w), compute("patch", places=False))
     else:  # position: Patch from w, selection known at once
-        t, link = _run(t, link, L - w, patch, reused, t)
+        selection, t = t, t + select * (L - w > 0)
+        t, link = _run(t, link, L - w, patch, reused, selection)
     return t

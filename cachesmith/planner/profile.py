@@ -1,8 +1,9 @@
 """The profile file: what the planner knows about one (model, dtype, device), measured offline.
 
 In: measurements from `cachesmith.profiler`. Out: a versioned JSON file with the compute cost
-coefficients per layer kind, KV bytes per token per layer, each store tier's read bandwidth, the
-demand distributions (minimum sufficient coverage per signal and rank depth) and the fit error.
+coefficients per layer kind and of the per-batch overhead (each with a per-request term: format 2),
+KV bytes per token per layer, each store tier's read bandwidth, the demand distributions (minimum
+sufficient coverage per signal and rank depth) and the fit error.
 Loading checks the format version, model fingerprint, dtype and device: a profile from elsewhere
 raises `ProfileError` naming the mismatch, never a silently wrong plan.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from cachesmith.errors import InputError
 
-PROFILE_FORMAT = 1
-LAYER_KINDS = ("full", "qci_probe", "query_only", "score_patch", "patch")
+PROFILE_FORMAT = 2  # 2: per-request terms, a "select" cost; costs measured through the staged serving path
+PASS_KINDS = ("full", "qci_probe", "query_only", "score_patch", "patch")  # the runner's layer passes
+LAYER_KINDS = PASS_KINDS + ("select",)  # and the selection between passes (cost_model.Step.selects)
 NEVER = math.inf  # demand of a request that no coverage makes pass
 
 
@@ -26,11 +28,19 @@ class ProfileError(InputError):
 
 @dataclass(frozen=True)
 class PhaseCost:
-    """seconds = intercept + per_row * rows + per_pair * pairs + per_aux * aux_rows (see cost_model)."""
+    """seconds = intercept + per_row * rows + per_pair * pairs + per_aux * aux_rows + per_request *
+    requests: the features of `cost_model.step_features` (a layer pass) and `overhead_features`."""
     intercept_s: float
     per_row_s: float
     per_pair_s: float
     per_aux_s: float = 0.0
+    per_request_s: float = 0.0
+
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return self.intercept_s, self.per_row_s, self.per_pair_s, self.per_aux_s, self.per_request_s
+
+    def scaled(self, factor: float) -> "PhaseCost":
+        return PhaseCost(*(c * factor for c in self.coefficients()))
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,9 @@ class Profile:
     num_layers: int
     kv_bytes_per_token_layer: int  # K + V of one token in one layer
     layer_costs: dict[str, PhaseCost]
-    overhead: PhaseCost  # per batch outside the layer loop: intercept + per_row * all tokens
+    # per batch outside the layer passes (staging, assembling, the first token, waits the link walk
+    # does not predict): intercept + per_row * all tokens + per_request * requests
+    overhead: PhaseCost
     tier_gbps: dict[str, float] = field(default_factory=dict)
     demand: tuple[DemandCurve, ...] = ()
     entropy_threshold: float = 0.5  # H > theta routes a request to kv_dev
@@ -76,24 +88,49 @@ class Profile:
     def load(cls, path: Path, model_fingerprint: str | None = None, dtype: str | None = None,
              device: str | None = None) -> "Profile":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ProfileError(f"profile {path}: cannot be read ({exc})") from exc
-        if not isinstance(data, dict) or data.get("format_version") != PROFILE_FORMAT:
-            found = data.get("format_version") if isinstance(data, dict) else None
-            raise ProfileError(f"profile {path}: format_version {found!r}, this cachesmith reads "
-                               f"{PROFILE_FORMAT}; run `cachesmith profile` again")
+        data = _read(path)
+        _check_fields(path, data)
         try:
             profile = cls(**{**data, "layer_costs": {k: PhaseCost(**v) for k, v in data["layer_costs"].items()},
                              "overhead": PhaseCost(**data["overhead"]),
                              "demand": tuple(DemandCurve(d["signal"], d["rank_depth"], tuple(
                                  NEVER if x is None else float(x) for x in d["demands"])) for d in data["demand"])})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProfileError(f"profile {path}: malformed ({exc})") from exc
+        except ProfileError as exc:
+            raise ProfileError(f"profile {path}: {exc}") from exc
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"profile {path}: malformed ({type(exc).__name__}: {exc})") from exc
         for name, want, have in (("model", model_fingerprint, profile.model_fingerprint),
                                  ("dtype", dtype, profile.dtype), ("device", device, profile.device)):
             if want is not None and want != have:
                 raise ProfileError(f"profile {path} was measured for {name} {have!r}, not {want!r}; "
                                    f"run `cachesmith profile` for this {name}")
         return profile
+
+
+def _read(path: Path) -> dict:
+    """The JSON object in `path`, of this format version."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile {path}: cannot be read ({exc})") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: not valid JSON, truncated or corrupt ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {path}: holds a JSON {type(data).__name__}, not an object")
+    if data.get("format_version") != PROFILE_FORMAT:
+        raise ProfileError(f"profile {path}: format_version {data.get('format_version')!r}, this cachesmith "
+                           f"reads {PROFILE_FORMAT}; run `cachesmith profile` again")
+    return data
+
+
+def _check_fields(path: Path, data: dict) -> None:
+    """Every field without a default present, and no field this version does not know."""
+    known = {f.name: f for f in fields(Profile)}
+    missing = [n for n, f in known.items() if n not in data and f.default is MISSING and f.default_factory is MISSING]
+    unknown = sorted(set(data) - set(known))
+    if missing:
+        raise ProfileError(f"profile {path}: missing field(s) {', '.join(missing)}; run `cachesmith profile` again")
+    if unknown:
+        raise ProfileError(f"profile {path}: unknown field(s) {', '.join(unknown)}; run `cachesmith profile` again")

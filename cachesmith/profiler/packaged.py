@@ -8,16 +8,18 @@ Out: a `Profile` and where it came from.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
-from cachesmith.planner.profile import PhaseCost, Profile, ProfileError
+from cachesmith.planner.profile import Profile, ProfileError
 from cachesmith.profiler.run import default_path
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
+log = logging.getLogger(__name__)
 
 
 def _key(pipe: RagPipeline) -> tuple[str, str, str]:
@@ -25,30 +27,38 @@ def _key(pipe: RagPipeline) -> tuple[str, str, str]:
 
 
 def find_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
-    """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device."""
-    fingerprint, dtype, device = _key(pipe)
+    """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device;
+    the default measured one falls back to the packaged one when it is missing or unusable."""
+    key = _key(pipe)
     if path is not None:
-        return Profile.load(Path(path), fingerprint, dtype, device), "measured"
-    own = default_path(pipe)
+        return Profile.load(Path(path), *key), "measured"
+    return measured_or_packaged(default_path(pipe), key)
+
+
+def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None) -> tuple[Profile, str]:
+    """The profile `cachesmith profile` wrote at `own`, checked against `key` (model fingerprint,
+    dtype, device; None: unchecked), else the packaged one of the same file name. A file that is
+    there but unusable (other format version, model, dtype or device, missing fields, corrupt JSON)
+    is logged, naming the fault, before the fallback; the caller rescales a packaged profile."""
+    problem = f"no measured profile at {own}"
     if own.exists():
-        return Profile.load(own, fingerprint, dtype, device), "measured"
+        try:
+            return Profile.load(own, *(key or ())), "measured"
+        except ProfileError as exc:
+            problem = str(exc)
+            log.warning("%s; falling back to the packaged profile", problem)
     shipped = PACKAGED_DIR / own.name
-    if shipped.exists():
-        return Profile.load(shipped, fingerprint, dtype, device), "packaged"
-    raise ProfileError(f"no profile for {pipe.model.model_dir.name} ({dtype}, {device}) at {own}: "
-                       f"run `cachesmith profile` first")
+    if not shipped.exists():
+        raise ProfileError(f"{problem}, and none is packaged for {own.stem}: run `cachesmith profile` first")
+    return Profile.load(shipped, *(key or ())), "packaged"
 
 
 def rescaled(profile: Profile, factor: float) -> Profile:
     """Every compute cost times `factor` (a slower or faster machine); link bandwidths unchanged."""
     if not factor > 0:
         raise ValueError(f"speed factor {factor} must be positive")
-
-    def scale(c: PhaseCost) -> PhaseCost:
-        return PhaseCost(c.intercept_s * factor, c.per_row_s * factor, c.per_pair_s * factor, c.per_aux_s * factor)
-
-    return replace(profile, layer_costs={k: scale(v) for k, v in profile.layer_costs.items()},
-                   overhead=scale(profile.overhead))
+    return replace(profile, layer_costs={k: v.scaled(factor) for k, v in profile.layer_costs.items()},
+                   overhead=profile.overhead.scaled(factor))
 
 
 def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[float]) -> float:

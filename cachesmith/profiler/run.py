@@ -1,13 +1,20 @@
 """`cachesmith profile`: measure and write the planner's profile for one (model, dtype, device).
 
 In: a `RagPipeline` and `ProfileConfig`. Out: the profile JSON (default
-$CACHESMITH_HOME/profiles/<model>-<dtype>-<device>.json). Each part (costs, bandwidth, demand) is
-saved as it completes and demand answers are cached per evaluation, so a stopped run resumes.
+$CACHESMITH_HOME/profiles/<model>-<dtype>-<device>.json). Each part (bandwidth, costs, validation,
+demand) is saved as it completes, every timed cost run is appended to `<stem>.runs.jsonl` and
+demand answers are cached per evaluation, so a stopped run resumes. The cost runs go through the
+serving path (the transfer engine staging stored chunk KV from a store kept in `<stem>.kv/`).
+`run_costs_profile` measures the costs only and takes the demand distributions and entropy
+threshold from another profile (the packaged one by default): costs depend on the machine, demand
+on the model.
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,10 +24,13 @@ from cachesmith.errors import ConfigError
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import CostModel
-from cachesmith.planner.profile import PhaseCost, Profile
+from cachesmith.planner.profile import NEVER, DemandCurve, PhaseCost, Profile, ProfileError
 from cachesmith.profiler.bandwidth import tier_bandwidth
-from cachesmith.profiler.costs import HELD_OUT, default_shapes, fit_costs, measure, validation_error
+from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
+                                       session_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
+from cachesmith.profiler.quiet import QuietRun
+from cachesmith.recompute import full_prefill
 from cachesmith.workloads.tasks import generate_many, resolve
 
 
@@ -30,17 +40,32 @@ class ProfileConfig:
     task: str = "pr"
     variant: str | None = None
     seed: int = 10_000  # profiling requests are drawn apart from evaluation seeds
-    max_tokens: int = 4096  # largest batch (tokens) in the cost grid
+    max_tokens: int = 16_384  # largest batch (tokens) in the cost grid
+    num_shapes: int = 36  # batch shapes in the cost grid (each runs `plans_per_shape` plans)
+    plans_per_shape: int = 6
+    num_pool_chunks: int = 96  # stored random-token chunks the cost runs' requests draw from
     tiers: tuple[str, ...] = ("memory", "disk")
     redis_url: str | None = None
+    quiet_max_busy: float | None = None  # wait before each timed cost run until the machine is this idle
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ConfigError(f"num_requests={self.num_requests} must be >= 1")
         if self.max_tokens < 256:
             raise ConfigError(f"max_tokens={self.max_tokens} must be >= 256")
+        for name in ("num_shapes", "plans_per_shape", "num_pool_chunks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.quiet_max_busy is not None and not 0 < self.quiet_max_busy <= 1:
+            raise ConfigError(f"quiet_max_busy={self.quiet_max_busy} must be in (0, 1] (a fraction of all cores)")
         if self.task != "mix":
             resolve(self.task, self.variant)  # an unknown task or variant fails now, not after the costs
+
+    def gate(self):
+        """What runs before each timed cost run: a wait for a quiet machine, or nothing."""
+        if self.quiet_max_busy is None:
+            return None
+        return functools.partial(QuietRun, self.quiet_max_busy, max_wait_s=600.0)
 
 
 def default_path(pipe: RagPipeline) -> Path:
@@ -57,42 +82,134 @@ def _part(out: Path, name: str, compute):
     return value
 
 
-def _costs(pipe: RagPipeline, config: ProfileConfig, show_progress: bool) -> dict:
-    runs = measure(pipe.model, default_shapes(config.max_tokens), show_progress=show_progress)
-    costs, overhead = fit_costs(runs)
-    return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead)}
+def _grid_limits(max_tokens: int) -> dict:
+    """Context range and chunk sizes of a grid capped at `max_tokens` a batch (toy sizes in tests)."""
+    hi = min(4096, max_tokens - 80)
+    return {"min_context": min(400, max(32, hi // 2)), "max_context": hi}
 
 
-def _validate(pipe: RagPipeline, profile: Profile, max_tokens: int) -> dict:
-    model = CostModel(profile)
-    shapes = [s for s in HELD_OUT if sum(s) <= max_tokens] or [(max_tokens * 3 // 4,), (max_tokens // 4,) * 2]
+def _bench(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bool) -> TimingBench:
+    limits = _grid_limits(config.max_tokens)
+    return TimingBench(pipe.model, out.with_name(out.stem + ".kv"), config.num_pool_chunks,
+                       chunk_tokens=(min(96, limits["min_context"]), min(512, limits["max_context"])),
+                       show_progress=show_progress)
 
-    def predict(shape, plan):
-        cov = np.full(shape.num_requests, plan.coverage)
-        return float(model.ttft(shape, plan.signal.value, plan.warmup, plan.probe, cov)[0])
 
-    rows = validation_error(pipe.model, predict, shapes=shapes)
+def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, float], bench_of,
+           show_progress: bool) -> dict:
+    specs = default_grid(config.max_tokens, config.num_shapes, config.plans_per_shape,
+                         **_grid_limits(config.max_tokens))
+    start = time.perf_counter()
+    runs = measure(bench_of(), specs, out.with_name(out.stem + ".runs.jsonl"), show_progress=show_progress,
+                   gate=config.gate())
+    model = pipe.model
+    costs, overhead = fit_costs(runs, model.num_layers)
+    fitted = CostModel(Profile("fit", "fit", "fit", "fit", model.num_layers, _kv_bytes(pipe), costs, overhead,
+                               {"fit": max(gbps.values(), default=10.0)}))
+    factors = session_factors(runs, fitted)
+    errs = np.abs(relative_errors([r.scaled(factors[r.session]) for r in runs], fitted))
+    return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead),
+            "grid": {"num_runs": len(runs), "max_tokens": config.max_tokens, "num_shapes": config.num_shapes,
+                     "plans_per_shape": config.plans_per_shape, "measured_s": sum(r.total_s for r in runs),
+                     "wall_s": time.perf_counter() - start, "session_factors": factors,
+                     "fit_median_abs_rel_err": float(np.median(errs)),
+                     "fit_p90_abs_rel_err": float(np.quantile(errs, 0.9))}}
+
+
+def _kv_bytes(pipe: RagPipeline) -> int:
+    cfg = pipe.model.config
+    return 2 * cfg.num_kv_heads * cfg.head_dim * pipe.model.dtype.itemsize
+
+
+def _validate(bench: TimingBench, profile: Profile, config: ProfileConfig) -> dict:
+    """Held-out shapes: the error as measured, and at this session's speed (the profile rescaled by
+    its single-request full prefills, as a packaged profile is served: `packaged.speed_factor`)."""
+    max_tokens = config.max_tokens
+    limits = _grid_limits(max_tokens)
+    shapes = [s for s in HELD_OUT if sum(s) + 80 * len(s) <= max_tokens] or \
+        [(limits["max_context"] * 3 // 4,), (limits["max_context"] // 4,) * 2]
+    rows = validation_error(bench, CostModel(profile), shapes=shapes, gate=config.gate())
     errs = [r["rel_err"] for r in rows]
-    return {"ttft_rel_err_mean": statistics.fmean(errs), "ttft_rel_err_max": max(errs), "rows": rows}
+    full = full_prefill(profile.num_layers).label()
+    single = [r["measured_s"] / r["predicted_s"] for r in rows if r["plan"] == full and len(r["contexts"]) == 1]
+    factor = statistics.median(single) if single else 1.0
+    rescaled = [abs(factor * r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
+    return {"ttft_rel_err_mean": statistics.fmean(errs), "ttft_rel_err_max": max(errs), "speed_factor": factor,
+            "rescaled_ttft_rel_err_mean": statistics.fmean(rescaled), "rescaled_ttft_rel_err_max": max(rescaled),
+            "rows": rows}
+
+
+def _base(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bool) -> tuple[Profile, dict]:
+    """The profile without demand (costs, bandwidth) and its held-out validation."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = pipe.model
+    dtype = str(model.dtype).removeprefix("torch.")
+    benches: list[TimingBench] = []
+
+    def bench_of() -> TimingBench:  # built on first use: a resumed profile may need none
+        if not benches:
+            benches.append(_bench(pipe, config, out, show_progress))
+        return benches[0]
+
+    try:
+        gbps = _part(out, "bandwidth", lambda: tier_bandwidth(model, config.tiers, redis_url=config.redis_url))
+        costs = _part(out, "costs", lambda: _costs(pipe, config, out, gbps, bench_of, show_progress))
+        base = Profile(model.fingerprint, model.model_dir.name, dtype, model.device.type, model.num_layers,
+                       _kv_bytes(pipe), {k: PhaseCost(**v) for k, v in costs["layer_costs"].items()},
+                       PhaseCost(**costs["overhead"]), gbps)
+        validation = _part(out, "validation", lambda: _validate(bench_of(), base, config))
+    finally:
+        for b in benches:
+            b.close()
+    return base, validation
+
+
+def _fit_error(validation: dict) -> dict:
+    return {k: v for k, v in validation.items() if k != "rows"}
 
 
 def run_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None = None,
                 show_progress: bool = True) -> Profile:
     out = Path(out or default_path(pipe))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model = pipe.model
-    dtype = str(model.dtype).removeprefix("torch.")
-    costs = _part(out, "costs", lambda: _costs(pipe, config, show_progress))
-    gbps = _part(out, "bandwidth", lambda: tier_bandwidth(model, config.tiers, redis_url=config.redis_url))
-    cfg = model.config
-    base = Profile(model.fingerprint, model.model_dir.name, dtype, model.device.type, model.num_layers,
-                   2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize,
-                   {k: PhaseCost(**v) for k, v in costs["layer_costs"].items()}, PhaseCost(**costs["overhead"]), gbps)
-    validation = _part(out, "validation", lambda: _validate(pipe, base, config.max_tokens))
+    base, validation = _base(pipe, config, out, show_progress)
     insts = generate_many(config.task, config.num_requests, config.seed, config.variant)
     profiler = DemandProfiler(pipe, out.with_name(out.stem + ".demand.jsonl"))
     curves, theta, _ = profiler.run(insts, show_progress=show_progress)
     profile = Profile(**{**base.__dict__, "demand": curves, "entropy_threshold": theta,
-                         "fit_error": {k: v for k, v in validation.items() if k != "rows"}})
+                         "fit_error": _fit_error(validation)})
     profile.save(out)
     return profile
+
+
+def read_demand(path: Path) -> tuple[tuple[DemandCurve, ...], float]:
+    """(demand curves, entropy threshold) of a profile file of any format version: demand depends
+    on the model, not on how the costs were measured."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        curves = tuple(DemandCurve(d["signal"], int(d["rank_depth"]), tuple(
+            NEVER if x is None else float(x) for x in d["demands"])) for d in data["demand"])
+        return curves, float(data["entropy_threshold"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"profile {path}: no readable demand distributions ({type(exc).__name__}: {exc})") from exc
+
+
+def run_costs_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None = None,
+                      demand_from: Path | None = None, show_progress: bool = True) -> Profile:
+    """Re-measure costs (and bandwidth) only; demand and entropy threshold come from `demand_from`
+    (default: the profile packaged for this model, dtype and device)."""
+    from cachesmith.profiler.packaged import PACKAGED_DIR
+
+    out = Path(out or default_path(pipe))
+    source = Path(demand_from) if demand_from is not None else PACKAGED_DIR / default_path(pipe).name
+    if not source.exists():
+        raise ProfileError(f"no profile at {source} to take the demand distributions from; "
+                           f"run `cachesmith profile` (costs and demand)")
+    curves, theta = read_demand(source)
+    base, validation = _base(pipe, config, out, show_progress)
+    profile = Profile(**{**base.__dict__, "demand": curves, "entropy_threshold": theta,
+                         "fit_error": _fit_error(validation)})
+    profile.save(out)
+    return profile
+
+
+__all__ = ["ProfileConfig", "default_path", "read_demand", "run_costs_profile", "run_profile"]

@@ -189,6 +189,6 @@ class SloAwareScheduler:
 
 
 def _terms(requests: Sequence[QueuedRequest]) -> np.ndarray:
-    """[R, 8] cost-model terms of the requests (`planner.grid.TERMS`)."""
+    """[R, 9] cost-model terms of the requests (`planner.grid.TERMS`)."""
     return request_terms([r.context_tokens for r in requests], [r.suffix_tokens for r in requests],
                          [r.prefix_tokens for r in requests])

@@ -76,7 +76,7 @@ def test_trace_batches_time_each_batch_from_its_start_at_the_coverage_it_ended_w
                        (o1.prefix_tokens, o2.prefix_tokens))
     cov = [[int(0.2 * o1.context_tokens) / o1.context_tokens, 0.0]]
     assert b.predicted_s == pytest.approx(CostModel(profile).ttft(shape, "qci", 1, 1, cov)[0])
-    num_patch = sum(s.kind == "patch" for s in execution_steps("qci", 1, 1, profile.num_layers))
+    num_patch = sum(s.kind == "patch" and s.places for s in execution_steps("qci", 1, 1, profile.num_layers))
     placed = num_patch * sum(o.context_tokens + o.prefix_tokens for o in (o1, o2))
     assert b.reuse_s == pytest.approx(placed * profile.layer_costs["patch"].per_row_s)
 

@@ -193,7 +193,7 @@ def test_the_machine_prices_placed_cached_rows_per_patch_pass():
     shape = BatchShape((900, 400), (30, 20), (10, 0))
     plain = SimExecutor(t, None, CostModel(profile, 1e9), MachinePace({"qci/1/1": 1.5}))
     priced = SimExecutor(t, None, CostModel(profile, 1e9), MachinePace({"qci/1/1": 1.5}, reuse_per_row=0.2))
-    num_patch = sum(s.kind == "patch" for s in execution_steps("qci", 1, 1, 30))
+    num_patch = sum(s.kind == "patch" and s.places for s in execution_steps("qci", 1, 1, 30))
     extra = (priced.machine("qci", 1, 1, 1360)[0].ttft(shape, "qci", 1, 1, [[0.3, 0.3]])[0]
              - plain.machine("qci", 1, 1, 1360)[0].ttft(shape, "qci", 1, 1, [[0.3, 0.3]])[0])
     row_s = 0.2 * profile.layer_costs["patch"].per_row_s  # a fifth of recomputing the row

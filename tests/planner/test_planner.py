@@ -201,12 +201,49 @@ def test_patch_passes_price_every_placed_cached_row_in_the_walk_and_the_grid(sig
     priced = replace(base, layer_costs={**base.layer_costs,
                                         "patch": replace(base.layer_costs["patch"], per_aux_s=2e-6)})
     shape = BatchShape((700, 1500), (24, 40), (16, 0))
-    num_patch = sum(s.kind == "patch" for s in execution_steps(signal, w, p, base.num_layers))
+    # QCI's Patch passes over its probe layers (FusionRAG's over the last) place nothing: the probe did
+    num_patch = sum(s.kind == "patch" and s.places for s in execution_steps(signal, w, p, base.num_layers))
     for r in (0.0, 0.3, 1.0):
         cov = np.array([[r, r]])
         extra = CostModel(priced, 1e9).ttft(shape, signal, w, p, cov)[0] - CostModel(base, 1e9).ttft(shape, signal, w, p, cov)[0]
         assert extra == pytest.approx(2e-6 * num_patch * (700 + 1500 + 16), rel=1e-9)
     slow = CostModel(priced, 0.05)  # with stalls in the walk too
     grid = np.array([0.0, 0.3, 1.0])
+    np.testing.assert_allclose(ttft_grid(slow, shape, signal, ((w, p),), grid)[0],
+                               slow.ttft(shape, signal, w, p, np.repeat(grid[:, None], 2, axis=1)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("signal,w,p,selects,placing", [
+    ("position", 0, 0, True, {"patch": 30}), ("qci", 1, 1, True, {"qci_probe": 1, "patch": 28}),
+    ("kv_dev", 1, 1, False, {"full": 1, "score_patch": 1, "patch": 27}),
+    ("qci_last", 2, 0, True, {"qci_probe": 1, "patch": 27}),
+    ("position", 30, 0, False, {})])
+def test_selection_and_placement_are_priced_where_the_runner_does_them(signal, w, p, selects, placing):
+    """Every plan but kv_dev's (which selects inside its scoring pass) and full prefill pays one
+    selection before its first Patch pass; each layer's cached rows are placed once, by the first
+    pass that reads them (a probe's, or a Patch pass's). The grid prices both as the walk does."""
+    from dataclasses import replace
+
+    from cachesmith.planner.cost_model import execution_steps
+    from cachesmith.planner.grid import ttft_grid
+    from cachesmith.planner.profile import PhaseCost
+
+    base = make_profile()
+    steps = execution_steps(signal, w, p, base.num_layers)
+    assert sum(s.selects for s in steps) == selects
+    counts = {}
+    for s in steps:
+        if s.places:
+            counts[s.kind] = counts.get(s.kind, 0) + 1
+    assert counts == placing
+    shape = BatchShape((700, 1500), (24, 40), (16, 0))
+    cov = np.array([[0.2, 0.2]])
+    costly = replace(base, layer_costs={**base.layer_costs, "select": PhaseCost(0.5, 0.0, 0.0)})
+    gap = (CostModel(costly, 1e9).ttft(shape, signal, w, p, cov) - CostModel(base, 1e9).ttft(shape, signal, w, p, cov))[0]
+    assert gap == pytest.approx((0.5 - CostModel(base).select_seconds(shape)) * selects, abs=1e-12)
+    if signal == "position" and w == 30:
+        return
+    slow = CostModel(costly, 0.05)
+    grid = np.array([0.0, 0.2, 1.0])
     np.testing.assert_allclose(ttft_grid(slow, shape, signal, ((w, p),), grid)[0],
                                slow.ttft(shape, signal, w, p, np.repeat(grid[:, None], 2, axis=1)), rtol=1e-12)

@@ -42,7 +42,7 @@ def test_other_format_version_and_malformed_files(tmp_path):
     with pytest.raises(ProfileError, match="patch"):
         Profile.load(path)
     path.write_text("{")
-    with pytest.raises(ProfileError, match="cannot be read"):
+    with pytest.raises(ProfileError, match="not valid JSON"):
         Profile.load(path)
     with pytest.raises(ProfileError, match="missing.json"):
         Profile.load(tmp_path / "missing.json")

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.real_model
 
 def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
     pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
-    config = ProfileConfig(num_requests=2, max_tokens=256, tiers=("memory",))
+    config = ProfileConfig(num_requests=2, max_tokens=256, num_shapes=3, plans_per_shape=5, num_pool_chunks=8,
+                           tiers=("memory",))
     out = tmp_path / "p.json"
     profile = run_profile(pipe, config, out, show_progress=False)
     loaded = Profile.load(out, pipe.model.fingerprint, "float32", "cpu")
@@ -27,6 +28,7 @@ def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
     assert all(len(c.demands) == 2 for c in loaded.demand)
     for name in ("costs", "bandwidth", "validation"):
         assert (tmp_path / f"p.{name}.json").exists()
+    assert (tmp_path / "p.runs.jsonl").exists() and (tmp_path / "p.kv").is_dir()  # timed runs, their store
     plan = Planner(loaded).plan([PlanRequest(200, 20, 0, 0.5)], 10.0)
     assert plan.predicted_ttft_s <= 10.0
 

@@ -1,0 +1,249 @@
+"""How well the shipped profile prices the real engine: every batch of replays of three MIX traces
+(Poisson, and bursty Gamma CV 2 and CV 3, at one utilization and SLO scale, trace seeds the profile
+never saw), measured batch TTFT (`batch_s`: staging to the first tokens, as serving times it)
+against the profile's prediction for that batch's shape, plan and final coverages, the profile
+rescaled to the replay's measured speed factor exactly as serving does (`profiler.packaged`).
+
+Methods cover the plan families (`bench.pace.family`): CacheSmith (kv_dev/1/1, qci/1/1), the four
+selective presets at 15% (CacheBlend kv_dev/1/0, EPIC position/0/0, ProphetKV qci/0/1, FusionRAG
+qci_last/0/1), full prefill (position/1/0) and full reuse (position/0/0). Target, for every family
+with >= 20 batches: median |relative error| <= 5% and p90 <= 15%.
+
+Replays are cached per (setting, method) under --runs (a stopped run resumes; cached runs are not
+replayed). On a machine shared with other jobs, `--quiet BUSY` makes each batch wait (off the
+replay clock, which is virtual) until at most that fraction of the cores is busy; a batch that
+waited the longest and ran anyway is marked contended, and the table also gives the errors over
+the quiet batches alone. `--machine` refits the simulator's `MachinePace` (per-family paces, reuse
+per placed row, per-batch overhead) on these batches against the new profile: what is left of it
+is the residual the profile does not describe.
+`--json` prints the payload; `--out FILE` writes it (per-batch rows go to <runs>/batches.json).
+`--quick`: a small smoke run (12 requests a trace, three methods) under <runs>/quick.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, print_table  # noqa: E402
+
+from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
+from cachesmith.bench.pace import family, fit_machine, residuals, trace_batches  # noqa: E402
+from cachesmith.bench.setting import instances  # noqa: E402
+from cachesmith.jsonl import load_keyed  # noqa: E402
+from cachesmith.pipeline import RagPipeline  # noqa: E402
+from cachesmith.planner import BatchShape, CostModel  # noqa: E402
+from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.profiler.quiet import QuietRun  # noqa: E402
+from cachesmith.recompute import full_prefill  # noqa: E402
+
+SETTINGS = (("poisson", 1.0, 21), ("gamma", 2.0, 22), ("gamma", 3.0, 23))  # (pattern, CV, trace seed)
+METHODS = ("cachesmith", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15", "full_prefill",
+           "full_reuse")
+QUICK_METHODS = ("cachesmith", "epic@0.15", "full_prefill")
+MIN_BATCHES, TARGET_MEDIAN, TARGET_P90 = 20, 0.05, 0.15
+COLUMNS = ["family", "batches", "median_abs_rel_err", "p90_abs_rel_err", "median_rel_err", "quiet_batches",
+           "quiet_median_abs_rel_err", "quiet_p90_abs_rel_err", "is_within"]
+
+
+def parse_plan(label: str) -> tuple[str, int, int]:
+    """(signal, w, p) of a plan label such as "(kv_dev,1,1,30%)"."""
+    signal, w, p, _ = label.strip("()").split(",")
+    return signal, int(w), int(p)
+
+
+def token_counts(pipe: RagPipeline, config: BenchConfig) -> dict[int, tuple[int, int, int]]:
+    """(context, suffix, prefix) tokens of each request id's prompt."""
+    out = {}
+    for rid, inst in enumerate(instances(config)):
+        if isinstance(inst, str):
+            continue
+        parts = pipe.instance_prompt(inst)
+        out[rid] = (sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), len(parts.prefix_ids))
+    return out
+
+
+def batch_rows(records: list[dict], tokens: dict[int, tuple[int, int, int]], cost: CostModel,
+               setting: str, waits: dict[str, dict]) -> list[dict]:
+    """One row per batch: measured `batch_s` against the cost model's TTFT at the batch's shape,
+    plan and the coverages it ended with (the runtime monitor may have lowered them)."""
+    by_batch: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        if r["error"] is None:
+            by_batch.setdefault((r["method"], r["batch_id"]), []).append(r)
+    rows = []
+    for (method, batch_id), batch in sorted(by_batch.items()):
+        batch.sort(key=lambda r: r["request_id"])
+        counts = [tokens[r["request_id"]] for r in batch]
+        for r, (c, _, _) in zip(batch, counts):
+            if r["num_context_tokens"] != c:
+                raise SystemExit(f"request {r['request_id']}: {r['num_context_tokens']} context tokens served, "
+                                 f"{c} counted: the workload changed since the replay; clear --runs")
+        shape = BatchShape(*(tuple(x) for x in zip(*counts)))
+        signal, w, p = parse_plan(batch[0]["plan"])
+        cov = np.array([[r["num_recomputed"] / max(1, r["num_context_tokens"]) for r in batch]])
+        predicted = float(cost.ttft(shape, signal, w, p, cov)[0])
+        measured = batch[0].get("batch_s")
+        if measured is None:
+            raise SystemExit(f"{setting} {method}: records without batch_s (replayed before it was "
+                             f"recorded); clear --runs")
+        wait = waits.get(f"{method}/{batch_id}", {})
+        rows.append({"setting": setting, "method": method, "batch_id": batch_id, "family": family(signal, w, p),
+                     "plan": batch[0]["plan"], "num_requests": len(batch), "num_tokens": int(sum(map(sum, counts))),
+                     "measured_s": measured, "predicted_s": predicted, "rel_err": predicted / measured - 1,
+                     "is_quiet": wait.get("is_quiet", True), "waited_s": wait.get("waited_s", 0.0)})
+    return rows
+
+
+def summary(rows: list[dict], key: str) -> list[dict]:
+    out = []
+    for name in sorted({r[key] for r in rows}):
+        errs = np.array([r["rel_err"] for r in rows if r[key] == name])
+        quiet = np.array([r["rel_err"] for r in rows if r[key] == name and r["is_quiet"]])
+        med, p90 = float(np.median(np.abs(errs))), float(np.quantile(np.abs(errs), 0.9))
+        out.append({key: name, "batches": len(errs), "median_abs_rel_err": med, "p90_abs_rel_err": p90,
+                    "median_rel_err": float(np.median(errs)), "quiet_batches": len(quiet),
+                    "quiet_median_abs_rel_err": float(np.median(np.abs(quiet))) if quiet.size else float("nan"),
+                    "quiet_p90_abs_rel_err": float(np.quantile(np.abs(quiet), 0.9)) if quiet.size else float("nan"),
+                    "is_within": (med <= TARGET_MEDIAN and p90 <= TARGET_P90) if len(errs) >= MIN_BATCHES else None})
+    return out
+
+
+class QuietLog:
+    """`pipe.batch_guard`: each timed prefill waits for a quiet machine first (`--quiet`) and notes
+    the wait and the other processes' share of the cores during it; `take(n)` hands out the last n
+    notes (the batches of the run just made: the base SLO's single prefills come first)."""
+
+    def __init__(self, max_busy: float | None, max_wait_s: float) -> None:
+        self.max_busy, self.max_wait_s, self.notes = max_busy, max_wait_s, []
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if self.max_busy is None:
+            yield
+            return
+        with QuietRun(self.max_busy, self.max_wait_s) as quiet:
+            yield
+        self.notes.append(quiet.record())
+
+    def take(self, n: int) -> list[dict]:
+        out, self.notes = self.notes[-n:] if n else [], []
+        return out
+
+
+def per_request_s(pipe: RagPipeline, cost: CostModel, method: str) -> float:
+    """Rough wall time per request of a replay of `method`: its single-request TTFT at a mean MIX
+    prompt, plus greedy decoding."""
+    from cachesmith.methods import parse_method
+
+    L, shape = pipe.model.num_layers, BatchShape((1700,), (32,), (25,))
+    meth = parse_method(method)
+    if meth.preset is None:  # CacheSmith: about a (kv_dev, 1, 1, 30%) plan
+        return float(cost.ttft(shape, "kv_dev", 1, 1, np.array([0.3]))[0]) + 0.3
+    plan = meth.plan(L)
+    return float(cost.ttft(shape, plan.signal.value, plan.warmup, plan.probe, np.array([plan.coverage]))[0]) + 0.3
+
+
+def run_path(runs_dir: Path, config: BenchConfig) -> Path:
+    """Where `run_bench` keeps the run of a one-method config."""
+    scale = config.slo_scales[0]
+    return runs_dir / config.name / "runs" / f"{config.digest()}-{config.methods[0].replace('@', '_')}-x{scale:g}.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=56)
+    ap.add_argument("--utilization", type=float, default=0.7)
+    ap.add_argument("--slo-scale", type=float, default=2.0)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--runs", type=Path, default=Path("docs/bench/cost_model"), help="replay runs (cached)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 12 requests a trace, three methods")
+    ap.add_argument("--quiet", type=float, default=None, metavar="BUSY",
+                    help="each batch first waits until at most this fraction of the cores is busy (shared machine)")
+    ap.add_argument("--max-wait", type=float, default=600.0, help="longest quiet wait per batch, seconds")
+    ap.add_argument("--machine", action="store_true", help="refit the simulator's MachinePace on these batches")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="write the JSON payload here")
+    args = ap.parse_args()
+
+    methods = QUICK_METHODS if args.quick else tuple(args.methods.split(","))
+    num_requests = 12 if args.quick else args.num_requests
+    runs_dir = args.runs / "quick" if args.quick else args.runs
+    pipe = RagPipeline()
+    log = QuietLog(args.quiet, args.max_wait)
+    pipe.batch_guard = log
+    packaged, source = find_profile(pipe)
+    print(f"profile: {source}" + (" (rescaled to each replay's speed factor)" if source == "packaged" else ""),
+          file=sys.stderr, flush=True)
+
+    configs = [BenchConfig("mix", None, None, num_requests, pattern, args.utilization, cv, (args.slo_scale,),
+                           (m,), "task", seed) for pattern, cv, seed in SETTINGS for m in methods]
+    cost = CostModel(packaged)
+    left = [c for c in configs if not run_path(runs_dir, c).exists()]
+    est = sum(num_requests * per_request_s(pipe, cost, c.methods[0]) for c in left)
+    est += sum(9 * cost.full_prefill_ttft(BatchShape((1700,), (32,), (25,)))
+               for c in configs if c.methods[0] == methods[0] and not (runs_dir / c.name / "base.json").exists())
+    print(f"{len(configs)} replays ({len(left)} not cached): about {est / 60:.0f} min on the shipped profile, "
+          f"plus waits for a quiet machine", file=sys.stderr, flush=True)
+
+    rows, settings, machine_batches = [], [], []
+    for config in configs:
+        out = runs_dir / config.name
+        waits_path = out / "quiet.jsonl"
+        log.take(0)
+        was_cached = run_path(runs_dir, config).exists()
+        result = run_bench(pipe, config, out, show_progress=not args.json)
+        method = config.methods[0]
+        records = [r for r in result.records if r["method"] == method]
+        done = load_keyed(waits_path)
+        num_batches = len({r["batch_id"] for r in records if r["error"] is None})
+        fresh = log.take(num_batches)
+        if not was_cached and len(fresh) == num_batches and num_batches:
+            with waits_path.open("a", encoding="utf-8") as f:
+                for i, w in enumerate(fresh):
+                    done[f"{method}/{i}"] = {"key": f"{method}/{i}", **w}
+                    f.write(json.dumps(done[f"{method}/{i}"]) + "\n")
+        profile = rescaled(packaged, result.speed_factor) if result.profile_source == "packaged" else packaged
+        tokens = token_counts(pipe, config)
+        rows += batch_rows(records, tokens, CostModel(profile), config.name, done)
+        if method == methods[0]:
+            settings.append({"setting": config.name, "speed_factor": result.speed_factor,
+                             "base_slo_s": result.base_slo_s, "profile_source": result.profile_source})
+        if args.machine:
+            counts = [SimpleNamespace(context_tokens=c, suffix_tokens=q, prefix_tokens=p)
+                      for c, q, p in (tokens[i] for i in range(max(tokens) + 1))]
+            machine_batches += trace_batches(records, counts, profile)
+
+    families, by_method = summary(rows, "family"), summary(rows, "method")
+    payload = {"families": families, "methods": by_method, "settings": settings, "num_requests": num_requests,
+               "utilization": args.utilization, "slo_scale": args.slo_scale, "profile_source": source,
+               "num_batches": len(rows), "num_contended": sum(not r["is_quiet"] for r in rows),
+               "targets": {"min_batches": MIN_BATCHES, "median_abs_rel_err": TARGET_MEDIAN,
+                           "p90_abs_rel_err": TARGET_P90}}
+    if args.machine and machine_batches:
+        fitted = fit_machine(machine_batches)
+        payload["machine"] = {**fitted.to_dict(), "residuals": residuals(machine_batches, fitted)}
+    (runs_dir / "batches.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+    def table() -> None:
+        print_table(families, COLUMNS)
+        print()
+        print_table(by_method, ["method"] + COLUMNS[1:])
+        if "machine" in payload:
+            m = payload["machine"]
+            paces = json.dumps({k: round(v, 3) for k, v in m["paces"].items()})
+            print(f"\nMachinePace on the new profile: paces {paces}, "
+                  f"reuse_per_row {m['reuse_per_row']:.3f}, per_batch {m['per_batch']:.3f}")
+
+    emit(payload, args.json, args.out, table)
+
+
+if __name__ == "__main__":
+    main()

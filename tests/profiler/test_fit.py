@@ -1,0 +1,191 @@
+"""The cost fit on hand-built samples (no model, no timing): per-pass costs with placed cached rows
+and per-request work, and the per-batch overhead (per batch, token, request), recovered
+from runs priced by known coefficients; the profile format that carries them; the costs-only
+profile that keeps the packaged demand."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cachesmith.planner import BatchShape, CostModel, Profile, ProfileError
+from cachesmith.planner.cost_model import overhead_features, phase_seconds
+from cachesmith.planner.profile import PROFILE_FORMAT, PhaseCost
+from cachesmith.profiler import run as run_mod
+from cachesmith.profiler.costs import (ALL, PROFILE_PLANS, RunSpec, RunTiming, _samples, default_grid, fit_costs,
+                                       predicted_ttft, session_factors)
+from cachesmith.profiler.packaged import PACKAGED_DIR
+from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
+from tests.planner.synthetic_profile import make_profile
+
+L, KV_BYTES = 30, 1536
+TRUE_COSTS = {  # (intercept, per row, per pair, per aux row, per request)
+    "full": PhaseCost(1e-3, 3.5e-5, 9e-9, 0.0, 4e-4),
+    "qci_probe": PhaseCost(2e-3, 3e-5, 9e-8, 0.0, 6e-4),
+    "query_only": PhaseCost(1.5e-3, 5e-6, 1.3e-6, 0.0, 3e-4),
+    "score_patch": PhaseCost(3e-3, 3e-5, 1.5e-8, 7e-6, 5e-4),
+    "patch": PhaseCost(3e-3, 3.3e-5, 1.9e-8, 2e-7, 8e-4),
+    "select": PhaseCost(2e-2, 1e-5, 0.0, 0.0, 3e-3),
+}
+TRUE_OVERHEAD = PhaseCost(6e-3, 3.5e-6, 0.0, 0.0, 1.2e-2)
+
+
+def _profile(costs=TRUE_COSTS, overhead=TRUE_OVERHEAD, gbps=1e6) -> Profile:
+    return Profile("fp", "m", "float32", "cpu", L, KV_BYTES, dict(costs), overhead, {"memory": gbps})
+
+
+def _runs(truth: Profile, noise: float = 0.0, seed: int = 0) -> list[RunTiming]:
+    """Runs of the profiling grid priced by `truth`: every pass at its true cost and the TTFT at the
+    cost model's walk (with `noise`: each pass and each TTFT times 1 +- noise, independently)."""
+    rng = np.random.default_rng(seed)
+    cost = CostModel(truth)
+    runs = []
+    for spec in default_grid(16_384, num_shapes=24, plans_per_shape=6):
+        rng_shape = np.random.default_rng(spec.seed)
+        R = len(spec.contexts)
+        shape = BatchShape(spec.contexts, tuple(int(x) for x in rng_shape.integers(16, 49, R)), (24,) * R)
+        selected = tuple(int(c * spec.plan[3] * rng_shape.uniform(0.8, 1.0)) for c in spec.contexts)
+        template = _samples(shape, spec.plan, L, [0.0] * _num_passes(spec.plan), selected)
+        seconds = [float(phase_seconds(truth.layer_costs[s.kind], np.array([s.features]))[0])
+                   * (1 + noise * rng.standard_normal()) for s in template]
+        run = RunTiming(shape, spec.plan, 0.0, sum(seconds), _samples(shape, spec.plan, L, seconds, selected),
+                        0.0, selected)
+        total = predicted_ttft(cost, run)
+        stall = total - predicted_ttft(CostModel(replace(truth, tier_gbps={"fast": 1e9})), run)  # link waits
+        runs.append(replace(run, total_s=total * (1 + noise * rng.standard_normal()), stall_s=stall))
+    return runs
+
+
+def _num_passes(plan) -> int:
+    from cachesmith.planner.cost_model import execution_steps
+    from cachesmith.profiler.costs import plan_config
+
+    cfg = plan_config(plan, L)
+    return len(execution_steps(cfg.signal.value, cfg.warmup, cfg.probe, L))
+
+
+def _close(got: PhaseCost, want: PhaseCost, rel: float, abs_: float = 1e-12) -> None:
+    for g, w in zip(got.coefficients(), want.coefficients()):
+        assert g == pytest.approx(w, rel=rel, abs=abs_), (got, want)
+
+
+def test_fit_recovers_known_pass_and_overhead_coefficients():
+    runs = _runs(_profile())
+    costs, overhead = fit_costs(runs, L)
+    for kind, want in TRUE_COSTS.items():
+        _close(costs[kind], want, 1e-6)
+    _close(overhead, TRUE_OVERHEAD, 1e-6)
+
+
+def test_fit_recovers_the_costs_beside_the_link_waits_a_run_measured():
+    """On a slow link a run waits for KV (its measured stall); the costs are what is left."""
+    slow = _profile(gbps=0.3)
+    runs = _runs(slow)
+    assert sum(r.stall_s > 0.05 * r.total_s for r in runs) > 10
+    costs, overhead = fit_costs(runs, L)
+    for kind, want in TRUE_COSTS.items():
+        _close(costs[kind], want, 1e-6)
+    _close(overhead, TRUE_OVERHEAD, 1e-6)
+
+
+def test_noisy_fit_keeps_the_per_request_and_placed_row_terms():
+    """3% noise on every pass and TTFT: the terms that matter for cheap passes survive (a full pass's
+    per-request term, or the overhead's, is lost in that noise, and matters as little), and TTFTs
+    stay close."""
+    costs, overhead = fit_costs(_runs(_profile(), noise=0.03, seed=1), L)
+    assert costs["patch"].per_request_s == pytest.approx(8e-4, rel=0.15)
+    assert costs["patch"].per_aux_s == pytest.approx(2e-7, rel=0.5)
+    cost, truth = CostModel(_profile(costs, overhead)), CostModel(_profile())
+    errors = np.array([predicted_ttft(cost, run) / predicted_ttft(truth, run) - 1 for run in _runs(_profile(), seed=2)])
+    assert np.median(np.abs(errors)) < 0.02 and np.abs(errors).max() < 0.1
+
+
+def test_sessions_at_other_speeds_are_brought_to_one_before_the_fit():
+    """Half the runs timed by a session 20% slower (the machine drifts between processes): the fit
+    recovers the costs at the runs' geometric-mean speed, and the sessions' factors."""
+    runs = _runs(_profile())
+    runs = [replace(r, session="a") if i % 2 else replace(r.scaled(1 / 1.2), session="b") for i, r in enumerate(runs)]
+    costs, overhead = fit_costs(runs, L)
+    level = math.sqrt(1.2)
+    for kind, want in TRUE_COSTS.items():
+        _close(costs[kind], want.scaled(level), 1e-2, 1e-8)
+    _close(overhead, TRUE_OVERHEAD.scaled(level), 1e-2, 1e-8)
+    factors = session_factors(runs, CostModel(_profile(costs, overhead)))
+    assert factors["b"] / factors["a"] == pytest.approx(1.2, rel=1e-3)
+
+
+def test_per_request_and_overhead_features_are_priced():
+    profile = _profile()
+    cost = CostModel(profile)
+    one, four = BatchShape((4000,), (32,), (24,)), BatchShape((1000,) * 4, (8,) * 4, (6,) * 4)  # same tokens
+    assert overhead_features(four).tolist() == [[1.0, 4056.0, 0.0, 0.0, 4.0]]
+    assert cost.overhead_seconds(four) - cost.overhead_seconds(one) == pytest.approx(3 * 1.2e-2)
+    # a full-prefill pass of four requests pays three more per-request terms (and fewer attention pairs)
+    gap = cost.full_prefill_ttft(four) - cost.full_prefill_ttft(one)
+    pairs = 4 * 1014 ** 2 - 4056 ** 2
+    assert gap == pytest.approx(3 * 1.2e-2 + L * (3 * 4e-4 + 9e-9 * pairs), rel=1e-9)
+
+
+def test_run_record_round_trip():
+    run = _runs(_profile())[5]
+    again = RunTiming.from_record(json.loads(json.dumps(run.to_record("k"))), L)
+    assert again.shape == run.shape and again.plan == run.plan and again.total_s == run.total_s
+    assert [(s.kind, s.seconds) for s in again.samples] == [(s.kind, s.seconds) for s in run.samples]
+    np.testing.assert_allclose([s.features for s in again.samples], [s.features for s in run.samples])
+
+
+def test_default_grid_covers_batch_sizes_and_plans_within_the_token_cap():
+    grid = default_grid(16_384)
+    assert {len(s.contexts) for s in grid} == {1, 2, 3, 4, 6, 8}
+    assert {s.plan for s in grid} == set(PROFILE_PLANS)
+    assert max(sum(s.contexts) + len(s.contexts) * 72 for s in grid) <= 16_384
+    assert all(sum(s.contexts) <= 8192 for s in grid if s.plan[1] >= ALL)  # full prefill: the smaller half
+    assert len({s.key for s in grid}) == len(grid)
+    assert RunSpec((5, 6), ("qci", 1, 1, 0.3), 7).key == "5,6|qci,1,1,0.3|7"
+
+
+def test_format_1_profiles_are_refused_by_name(tmp_path):
+    data = json.loads((PACKAGED_DIR / "smollm2-135m-float32-cpu.json").read_text())
+    data["format_version"] = 1
+    for c in [*data["layer_costs"].values(), data["overhead"]]:
+        c.pop("per_request_s", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=f"format_version 1, this cachesmith reads {PROFILE_FORMAT}"):
+        Profile.load(path)
+    curves, theta = run_mod.read_demand(path)  # demand is still readable from an old file
+    assert curves and 0 < theta < 1
+
+
+def test_costs_only_profile_keeps_the_demand_it_is_given(tmp_path, monkeypatch):
+    source = make_profile()
+    source.save(tmp_path / "demand.json")
+    measured = replace(_profile(), demand=(), entropy_threshold=0.5)
+    monkeypatch.setattr(run_mod, "_base", lambda pipe, config, out, show: (measured, {
+        "ttft_rel_err_mean": 0.04, "ttft_rel_err_max": 0.1, "rows": []}))
+    out = tmp_path / "p.json"
+    config = run_mod.ProfileConfig(num_requests=1)
+    pipe = type("P", (), {"model": None})()
+    profile = run_mod.run_costs_profile(pipe, config, out, demand_from=tmp_path / "demand.json", show_progress=False)
+    assert profile.demand == source.demand and profile.entropy_threshold == source.entropy_threshold
+    assert profile.layer_costs == measured.layer_costs and profile.fit_error == {"ttft_rel_err_mean": 0.04,
+                                                                                   "ttft_rel_err_max": 0.1}
+    assert Profile.load(out) == profile
+    with pytest.raises(ProfileError, match="no profile at"):
+        run_mod.run_costs_profile(pipe, config, out, demand_from=tmp_path / "missing.json")
+
+
+def test_quiet_gate_reads_the_machine_load():
+    busy = cpu_busy(0.05)
+    assert busy is None or 0.0 <= busy <= 1.0
+    wait = wait_for_quiet(max_busy=1.0, window_s=0.05)  # any load is quiet enough
+    assert wait.is_quiet and wait.waited_s < 5
+    late = wait_for_quiet(max_busy=-1.0, window_s=0.05, max_wait_s=0.1)  # never quiet: gives up
+    assert busy is None or (not late.is_quiet and math.isfinite(late.waited_s))
+    with QuietRun(max_busy=1.0, max_other=1.0) as run:  # any neighbour is tolerated
+        sum(i * i for i in range(300_000))
+    assert run.is_quiet and (run.other is None or 0.0 <= run.other <= 1.0)
+    assert set(run.record()) == {"waited_s", "other", "is_quiet"}

@@ -1,0 +1,104 @@
+"""A measured profile that cannot be used (older format, another model/dtype/device, missing fields,
+corrupt JSON) is named in a warning and the packaged profile serves instead, rescaled; never a
+traceback. No model is loaded: a stand-in pipeline carries the packaged model's identity."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cachesmith.planner import Profile, ProfileError
+from cachesmith.planner.profile import PROFILE_FORMAT
+from cachesmith.profiler import packaged
+from cachesmith.profiler.packaged import PACKAGED_DIR, find_profile, measured_or_packaged
+
+SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
+
+
+def _pipe(name: str = "smollm2-135m", dtype=torch.float32):
+    fingerprint = json.loads(SHIPPED.read_text())["model_fingerprint"]
+    model = SimpleNamespace(fingerprint=fingerprint, dtype=dtype, device=torch.device("cpu"), model_dir=Path(name))
+    return SimpleNamespace(model=model)
+
+
+@pytest.fixture
+def own(tmp_path, monkeypatch):
+    """Where `cachesmith profile` would have written this machine's profile (a fresh home)."""
+    monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path / "home"))
+    path = tmp_path / "home" / "profiles" / SHIPPED.name
+    path.parent.mkdir(parents=True)
+    return path
+
+
+def _measured(**changes) -> dict:
+    data = json.loads(SHIPPED.read_text())
+    data["layer_costs"]["full"]["per_row_s"] *= 3  # tell it apart from the packaged one
+    return {**data, **changes}
+
+
+def _without(field: str) -> dict:
+    data = _measured()
+    del data[field]
+    return data
+
+
+@pytest.mark.parametrize("content, fault", [
+    (json.dumps(_measured(format_version=0)), rf"format_version 0, this cachesmith reads {PROFILE_FORMAT}"),
+    (json.dumps(_measured(model_fingerprint="0" * 32)), r"measured for model '0{32}', not '80819fb7"),
+    (json.dumps(_measured(dtype="bfloat16")), r"measured for dtype 'bfloat16', not 'float32'"),
+    (json.dumps(_measured(device="cuda")), r"measured for device 'cuda', not 'cpu'"),
+    (json.dumps(_without("layer_costs")), r"missing field\(s\) layer_costs"),
+    (json.dumps(_without("format_version")), r"format_version None"),
+    (json.dumps(_measured(extra_field=1)), r"unknown field\(s\) extra_field"),
+    (json.dumps(_measured())[:200], r"not valid JSON, truncated or corrupt"),
+    ("[1, 2]", r"holds a JSON list, not an object"),
+], ids=["old_format", "other_model", "other_dtype", "other_device", "missing_field", "no_version",
+        "unknown_field", "truncated_json", "not_an_object"])
+def test_unusable_measured_profile_falls_back_to_packaged(own, caplog, content, fault):
+    own.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+        profile, source = find_profile(_pipe())
+    assert source == "packaged" and profile == Profile.load(SHIPPED)
+    assert str(own) in caplog.text and "falling back to the packaged profile" in caplog.text
+    assert re.search(fault, caplog.text), caplog.text
+
+
+def test_usable_measured_profile_is_used_and_missing_one_is_quietly_packaged(own, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert find_profile(_pipe())[1] == "packaged"  # never profiled: the normal case, no warning
+        own.write_text(json.dumps(_measured()))
+        profile, source = find_profile(_pipe())
+    assert source == "measured" and profile.layer_costs["full"] != Profile.load(SHIPPED).layer_costs["full"]
+    assert caplog.text == ""
+
+
+def test_served_fallback_is_rescaled_to_this_machine(own, monkeypatch):
+    from cachesmith.server.service import serving_profile
+
+    own.write_text(json.dumps(_measured(format_version=0)))
+    monkeypatch.setattr(packaged, "calibrate", lambda pipe, profile: 2.0)  # a machine half as fast
+    profile, source = serving_profile(_pipe())
+    shipped = Profile.load(SHIPPED)
+    assert source == "packaged (speed factor 2.00)"
+    assert profile.layer_costs["full"].per_row_s == pytest.approx(2.0 * shipped.layer_costs["full"].per_row_s)
+
+
+def test_no_usable_profile_and_none_packaged_names_both(tmp_path):
+    own = tmp_path / "tiny-llama-float32-cpu.json"
+    own.write_text("{")
+    with pytest.raises(ProfileError, match=r"not valid JSON.*none is packaged for tiny-llama-float32-cpu"):
+        measured_or_packaged(own)
+    with pytest.raises(ProfileError, match=r"no measured profile at .*none is packaged"):
+        measured_or_packaged(tmp_path / "other.json")
+
+
+def test_explicit_profile_path_must_be_usable(tmp_path):
+    path = tmp_path / "given.json"
+    path.write_text(json.dumps(_measured(format_version=0)))
+    with pytest.raises(ProfileError, match="format_version 0"):
+        find_profile(_pipe(), path)
