@@ -171,11 +171,11 @@ def _profile(args: argparse.Namespace) -> int:
     from cachesmith.planner.demand import DemandModel
 
     demand = DemandModel(profile.demand)
-    print(f"{'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}")
+    print(f"{'task':<6} {'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}")
     for curve in profile.demand:
-        med = demand.quantile(curve.signal, curve.rank_depth, 0.5)
-        p90 = demand.quantile(curve.signal, curve.rank_depth, 0.9)
-        print(f"{curve.signal:<8} {curve.rank_depth:>5} {med:>7.0%} {p90:>6.0%}")
+        med = demand.quantile(curve.signal, curve.rank_depth, 0.5, curve.task)
+        p90 = demand.quantile(curve.signal, curve.rank_depth, 0.9, curve.task)
+        print(f"{curve.task or 'mix':<6} {curve.signal:<8} {curve.rank_depth:>5} {med:>7.0%} {p90:>6.0%}")
     return 0
 
 
@@ -236,7 +236,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer API key")
-    serve.add_argument("--method", default="cachesmith", help="cachesmith, full_prefill, <preset>@<coverage>, ...")
+    serve.add_argument("--method", default="cachesmith+task", help="cachesmith+task (a request naming a profiled task plans with its demand), cachesmith, full_prefill, <preset>@<coverage>, ...")
     serve.add_argument("--served-name", default=None, help="model id clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)

@@ -26,10 +26,28 @@ def _outcomes(args: argparse.Namespace) -> int:
     pipe = RagPipeline(args.model, args.device, args.dtype)
     out = args.out or default_table_path(pipe)
     insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
-    table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"))
+    table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"), is_flips_only=args.flips_only)
     table.save(out)
     print(f"{out}: {len(table.outcomes)} instances")
+    if args.demand_into is not None:
+        _write_demand(table, args.demand_into)
     return 0
+
+
+def _write_demand(table, path: Path) -> None:
+    """The planner's demand curves (served mix and per task) and entropy threshold from `table`,
+    written into the profile at `path` (its costs are kept)."""
+    from dataclasses import replace
+
+    from cachesmith.bench.outcomes import demand_curves
+    from cachesmith.planner import Profile
+
+    profile = Profile.load(path)
+    curves, theta = demand_curves(table)
+    replace(profile, demand=curves, entropy_threshold=theta).save(path)
+    tasks = sorted({c.task for c in curves if c.task})
+    print(f"{path}: demand of {len(table.outcomes)} instances (served mix" + (f"; {', '.join(tasks)}" if tasks else "")
+          + f"), entropy threshold {theta:.3f}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -44,6 +62,9 @@ def _report(args: argparse.Namespace) -> int:
     measured = {}
     if args.validation and args.validation.exists():  # this machine's speed, measured beside the replays
         measured = json.loads(args.validation.read_text(encoding="utf-8"))
+    if args.machine is not None and args.machine.exists():  # the machine refit against this profile
+        measured = {**measured, **json.loads(args.machine.read_text(encoding="utf-8"))}
+        print(f"simulator machine: {args.machine}", file=sys.stderr)
     factor = args.speed_factor if args.speed_factor is not None else measured.get("speed_factor", 1.0)
     grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies))
     rows = args.rows or args.out.parent / "results" / "grid.jsonl"
@@ -60,6 +81,12 @@ def add_parsers(sub, add_model_args) -> None:
     out.add_argument("--task", default="mix")
     out.add_argument("--seed", type=int, default=0)
     out.add_argument("--out", type=Path, default=None, help="default $CACHESMITH_HOME/outcomes/<model>.json")
+    out.add_argument("--demand-into", type=Path, default=None, metavar="PROFILE",
+                     help="also write these instances' demand curves (served mix and per task) into this "
+                          "profile; use seeds disjoint from the outcome tables the grid draws from")
+    out.add_argument("--flips-only", action="store_true",
+                     help="demand instances: full prefill, full reuse and the flips, no baseline presets "
+                          "(the simulator cannot serve static methods from such a table)")
     out.set_defaults(func=_outcomes)
     rep = sub.add_parser("report", help="the paper's grid and ablations on the simulator -> docs/results.md")
     rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)
@@ -67,6 +94,9 @@ def add_parsers(sub, add_model_args) -> None:
     rep.add_argument("--speed-factor", type=float, default=None,
                      help="default: the validation run's (its plan-family paces and reuse cost are used too)")
     rep.add_argument("--validation", type=Path, default=Path("docs/bench/sim_validation.json"))
+    rep.add_argument("--machine", type=Path, default=Path("docs/bench/machine.json"),
+                     help="speed factor and plan-family paces refit against the profile on the recorded "
+                          "replays (benchmarks/machine_refit.py); overrides the validation's")
     rep.add_argument("--rows", type=Path, default=None, help="grid rows JSONL (resumable cache)")
     rep.add_argument("--out", type=Path, default=Path("docs/results.md"))
     rep.add_argument("--num-requests", type=int, default=200)

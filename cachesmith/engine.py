@@ -74,8 +74,8 @@ class Engine:
         self.pipeline = pipeline
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
-        planner_config = config.planner if self.method.signal is None else replace(config.planner,
-                                                                                   signal=self.method.signal)
+        planner_config = replace(config.planner, signal=self.method.signal or config.planner.signal,
+                                 signal_rule=self.method.signal_rule, use_task_hint=self.method.use_task_hint)
         self.planner = Planner(profile, planner_config)
         self.planner.warm_up()
         self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, profile.num_layers)

@@ -146,8 +146,8 @@ class BatchExecutor:
         shape = batch_shape([a.queued for a in batch])
 
         def replan(entropies, staged, hooks: HookChain, start: float):
-            reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e)
-                    for a, e in zip(batch, entropies)]
+            reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e,
+                                a.request.instance.task) for a, e in zip(batch, entropies)]
             plan = planner.plan(reqs, decision.budget_s)
             config = plan.recompute_config()
             staged.set_plan(config)

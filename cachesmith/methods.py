@@ -3,8 +3,11 @@ preset served first-come-first-served, optionally queue-aware.
 
 Names: `cachesmith`, `full_prefill`, `full_reuse`, `<preset>@<coverage>` (e.g. `cacheblend@0.15`),
 and a `+qa` suffix for the queue-aware FCFS baseline (`epic@0.3+qa`: requests past saving go to
-full reuse). The ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to
-`kv_dev` or `qci`), `planner:<preset>@<coverage>` (the planner alone: arrival-order batches under
+full reuse). `cachesmith+task` plans each batch whose requests all name one task with that task's
+demand curves (the request's `task` as a hint; plain `cachesmith` is hint-free, the paper's
+setting). The ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to
+`kv_dev` or `qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
+`planner:<preset>@<coverage>` (the planner alone: arrival-order batches under
 the preset's own TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
 (arrival-order batches under budgets from the queue's deadlines). In: a name. Out: a `Method` and
 the scheduler that serves it.
@@ -33,6 +36,8 @@ class Method:
     is_queue_aware: bool = False
     signal: str | None = None  # the planner's selection signal, fixed (None: chosen per batch)
     scheduling: str = "slo_aware"  # "slo_aware", "fcfs" (static), "fcfs_planned" or "fcfs_slo"
+    signal_rule: str = "passes"  # how the planner chooses the signal when it is not fixed
+    use_task_hint: bool = False  # plan with the demand of the task the batch's requests name
 
     @property
     def is_static(self) -> bool:
@@ -55,13 +60,16 @@ def parse_method(name: str) -> Method:
     is_qa = text.endswith("+qa")
     base = text.removesuffix("+qa")
     kind, colon, arg = base.partition(":")
-    if kind in ("cachesmith", "planner", "planner+slo") and is_qa:
+    if kind in ("cachesmith", "cachesmith+task", "planner", "planner+slo") and is_qa:
         raise ConfigError(f"method {name!r}: CacheSmith's scheduler is queue-aware already (no +qa)")
     if kind in ("planner", "planner+slo") and not colon:
         raise ConfigError(f"method {name!r}: needs ':<preset>@<coverage>' (planner) or ':<signal>' "
                           f"(planner+slo), e.g. planner:cacheblend@0.15")
-    if kind == "cachesmith":
-        return Method(text, signal=_signal(text, arg) if colon else None)
+    if kind == "cachesmith" or kind == "cachesmith+task":
+        hint = kind == "cachesmith+task"
+        if arg == "entropy":
+            return Method(text, signal_rule="entropy", use_task_hint=hint)
+        return Method(text, signal=_signal(text, arg) if colon else None, use_task_hint=hint)
     if kind == "planner+slo":
         return Method(text, signal=_signal(text, arg), scheduling="fcfs_slo")
     if kind == "planner":

@@ -130,3 +130,18 @@ def test_live_clock_serves_arrivals_in_real_time(pipe, profile):
     assert all(r.error is None and r.is_on_time for r in results)
     assert results[1].first_token_s >= 0.3 and results[1].batch_id == 1  # it arrived after batch 0 began
     assert eng.clock.now() >= results[1].first_token_s
+
+
+def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
+    """A profile that promises a machine 1000x faster than this one: the monitor joins the layer
+    hooks of the real runner, sees each planned batch run late, lowers the coverage of the layers
+    still to run, and the planner learns the pace (measured / predicted) for the next plans."""
+    from cachesmith.profiler.packaged import rescaled
+
+    eng = Engine(pipe, rescaled(profile, 1e-3), EngineConfig("cachesmith:kv_dev", "replay"))
+    results = eng.run([Request(i, instance(i), 0.01, 10.0 * i) for i in range(2)])  # 10 ms: a budget it overruns
+    assert all(r.error is None and r.mode == "planned" for r in results)
+    assert eng.stats.num_monitor_replans >= 1
+    lowered = [r for r in results if r.num_recomputed < math.floor(r.coverage * r.num_context_tokens)]
+    assert lowered, [(r.coverage, r.num_recomputed, r.num_context_tokens) for r in results]
+    assert eng.planner.correction["kv_dev"] > 1.0  # learned: this machine is slower than promised

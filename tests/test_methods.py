@@ -58,3 +58,14 @@ def test_ablation_names_parse_to_their_schedulers_and_signals():
 def test_bad_ablation_names_are_named(name, match):
     with pytest.raises(ConfigError, match=match):
         parse_method(name)
+
+
+def test_task_hint_and_entropy_rule_names():
+    hinted = parse_method("cachesmith+task")
+    assert (hinted.use_task_hint, hinted.signal, hinted.signal_rule) == (True, None, "passes")
+    assert parse_method("cachesmith").use_task_hint is False  # hint-free is the paper's setting
+    entropy = parse_method("cachesmith:entropy")
+    assert (entropy.signal_rule, entropy.signal, entropy.use_task_hint) == ("entropy", None, False)
+    assert parse_method("cachesmith+task:kv_dev").signal == "kv_dev"
+    with pytest.raises(ConfigError, match="queue-aware already"):
+        parse_method("cachesmith+task+qa")

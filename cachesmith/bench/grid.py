@@ -37,7 +37,10 @@ ARRIVALS = (("poisson", 1.0, 0.5), ("poisson", 1.0, 0.7), ("poisson", 1.0, 0.9),
 SLO_SCALES = (1.0, 2.0, 3.0, 4.0)
 COMPONENTS = ("cacheblend@0.15", "planner:cacheblend@0.15", "planner+slo:kv_dev", "cachesmith:kv_dev",
               "prophetkv@0.15", "planner:prophetkv@0.15", "planner+slo:qci", "cachesmith:qci")
-SIGNAL_VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci")
+SIGNAL_VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy", "cachesmith+task")
+# beside the default methods in every grid setting: the task hint, and the ablations the default
+# must not trail (each fixed signal) or that it replaced (the paper's entropy rule)
+GRID_VARIANTS = ("cachesmith+task", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy")
 BAND_FLOORS = (0.02, 0.05, 0.10)
 BAND_SATURATIONS = (0.30, 0.50, 0.75)
 BANDWIDTHS = (10.0, 6.0, 3.0, 1.0, 0.6, 0.3)  # GB/s: the paper's rungs, then the same / 10
@@ -69,7 +72,7 @@ class GridConfig:
     seed: int = 0
     max_batch_size: int = 8
     studies: tuple[str, ...] = ("grid", "components", "signals", "band", "bandwidth")
-    methods: tuple[str, ...] = field(default_factory=lambda: tuple(default_methods()))
+    methods: tuple[str, ...] = field(default_factory=lambda: tuple(default_methods()) + GRID_VARIANTS)
     tasks: tuple[str, ...] = TASKS
     arrivals: tuple[tuple[str, float, float], ...] = ARRIVALS
     slo_scales: tuple[float, ...] = SLO_SCALES
@@ -106,7 +109,7 @@ def runs(config: GridConfig) -> Iterator[Run]:
     if "bandwidth" in s:
         for task in ("pr", "vt", "mix"):
             for gbps in config.bandwidths:
-                yield from (Run("bandwidth", task, *poisson, 2.0, m, gbps) for m in config.methods)
+                yield from (Run("bandwidth", task, *poisson, 2.0, m, gbps) for m in config.methods if m not in GRID_VARIANTS)
 
 
 def run_one(table: OutcomeTable, profile: Profile, config: GridConfig, run: Run, base_s: float,

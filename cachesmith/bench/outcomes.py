@@ -21,10 +21,14 @@ from cachesmith.errors import InputError
 from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
-from cachesmith.profiler.demand import GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths
+from cachesmith.planner.profile import NEVER, DemandCurve
+from cachesmith.profiler.demand import GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
+
+
+SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (scores at layer w = 1)
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,15 @@ class OutcomeMeasurer:
             lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
         return Flip(low, high, hi / GRID_STEPS)
 
-    def measure(self, inst: WorkloadInstance, seed: int) -> Outcome:
+    def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
+        """`is_flips_only`: full prefill, full reuse, the flips and CacheBlend's presets (the
+        planner's rank depth 1), not the other presets: enough for demand curves, not for the
+        simulator's static methods."""
         parts = self.pipe.instance_prompt(inst)
-        plans = {p.label(): self._passes(inst, p, p.label()) for p in fixed_plans(self.num_layers)}
+        plans = fixed_plans(self.num_layers)
+        if is_flips_only:
+            plans = [p for p in plans if p.coverage in (0.0, 1.0) or (p.signal.value, p.warmup, p.probe) == SHALLOW]
+        plans = {p.label(): self._passes(inst, p, p.label()) for p in plans}
         high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
         flips = {f"{s}/{d}": self.flip(inst, s, d, high) for s in SIGNALS for d in anchor_depths(self.num_layers)}
         return Outcome(instance_digest(inst), inst.task, seed, len(parts.prefix_ids),
@@ -173,6 +183,56 @@ class OutcomeTable:
             raise InputError(f"outcome table {path}: cannot be read ({exc})") from exc
 
 
+def demand(o: Outcome, key: str) -> float:
+    """`o`'s minimum sufficient coverage at "signal/depth": NEVER where full prefill fails (as the
+    demand profiler counts it), 0 where full reuse's side passes already."""
+    flip = o.flips[key]
+    if not flip.high:
+        return NEVER
+    return 0.0 if flip.low else flip.at
+
+
+def shallow_demand(o: Outcome, num_layers: int) -> float | None:
+    """`o`'s demand under (kv_dev, 1, 0) from its measured preset coverages, as the simulator judges
+    that plan (`OutcomeTable.passes`: the closest measured coverage at or below, full reuse's verdict
+    below them all, full prefill's at 100%): 0 where full reuse passes, else the first measured
+    coverage that passes, else 100%; NEVER where full prefill fails. None where the presets were
+    not measured (a flips-only instance)."""
+    points = o.static.get(SHALLOW)
+    if not points:
+        return None
+    if not o.plans[preset("full_prefill", 1.0, num_layers).label()]:
+        return NEVER
+    reuse = o.plans[preset("full_reuse", 0.0, num_layers).label()]
+    return next((c for c, v in [(0.0, reuse)] + points if v), 1.0)
+
+
+def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
+    """(demand curves, entropy threshold) from measured outcomes: per (signal, anchor depth), every
+    instance's demand (the served mix's curve) and, where the table holds several tasks, each
+    task's own; kv_dev at rank depth 1 is CacheBlend's (1, 0), from the instances whose presets
+    were measured. The threshold of the `entropy` ablation is fit on the same instances. The
+    verdicts read the whole answer, as the serving gate does."""
+    if not table.outcomes:
+        raise InputError("the outcome table holds no instance to take demand from")
+    keys = sorted(table.outcomes[0].flips, key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
+    tasks = sorted({o.task for o in table.outcomes})
+    groups = [(None, table.outcomes)] + ([(t, [o for o in table.outcomes if o.task == t]) for t in tasks]
+                                         if len(tasks) > 1 else [])
+    curves = []
+    for task, outs in groups:
+        shallow = [d for d in (shallow_demand(o, table.num_layers) for o in outs) if d is not None]
+        if shallow:  # rank depth 1 of kv_dev: CacheBlend's (1, 0)
+            curves.append(DemandCurve(SHALLOW[0], 1, tuple(shallow), task))
+        for key in keys:
+            signal, depth = key.split("/")
+            curves.append(DemandCurve(signal, int(depth), tuple(demand(o, key) for o in outs), task))
+    mid = anchor_depths(table.num_layers)[len(anchor_depths(table.num_layers)) // 2]
+    theta = fit_threshold([o.entropy for o in table.outcomes], [demand(o, f"kv_dev/{mid}") for o in table.outcomes],
+                          [demand(o, f"qci/{mid}") for o in table.outcomes])
+    return tuple(curves), theta
+
+
 def default_table_path(pipe: RagPipeline) -> Path:
     """Where `cachesmith outcomes` keeps this model's table (its verdict cache sits beside it)."""
     dtype = str(pipe.model.dtype).removeprefix("torch.")
@@ -180,9 +240,9 @@ def default_table_path(pipe: RagPipeline) -> Path:
 
 
 def measure_table(pipe: RagPipeline, instances: list[tuple[int, WorkloadInstance]], cache_path: Path,
-                  show_progress: bool = True) -> OutcomeTable:
+                  show_progress: bool = True, is_flips_only: bool = False) -> OutcomeTable:
     """The table of `(seed, instance)` pairs; resumes from `cache_path`'s verdicts."""
     measurer = OutcomeMeasurer(pipe, cache_path)
-    outcomes = [measurer.measure(inst, seed) for seed, inst in
+    outcomes = [measurer.measure(inst, seed, is_flips_only) for seed, inst in
                 tqdm(instances, desc="outcome tables", unit="inst", disable=not show_progress)]
     return OutcomeTable(pipe.model.model_dir.name, pipe.model.num_layers, pipe.model.config.max_positions, outcomes)

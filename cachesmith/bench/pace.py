@@ -196,10 +196,12 @@ def _fitted_keys(batches: list[TraceBatch]) -> list[str]:
     return keys
 
 
-def fit_machine(batches: list[TraceBatch], isolated: dict[str, float] | None = None) -> MachinePace:
+def fit_machine(batches: list[TraceBatch], isolated: dict[str, float] | None = None,
+                is_paces_only: bool = False) -> MachinePace:
     """Each family's pace (and its size classes' where `MIN_BATCHES` batches of that size ran) and
-    one reuse cost per placed row and one per-batch overhead, fit to `batches` by relative least
-    squares (non-negative).
+    one reuse cost per placed row and one per-batch overhead (none with `is_paces_only`: for a
+    profile that prices placed rows and the batch overhead itself), fit to `batches` by relative
+    least squares (non-negative).
     Families the trace ran too rarely are left out of the fit; families it never ran take their
     `isolated` pace times the median fitted/isolated ratio (a trace runs at its own level)."""
     keys = _fitted_keys(batches)
@@ -212,6 +214,8 @@ def fit_machine(batches: list[TraceBatch], isolated: dict[str, float] | None = N
     for i, b in enumerate(used):
         x[i, keys.index(key_of(b))] = b.predicted_s
         x[i, -2:] = b.reuse_s, b.batch_s
+    if is_paces_only:
+        x[:, -2:] = 0.0  # their coefficients come out 0: the columns explain nothing
     coef = fit_relative(x, np.array([b.measured_s for b in used])) if used else np.zeros(2)
     fitted = {k: float(c) for k, c in zip(keys, coef) if c > 0}
     common = [fitted[k] / isolated[k] for k in fitted if isolated and k in isolated]

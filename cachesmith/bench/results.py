@@ -50,19 +50,41 @@ def best_static_configs(rows: list[dict]) -> dict[tuple, str]:
     return out
 
 
-def comparisons(rows: list[dict]) -> list[dict]:
-    """Per grid setting: CacheSmith, BestStatic (its config), Full Prefill and the static band."""
+def comparisons(rows: list[dict], method: str = "cachesmith") -> list[dict]:
+    """Per grid setting: `method` (under the key "cachesmith"; default CacheSmith, or one of its
+    variants), BestStatic (its config), Full Prefill and the static band."""
     best = best_static_configs(rows)
     out = []
     for (task, arr, scale), methods in settings(rows).items():
-        if "cachesmith" not in methods or (arr, scale) not in best:
+        if method not in methods or (arr, scale) not in best:
             continue
         static = [r["qsa"] for m, r in methods.items() if parse_method(m).is_static]
         config = best[(arr, scale)]
-        out.append({"task": task, "arrival": arr, "slo_scale": scale, "cachesmith": methods["cachesmith"]["qsa"],
+        out.append({"task": task, "arrival": arr, "slo_scale": scale, "cachesmith": methods[method]["qsa"],
                     "best_static": methods[config]["qsa"], "best_static_config": config,
                     "full_prefill": methods["full_prefill"]["qsa"], "band_min": min(static), "band_max": max(static)})
     return out
+
+
+def variant_lines(rows: list[dict]) -> list[list[str]]:
+    """Per CacheSmith variant in the grid: wins over BestStatic and at-or-above Full Prefill on the
+    four tasks' 96 settings, the fewest wins of one task, and the most it trails the better of the
+    two fixed-signal variants in one setting (points)."""
+    by = settings(rows)
+    variants = sorted({m for ms in by.values() for m in ms if m.startswith("cachesmith")})
+    lines = []
+    for v in variants:
+        four = [c for c in comparisons(rows, v) if c["task"] in FOUR_TASKS]
+        wins = win_summary(four, "best_static")
+        at_fp = sum(c["cachesmith"] >= c["full_prefill"] - 1e-9 for c in four)
+        per_task = {t: sum(c["cachesmith"] > c["best_static"] + 1e-9 for c in four if c["task"] == t) for t in FOUR_TASKS}
+        trails = [max(ms["cachesmith:kv_dev"]["qsa"], ms["cachesmith:qci"]["qsa"]) - ms[v]["qsa"]
+                  for (task, _, _), ms in by.items() if task in FOUR_TASKS and v in ms
+                  and {"cachesmith:kv_dev", "cachesmith:qci"} <= set(ms)]
+        lines.append([f"`{v}`", f"{wins['num_wins']}/{wins['num_settings']}", f"{at_fp}/{len(four)}",
+                      ", ".join(f"{TASK_NAMES[t]} {n}" for t, n in per_task.items()),
+                      f"{100 * max(trails):+.1f}" if trails else "-"])
+    return lines
 
 
 def win_summary(comps: list[dict], against: str) -> dict:

@@ -68,7 +68,7 @@ class SimExecutor:
             final, plan, replans = coverages, None, 0
         else:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
-                                a.request.instance.entropy) for a in batch]
+                                a.request.instance.entropy, a.request.instance.task) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
             seconds, stall, final, replans = self._monitored(plan, shape)

@@ -1,10 +1,11 @@
 """Demand distributions as pass probabilities (paper §5.1, Fig. 7).
 
 In: the profile's `DemandCurve`s: each profiling request's minimum sufficient coverage, per signal,
-at anchor rank depths (5%, 20%, 50% of the layers, p = 1). Out: P(pass | signal, rank depth,
-coverage) = the fraction of profiled requests whose demand is at most that coverage, linearly
-interpolated between anchor depths and clamped outside them. The planner compares candidate rank
-depths with it; it need not predict any one request's demand.
+at anchor rank depths (5%, 20%, 50% of the layers, p = 1), over the served mix and, optionally,
+per task. Out: P(pass | signal, rank depth, coverage[, task]) = the fraction of profiled requests
+whose demand is at most that coverage, linearly interpolated between anchor depths and clamped
+outside them. A task the profile has no curves for reads the served mix's. The planner compares
+candidate rank depths and signals with it; it need not predict any one request's demand.
 """
 from __future__ import annotations
 
@@ -17,30 +18,47 @@ COVERAGE_GRID = np.round(np.arange(0, 21) * 0.05, 2)  # the 5% grid demands are 
 
 class DemandModel:
     def __init__(self, curves: tuple[DemandCurve, ...]) -> None:
-        self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        by_signal: dict[str, list[DemandCurve]] = {}
+        # (task or None for the served mix, signal) -> (anchor depths [A], cdf [A, 21])
+        self._tables: dict[tuple[str | None, str], tuple[np.ndarray, np.ndarray]] = {}
+        groups: dict[tuple[str | None, str], list[DemandCurve]] = {}
         for curve in curves:
             if not curve.demands:
                 raise ProfileError(f"demand curve {curve.signal}@{curve.rank_depth} holds no requests")
-            by_signal.setdefault(curve.signal, []).append(curve)
-        for signal, group in by_signal.items():
+            groups.setdefault((curve.task, curve.signal), []).append(curve)
+        if groups and not any(task is None for task, _ in groups):
+            raise ProfileError("the profile's demand curves are all per task; it needs the served mix's too")
+        for key, group in groups.items():
             group.sort(key=lambda cv: cv.rank_depth)
             depths = np.array([cv.rank_depth for cv in group], float)
             # cdf[a, g]: fraction of requests passing at COVERAGE_GRID[g] with anchor depth a
             cdf = np.stack([(np.asarray(cv.demands)[None, :] <= COVERAGE_GRID[:, None] + 1e-9).mean(1)
                             for cv in group])
-            self._tables[signal] = (depths, cdf)
+            self._tables[key] = (depths, cdf)
 
     @property
     def signals(self) -> list[str]:
-        return sorted(self._tables)
+        """The signals the served mix's curves describe."""
+        return sorted(s for task, s in self._tables if task is None)
 
-    def cdf(self, signal: str, rank_depth: float) -> np.ndarray:
-        """Pass probability on COVERAGE_GRID [21] at `rank_depth`."""
-        if signal not in self._tables:
+    @property
+    def tasks(self) -> list[str]:
+        """The tasks with curves of their own."""
+        return sorted({task for task, _ in self._tables if task is not None})
+
+    def anchors(self, signal: str) -> list[int]:
+        """The served mix's anchor rank depths of `signal`."""
+        return [int(d) for d in self._tables[(None, signal)][0]] if (None, signal) in self._tables else []
+
+    def cdf(self, signal: str, rank_depth: float, task: str | None = None) -> np.ndarray:
+        """Pass probability on COVERAGE_GRID [21] at `rank_depth` (`task`'s own curves if any, and
+        if they reach that shallow: rank depth 1 is another plan family, never extrapolated)."""
+        key = (task, signal) if (task, signal) in self._tables else (None, signal)
+        if key[0] is not None and rank_depth < self._tables[key][0][0] and (None, signal) in self._tables:
+            key = (None, signal)
+        if key not in self._tables:
             raise ProfileError(f"the profile has no demand distribution for signal {signal!r}; "
                                f"it has {', '.join(self.signals) or 'none'}")
-        depths, cdf = self._tables[signal]
+        depths, cdf = self._tables[key]
         if rank_depth <= depths[0]:
             return cdf[0]
         if rank_depth >= depths[-1]:
@@ -49,14 +67,14 @@ class DemandModel:
         f = (rank_depth - depths[hi - 1]) / (depths[hi] - depths[hi - 1])
         return (1 - f) * cdf[hi - 1] + f * cdf[hi]
 
-    def pass_probability(self, signal: str, rank_depth: float, coverages) -> np.ndarray:
+    def pass_probability(self, signal: str, rank_depth: float, coverages, task: str | None = None) -> np.ndarray:
         """P(pass) at arbitrary coverages: the step CDF read at the 5% grid point at or below."""
-        cdf = self.cdf(signal, rank_depth)
+        cdf = self.cdf(signal, rank_depth, task)
         index = np.floor(np.asarray(coverages, float) / 0.05 + 1e-9).astype(int).clip(0, 20)
         return cdf[index]
 
-    def quantile(self, signal: str, rank_depth: float, q: float) -> float:
+    def quantile(self, signal: str, rank_depth: float, q: float, task: str | None = None) -> float:
         """Smallest grid coverage passing at least a fraction q of requests (inf if none)."""
-        cdf = self.cdf(signal, rank_depth)
+        cdf = self.cdf(signal, rank_depth, task)
         hits = np.nonzero(cdf >= q - 1e-9)[0]
         return float(COVERAGE_GRID[hits[0]]) if hits.size else float("inf")

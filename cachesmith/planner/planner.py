@@ -1,10 +1,16 @@
 """The budget-aware recomputation planner (paper §5.1).
 
-In: a batch of `PlanRequest`s (context/suffix/prefix tokens and each request's QCI entropy after
-the first WarmUp layer) and a budget in seconds. Out: a `BatchPlan`: signal S (entropy threshold,
-batch majority), rank depth split (w, p) maximizing feasible coverage under the transfer-aware cost
-model, per-request coverages from the greedy marginal-gain allocation, predicted TTFT and expected
-passes. Outside the budget band [TTFT(S,1,1,r_min), TTFT(S,1,1,r_max)] a static plan is returned.
+In: a batch of `PlanRequest`s (context/suffix/prefix tokens, each request's QCI entropy after the
+first WarmUp layer, and the task it names, if any) and a budget in seconds. Out: a `BatchPlan`:
+signal S, rank depth split (w, p) maximizing feasible coverage under the transfer-aware cost model,
+per-request coverages from the greedy marginal-gain allocation, predicted TTFT and expected passes.
+Outside the budget band [TTFT(S,1,1,r_min), TTFT(S,1,1,r_max)] a static plan is returned.
+
+The signal: by default each signal's best plan is searched and the one expecting the most passes
+under the demand of the served mix (or of the batch's task, when every request names the same one
+and the profile has its curves) wins. The paper's rule (batch majority of "layer-0 QCI entropy >
+theta") is the `entropy` ablation: on the packaged model every task's entropies overlap in
+0.94-0.96, so the threshold splits requests of one task at random (docs/decisions.md).
 Never touches tensors.
 """
 from __future__ import annotations
@@ -23,6 +29,8 @@ from cachesmith.planner.profile import Profile
 from cachesmith.recompute import RecomputeConfig
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
+SIGNALS = ("kv_dev", "qci")  # the planner's signals; ties between their plans go to the first
+SIGNAL_RULES = ("passes", "entropy")
 
 
 @dataclass(frozen=True)
@@ -33,11 +41,15 @@ class PlannerConfig:
     num_splits: int = 4  # (w, p) splits tried per rank depth
     entropy_threshold: float | None = None  # None: the profile's
     bandwidth_gbps: float | None = None  # None: the profile's fastest tier (the monitor updates it)
-    signal: str | None = None  # fix the selection signal (ablation); None: by entropy, batch majority
+    signal: str | None = None  # fix the selection signal (ablation); None: chosen per batch by signal_rule
+    signal_rule: str = "passes"  # "passes": most expected passes; "entropy": the paper's threshold (ablation)
+    use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
 
     def __post_init__(self) -> None:
         if self.signal not in (None, "kv_dev", "qci"):
             raise ConfigError(f"signal={self.signal!r}: must be 'kv_dev', 'qci' or None (chosen per batch)")
+        if self.signal_rule not in SIGNAL_RULES:
+            raise ConfigError(f"signal_rule={self.signal_rule!r}: must be one of {', '.join(SIGNAL_RULES)}")
         if not 0 < self.r_min < self.r_max <= 1:
             raise ConfigError(f"need 0 < r_min ({self.r_min}) < r_max ({self.r_max}) <= 1")
         if not 0 < self.max_rank_fraction <= 1:
@@ -52,6 +64,7 @@ class PlanRequest:
     suffix_tokens: int
     prefix_tokens: int = 0
     qci_entropy: float | None = None  # normalized entropy of layer-0 QCI scores, in [0, 1]
+    task: str | None = None  # the task the request names (a hint), if any
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class BatchPlan:
     saturation_s: float
     status: str  # "planned", "below_floor" or "above_saturation" (static plan)
     decision_s: float = 0.0
+    task: str | None = None  # whose demand priced the plan (None: the served mix's)
 
     @property
     def rank_depth(self) -> int:
@@ -98,9 +112,10 @@ class Planner:
 
     def warm_up(self) -> None:
         """Build every (signal, depth) coverage envelope now, not inside the first decisions."""
-        for signal in ("kv_dev", "qci"):
-            for depth in self.depths:
-                self._envelope(signal, depth)
+        for task in (None, *self.demand.tasks):
+            for signal in self.demand.signals:
+                for depth in self.signal_depths(signal):
+                    self._envelope(signal, depth, task)
 
     def observe(self, signal: str, pace: float, alpha: float = 0.3) -> None:
         """A batch of `signal` ran at `pace` x its predicted time: update that signal's correction."""
@@ -116,6 +131,7 @@ class Planner:
         self.config = replace(self.config, bandwidth_gbps=gbps)
 
     def choose_signal(self, requests: list[PlanRequest]) -> str:
+        """The paper's rule (the `entropy` ablation): batch majority of H > theta."""
         if self.config.signal is not None:
             return self.config.signal
         votes = [r.qci_entropy > self.theta for r in requests if r.qci_entropy is not None]
@@ -133,14 +149,39 @@ class Planner:
         t = ttft_grid(self.cost, shape, signal, ((1, 1),), np.array([self.config.r_min, self.config.r_max]))
         return float(t[0, 0]), float(t[0, 1])
 
-    def _envelope(self, signal: str, depth: int):
-        key = (signal, depth)
+    def candidate_signals(self, requests: list[PlanRequest]) -> list[str]:
+        if self.config.signal is not None:
+            return [self.config.signal]
+        if self.config.signal_rule == "entropy":
+            return [self.choose_signal(requests)]
+        return [s for s in SIGNALS if s in self.demand.signals] or ["kv_dev"]
+
+    def batch_task(self, requests: list[PlanRequest]) -> str | None:
+        """The task whose demand prices the batch: the one every request names, if the profile
+        has its curves; otherwise None (the served mix)."""
+        tasks = {r.task for r in requests}
+        if not self.config.use_task_hint or len(tasks) != 1:
+            return None
+        (task,) = tasks
+        return task if task in self.demand.tasks else None
+
+    def _envelope(self, signal: str, depth: int, task: str | None = None):
+        key = (signal, depth, task)
         if key not in self._envelopes:
-            cdf = self.demand.cdf(signal, depth)
+            cdf = self.demand.cdf(signal, depth, task)
             self._envelopes[key] = (cdf, concave_envelope(cdf))
         return self._envelopes[key]
 
+    def signal_depths(self, signal: str) -> list[int]:
+        """Rank depths searched for `signal`: depth 1 is kv_dev's (1, 0) (CacheBlend's family: the
+        score taken at layer 1 from the fresh K/V projection), searched where the profile measured
+        its demand; every other depth splits into w >= 1 WarmUp and p >= 1 probe layers."""
+        shallow = [1] if signal == "kv_dev" and 1 in self.demand.anchors(signal) else []
+        return shallow + self.depths
+
     def _splits(self, depth: int) -> tuple[tuple[int, int], ...]:
+        if depth == 1:
+            return ((1, 0),)
         ws = np.unique(np.linspace(1, depth - 1, min(self.config.num_splits, depth - 1)).round().astype(int))
         return tuple((int(w), depth - int(w)) for w in ws)
 
@@ -149,7 +190,13 @@ class Planner:
         if not isinstance(budget_s, (int, float)) or not budget_s > 0:
             raise InputError(f"budget_s={budget_s!r} must be a positive number of seconds")
         shape = self.shape(requests)
-        signal = self.choose_signal(requests)
+        task = self.batch_task(requests)
+        plans = [self._plan_signal(shape, s, budget_s, task) for s in self.candidate_signals(requests)]
+        # max keeps the first of equals: ties in expected passes go to the faster plan, then SIGNALS' order
+        best = max(plans, key=lambda p: (round(p.expected_passes, 9), -round(p.predicted_ttft_s, 9)))
+        return replace(best, decision_s=time.perf_counter() - start)
+
+    def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
         k = self.correction.get(signal, 1.0)  # plans are sized for budget / k; predictions are x k
         floor, saturation = (k * t for t in self.band(shape, signal))
         R = shape.num_requests
@@ -159,13 +206,12 @@ class Planner:
             else:
                 r, ttft = self._static_fill(shape, signal, budget_s / k)
                 ttft *= k
-            passes = float(self.demand.pass_probability(signal, 2, [r] * R).sum())  # static (S,1,1,r)
+            passes = float(self.demand.pass_probability(signal, 2, [r] * R, task).sum())  # static (S,1,1,r)
             return BatchPlan(signal, 1, 1, (r,) * R, ttft, passes, budget_s, floor, saturation,
-                             "below_floor" if budget_s < floor else "above_saturation",
-                             time.perf_counter() - start)
-        (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s / k)
+                             "below_floor" if budget_s < floor else "above_saturation", task=task)
+        (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s / k, task)
         return BatchPlan(signal, w, p, tuple(coverages), ttft * k, passes, budget_s, floor, saturation,
-                         "planned", time.perf_counter() - start)
+                         "planned", task=task)
 
     def _static_fill(self, shape: BatchShape, signal: str, budget_s: float) -> tuple[float, float]:
         """Above saturation: the static (S, 1, 1, r) plan with the most coverage that fits. Accuracy
@@ -180,7 +226,7 @@ class Planner:
                     depths: list[int] | None = None) -> dict[int, tuple[tuple[int, int], float, float]]:
         """Per rank depth: the (w, p) split with the highest feasible uniform coverage, that
         coverage (-1 where none fits) and its TTFT. Ties go to the shallower WarmUp."""
-        depths = depths or self.depths
+        depths = depths or self.signal_depths(signal)
         pairs = tuple(pair for d in depths for pair in (self._pairs.get(d) or self._splits(d)))
         ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID)  # [J, K]
         feasible = ttft <= budget_s
@@ -196,7 +242,7 @@ class Planner:
                                float(ttft[j, k]) if k >= 0 else float("inf"))
         return out
 
-    def _search(self, shape: BatchShape, signal: str, budget_s: float):
+    def _search(self, shape: BatchShape, signal: str, budget_s: float, task: str | None = None):
         """Candidates per rank depth: its best split's uniform plan (known to fit) and the
         allocation of the same tokens (checked). The feasible one with the most expected passes
         wins (ties: the shallower depth, uniform first); the answer is exact over this set, so
@@ -205,7 +251,7 @@ class Planner:
         for depth, ((w, p), r, t) in self.best_splits(shape, signal, budget_s).items():
             if r < 0:
                 continue
-            cdf, envelope = self._envelope(signal, depth)
+            cdf, envelope = self._envelope(signal, depth, task)
             uniform = [r] * shape.num_requests
             candidates.append((expected_passes(uniform, cdf), -depth, 1, (w, p), uniform, t))
             alloc = allocate(shape.context_tokens, r * sum(shape.context_tokens), cdf, envelope)
@@ -217,4 +263,4 @@ class Planner:
                 return pair, coverages, t, passes
         cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%
         t = float(self.cost.ttft(shape, signal, 1, 1, np.array(cov))[0])
-        return (1, 1), cov, t, float(self.demand.pass_probability(signal, 2, cov).sum())
+        return (1, 1), cov, t, float(self.demand.pass_probability(signal, 2, cov, task).sum())

@@ -45,10 +45,12 @@ class PhaseCost:
 
 @dataclass(frozen=True)
 class DemandCurve:
-    """Minimum sufficient coverage of each profiling request (NEVER: fails even at 100%)."""
+    """Minimum sufficient coverage of each profiling request (NEVER: fails even at 100%), over the
+    served mix (`task` None) or over one task's requests (read when a request names its task)."""
     signal: str
     rank_depth: int
     demands: tuple[float, ...]
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class Profile:
             profile = cls(**{**data, "layer_costs": {k: PhaseCost(**v) for k, v in data["layer_costs"].items()},
                              "overhead": PhaseCost(**data["overhead"]),
                              "demand": tuple(DemandCurve(d["signal"], d["rank_depth"], tuple(
-                                 NEVER if x is None else float(x) for x in d["demands"])) for d in data["demand"])})
+                                 NEVER if x is None else float(x) for x in d["demands"]), d.get("task"))
+                                 for d in data["demand"])})
         except ProfileError as exc:
             raise ProfileError(f"profile {path}: {exc}") from exc
         except (AttributeError, KeyError, TypeError, ValueError) as exc:

@@ -3,7 +3,9 @@ coverage (5% grid, binary search) per signal at the anchor rank depths (5%, 20%,
 p = 1, so w = depth - 1), plus its layer-0 QCI entropy; and the entropy threshold that best
 routes requests to the signal that needs less coverage.
 
-In: a `RagPipeline` and workload instances (default: synthetic PR). Out: `DemandCurve`s and theta.
+In: a `RagPipeline` and workload instances (default: the served mix, MIX). Out: `DemandCurve`s (over
+all instances and, where they hold several tasks, per task) and theta. The gate reads the whole
+answer, as serving's does.
 Long and offline: every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
 so a stopped run resumes, and a progress bar counts requests.
 """
@@ -37,7 +39,7 @@ def anchor_depths(num_layers: int, fractions=ANCHOR_FRACTIONS) -> list[int]:
 class DemandProfiler:
     pipe: RagPipeline
     cache_path: Path
-    max_new_tokens: int = 4  # the gate reads the first few answer tokens
+    max_new_tokens: int = 1 << 30  # the instance's own answer length: the gate reads all of it
 
     def __post_init__(self) -> None:
         self.cache = load_keyed(self.cache_path)
@@ -86,7 +88,11 @@ class DemandProfiler:
                 for d in depths:
                     demands[(s, d)].append(self.min_coverage(inst, s, d))
             entropies.append(self.entropy(inst))
+        tasks = [inst.task for inst in instances]
         curves = tuple(DemandCurve(s, d, tuple(v)) for (s, d), v in demands.items())
+        if len(set(tasks)) > 1:  # each task's own curves, for requests that name it
+            curves += tuple(DemandCurve(s, d, tuple(x for x, t in zip(v, tasks) if t == task), task)
+                            for task in sorted(set(tasks)) for (s, d), v in demands.items())
         mid = depths[len(depths) // 2]
         theta = fit_threshold(entropies, demands.get(("kv_dev", mid), []), demands.get(("qci", mid), []))
         return curves, theta, entropies

@@ -37,7 +37,7 @@ from cachesmith.workloads.tasks import generate_many, resolve
 @dataclass(frozen=True)
 class ProfileConfig:
     num_requests: int = 200
-    task: str = "pr"
+    task: str = "mix"  # demand of the served mix (and of each of its tasks)
     variant: str | None = None
     seed: int = 10_000  # profiling requests are drawn apart from evaluation seeds
     max_tokens: int = 16_384  # largest batch (tokens) in the cost grid
@@ -187,7 +187,7 @@ def read_demand(path: Path) -> tuple[tuple[DemandCurve, ...], float]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         curves = tuple(DemandCurve(d["signal"], int(d["rank_depth"]), tuple(
-            NEVER if x is None else float(x) for x in d["demands"])) for d in data["demand"])
+            NEVER if x is None else float(x) for x in d["demands"]), d.get("task")) for d in data["demand"])
         return curves, float(data["entropy_threshold"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise ProfileError(f"profile {path}: no readable demand distributions ({type(exc).__name__}: {exc})") from exc

@@ -67,3 +67,25 @@ def test_flip_search_finds_the_first_grid_step_with_the_full_prefill_verdict(thr
     assert m.flip(None, "qci", 2, high=False) == Flip(True, False, threshold)
     m = FakeMeasurer(lambda r: True)
     assert m.flip(None, "qci", 2, high=True) == Flip(True, True, 1.0) and len(m.calls) == 1
+
+
+def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task():
+    from cachesmith.bench.outcomes import demand_curves
+    from cachesmith.planner.profile import NEVER
+
+    outs = [outcome(0, "pr", full=True, reuse=False, at=0.3, entropy=0.9),  # needs 30% at depth 2
+            outcome(1, "pr", full=True, reuse=True, entropy=0.9),  # passes at 0%
+            outcome(2, "vt", full=False, reuse=False, entropy=0.2),  # full prefill fails: never
+            outcome(3, "vt", full=False, reuse=True, at=0.2, entropy=0.2)]  # passes below 20% only: never
+    curves, theta = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, outs))
+    by = {(c.task, c.signal, c.rank_depth): c.demands for c in curves}
+    assert by[(None, "kv_dev", 2)] == (0.3, 0.0, NEVER, NEVER)
+    assert by[(None, "qci", 6)] == pytest.approx((0.2, 0.0, NEVER, NEVER))  # deeper anchors need 0.1 less
+    assert by[("pr", "kv_dev", 15)] == pytest.approx((0.1, 0.0)) and by[("vt", "qci", 2)] == (NEVER, NEVER)
+    assert by[(None, "kv_dev", 1)] == (0.3, 0.0, NEVER, NEVER)  # CacheBlend's (1, 0): passes from its 30% preset
+    assert {t for t, _, _ in by} == {None, "pr", "vt"} and len(curves) == 3 * 7
+    assert 0.0 <= theta <= 1.0
+    single = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, outs[:2]))[0]
+    assert {c.task for c in single} == {None}  # one task: its curves are the mix's
+    with pytest.raises(InputError, match="no instance"):
+        demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, []))

@@ -10,6 +10,7 @@ from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.planner import Profile
+from cachesmith.recompute import preset
 from cachesmith.request import Request
 from cachesmith.workloads.tasks import generate
 
@@ -26,6 +27,11 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     L = pipe.model.num_layers
     num_evals = len((tmp_path / "evals.jsonl").read_text().splitlines())
     assert measurer.measure(inst, 4) == o  # resumed from the cache: nothing evaluated again
+    assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
+    flips_only = measurer.measure(inst, 4, is_flips_only=True)  # demand instances: no presets, same flips
+    assert flips_only.flips == o.flips and set(flips_only.plans) == {
+        preset("full_prefill", 1.0, L).label(), preset("full_reuse", 0.0, L).label(),
+        preset("cacheblend", 0.15, L).label(), preset("cacheblend", 0.3, L).label()}
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
     profile = Profile.load(next(PACKAGED_DIR.glob("smollm2-135m-*.json")))
     for method in ("full_prefill", "cacheblend@0.15", "prophetkv@0.3"):

@@ -86,7 +86,7 @@ def test_simulate_summarizes_every_method_with_best_static():
 
 def test_the_grid_enumerates_the_papers_settings_and_resumes(tmp_path):
     counted = list(runs(GridConfig(studies=("grid",))))
-    assert len(counted) == 5 * 6 * 4 * 11 and len({r.key for r in counted}) == len(counted)
+    assert len(counted) == 5 * 6 * 4 * 15 and len({r.key for r in counted}) == len(counted)  # 11 + 4 variants
     profile, t = make_profile(), table()
     t.save(tmp_path / "t.json")
     profile.save(tmp_path / "p.json")

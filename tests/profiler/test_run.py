@@ -25,7 +25,9 @@ def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
     assert loaded.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
     assert loaded.tier_gbps["memory"] > 0 and "ttft_rel_err_mean" in loaded.fit_error
     assert {(c.signal, c.rank_depth) for c in loaded.demand} == {(s, d) for s in ("kv_dev", "qci") for d in (2, 6, 15)}
-    assert all(len(c.demands) == 2 for c in loaded.demand)
+    # the served mix (seeds cycle the tasks: one PR, one MSQ request) and each task's own curves
+    assert all(len(c.demands) == (2 if c.task is None else 1) for c in loaded.demand)
+    assert {c.task for c in loaded.demand} == {None, "pr", "msq"}
     for name in ("costs", "bandwidth", "validation"):
         assert (tmp_path / f"p.{name}.json").exists()
     assert (tmp_path / "p.runs.jsonl").exists() and (tmp_path / "p.kv").is_dir()  # timed runs, their store

@@ -89,6 +89,7 @@ def test_every_layer_pass_is_bracketed_by_both_hooks(model, plan):
 
 
 @pytest.mark.parametrize("final", [RecomputeConfig(Signal.QCI, 2, 1, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.5),
+                                   RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3),
                                    RecomputeConfig(Signal.QCI, 1, 2, 0.4)], ids=lambda p: p.label())
 def test_plan_decided_after_layer_0_equals_that_plan_from_the_start(model, final):
     """The planner picks the signal from layer-0 entropies; layer 0 is the same full layer under
