@@ -42,6 +42,18 @@ def replay_runs(root: Path) -> list[tuple[str, dict, list[dict]]]:
     return out
 
 
+def replayed_instances(table: OutcomeTable, workload: Path) -> OutcomeTable:
+    """The table cut to the instances the replays cycled through (the workload file they served:
+    the table's first instances when they were recorded), so request ids map to the right ones."""
+    if not workload.exists():
+        return table
+    lines = [json.loads(line) for line in workload.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(lines) > len(table.outcomes) or any(d["task"] != o.task for d, o in zip(lines, table.outcomes)):
+        raise SystemExit(f"{workload}: the replays served instances the table {len(table.outcomes)} does not "
+                         f"begin with; pass the table they were recorded with (--table)")
+    return OutcomeTable(table.model, table.num_layers, table.max_positions, table.outcomes[:len(lines)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replays", type=Path, default=Path("docs/bench/sim_validation"))
@@ -51,7 +63,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    table = OutcomeTable.load(args.table)
+    table = replayed_instances(OutcomeTable.load(args.table), args.replays / "measured-instances.jsonl")
     profile = Profile.load(args.profile)
     cost = CostModel(profile)
     predicted_base = statistics.fmean(cost.full_prefill_ttft(BatchShape((o.context_tokens,), (o.suffix_tokens,),

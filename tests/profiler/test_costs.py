@@ -70,7 +70,7 @@ def _run(model, plan, reqs, hooks):
 
 def test_replanning_keeps_the_batch_within_budget_under_a_slowdown(profile):
     model, prof, bench = profile
-    planner = Planner(prof, PlannerConfig())
+    planner = Planner(prof, PlannerConfig(signal="qci"))  # the band below is QCI's
     contexts = (768, 512)
     plan_reqs = [PlanRequest(c, 32, 0, 0.2) for c in contexts]
     floor, saturation = planner.band(planner.shape(plan_reqs), "qci")
