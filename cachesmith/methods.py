@@ -65,7 +65,7 @@ def parse_method(name: str) -> Method:
     if kind in ("planner", "planner+slo") and not colon:
         raise ConfigError(f"method {name!r}: needs ':<preset>@<coverage>' (planner) or ':<signal>' "
                           f"(planner+slo), e.g. planner:cacheblend@0.15")
-    if kind == "cachesmith" or kind == "cachesmith+task":
+    if kind in ("cachesmith", "cachesmith+task"):
         hint = kind == "cachesmith+task"
         if arg == "entropy":
             return Method(text, signal_rule="entropy", use_task_hint=hint)

@@ -63,6 +63,8 @@ def _machine(machine: dict | None) -> str:
     if not m.paces:
         return "none measured, the profile's speed"
     paces = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(m.paces.items()))
+    if not m.reuse_per_row:
+        return paces
     return (f"{paces}; plus {m.reuse_per_row:.2f}x the cost of recomputing a row for each cached row a Patch "
             "pass places")
 

@@ -22,7 +22,8 @@ from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
-from cachesmith.profiler.demand import GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold
+from cachesmith.profiler.demand import (GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold,
+                                        task_curves)
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
@@ -215,22 +216,12 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
     verdicts read the whole answer, as the serving gate does."""
     if not table.outcomes:
         raise InputError("the outcome table holds no instance to take demand from")
-    keys = sorted(table.outcomes[0].flips, key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
-    tasks = sorted({o.task for o in table.outcomes})
-    groups = [(None, table.outcomes)] + ([(t, [o for o in table.outcomes if o.task == t]) for t in tasks]
-                                         if len(tasks) > 1 else [])
-    curves = []
-    for task, outs in groups:
-        shallow = [d for d in (shallow_demand(o, table.num_layers) for o in outs) if d is not None]
-        if shallow:  # rank depth 1 of kv_dev: CacheBlend's (1, 0)
-            curves.append(DemandCurve(SHALLOW[0], 1, tuple(shallow), task))
-        for key in keys:
-            signal, depth = key.split("/")
-            curves.append(DemandCurve(signal, int(depth), tuple(demand(o, key) for o in outs), task))
-    mid = anchor_depths(table.num_layers)[len(anchor_depths(table.num_layers)) // 2]
-    theta = fit_threshold([o.entropy for o in table.outcomes], [demand(o, f"kv_dev/{mid}") for o in table.outcomes],
-                          [demand(o, f"qci/{mid}") for o in table.outcomes])
-    return tuple(curves), theta
+    outs, depths = table.outcomes, anchor_depths(table.num_layers)
+    demands = {(SHALLOW[0], 1): [shallow_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
+    demands.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
+    mid = depths[len(depths) // 2]
+    theta = fit_threshold([o.entropy for o in outs], demands[("kv_dev", mid)], demands[("qci", mid)])
+    return task_curves(demands, [o.task for o in outs]), theta
 
 
 def default_table_path(pipe: RagPipeline) -> Path:

@@ -49,10 +49,8 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Profile,
-                 samples: list | None = None) -> tuple[float, float]:
-    """(mean single-request full-prefill TTFT, measured/predicted speed factor of `profile`);
-    each prefill's (context, suffix, prefix tokens, seconds) is appended to `samples` if given."""
+def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Profile) -> tuple[float, float]:
+    """(mean single-request full-prefill TTFT, measured/predicted speed factor of `profile`)."""
     plan = full_prefill(pipe.model.num_layers)
     pipe.answer_parts(pipe.instance_prompt(insts[0]), plan, 1)  # warm-up
     shapes, ttfts = [], []
@@ -61,8 +59,6 @@ def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Prof
         ans = pipe.answer_parts(parts, plan, 1)
         shapes.append(BatchShape((ans.num_context_tokens,), (ans.num_suffix_tokens,), (len(parts.prefix_ids),)))
         ttfts.append(ans.ttft_s)
-        if samples is not None:
-            samples.append([ans.num_context_tokens, ans.num_suffix_tokens, len(parts.prefix_ids), ans.ttft_s])
     return statistics.fmean(ttfts), speed_factor(profile, shapes, ttfts)
 
 
@@ -77,12 +73,10 @@ def _base(pipe, config, insts, profile, source: str, out: Path, show_progress: b
     sample = [i for i in insts if isinstance(i, WorkloadInstance)][: config.num_base_samples]
     if show_progress:
         print(f"measuring the base SLO: {len(sample)} single-request full prefills ...", flush=True)
-    samples: list = []  # kept, so the speed factor of another profile can be computed later
-    base, factor = measure_base(pipe, sample, profile, samples)
+    base, factor = measure_base(pipe, sample, profile)
     if config.base_slo_s is not None:
         base = config.base_slo_s
-    _atomic_write(path, json.dumps({"digest": config.digest(), "base_slo_s": base, "speed_factor": factor,
-                                    "samples": samples}))
+    _atomic_write(path, json.dumps({"digest": config.digest(), "base_slo_s": base, "speed_factor": factor}))
     return base, factor
 
 

@@ -162,8 +162,8 @@ class CostModel:
         steps = execution_steps(signal, warmup, probe, self.num_layers)
         K, bw = coverages.shape[0], self.bandwidth_gbps * 1e9
         costs = self.profile.layer_costs
-        compute = {(s.kind, s.places): phase_seconds(costs[s.kind], step_features(s.kind, shape, coverages, s.places))
-                   for s in steps}
+        compute = {(kind, places): phase_seconds(costs[kind], step_features(kind, shape, coverages, places))
+                   for kind, places in {(s.kind, s.places) for s in steps}}
         loads = {ld: self.load_bytes(ld, shape, coverages) / bw for ld in {s.load for s in steps}}
         t = np.full(K, self.overhead_seconds(shape))
         link = np.zeros(K)

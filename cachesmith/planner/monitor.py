@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cachesmith.planner.cost_model import NUM_FEATURES, BatchShape, CostModel, phase_seconds, step_features
+from cachesmith.planner.cost_model import BatchShape, CostModel, phase_seconds, step_features
 from cachesmith.planner.planner import BatchPlan
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 
@@ -92,7 +92,6 @@ class RuntimeMonitor(RunnerHooks):
 
     def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
         candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]
-        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s) + phase_seconds(
-            self.cost.profile.overhead, np.zeros((1, NUM_FEATURES)))[0]
+        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s)
         ok = np.nonzero(need <= time_left)[0]
         return float(SCALES[ok[0]]) if ok.size else 0.0

@@ -108,7 +108,7 @@ class Planner:
         # measured / predicted TTFT per signal, learned from executed batches (`observe`): the
         # offline cost fit is biased per signal (QCI plans ran 6-20% over it on held-out shapes)
         self.correction: dict[str, float] = {}
-        self._pairs = {d: self._splits(d) for d in self.depths}
+        self._pairs = {d: self._splits(d) for d in (1, *self.depths)}
 
     def warm_up(self) -> None:
         """Build every (signal, depth) coverage envelope now, not inside the first decisions."""

@@ -192,6 +192,24 @@ class TimingBench:
                          stall, selected, self.session)
 
 
+def timed_quietly(bench: TimingBench, contexts, spec: tuple, seed: int, gate: Callable[[], QuietRun] | None,
+                  attempts: int = 3) -> tuple[RunTiming, dict]:
+    """(run, its quiet record) of one timed batch. With `gate`, the run waits for a quiet machine
+    and is timed again while another process joined it (up to `attempts` times); the least
+    disturbed attempt is kept. Without one: the run and {}."""
+    if gate is None:
+        return bench.time_run(contexts, spec, seed), {}
+    best = None
+    for _ in range(attempts):
+        with gate() as quiet:
+            run = bench.time_run(contexts, spec, seed)
+        if best is None or (quiet.other or 0.0) < (best[1]["other"] or 0.0):
+            best = (run, quiet.record())
+        if quiet.is_quiet:
+            break
+    return best
+
+
 def measure(bench: TimingBench, specs: list[RunSpec], cache: Path | None = None,
             show_progress: bool = True, gate: Callable[[], QuietRun] | None = None,
             attempts: int = 3) -> list[RunTiming]:
@@ -208,18 +226,8 @@ def measure(bench: TimingBench, specs: list[RunSpec], cache: Path | None = None,
     sink = open(cache, "a", encoding="utf-8") if cache is not None else None
     try:
         for spec in tqdm(todo, desc="profile costs", unit="run", disable=not show_progress):
-            best = None
-            for _ in range(attempts if gate is not None else 1):
-                if gate is None:
-                    best = (bench.time_run(spec.contexts, spec.plan, spec.seed), {})
-                    break
-                with gate() as quiet:
-                    run = bench.time_run(spec.contexts, spec.plan, spec.seed)
-                if best is None or (quiet.other or 0.0) < (best[1]["other"] or 0.0):
-                    best = (run, quiet.record())
-                if quiet.is_quiet:
-                    break
-            done[spec.key] = {**best[0].to_record(spec.key), **best[1]}
+            run, quiet = timed_quietly(bench, spec.contexts, spec.plan, spec.seed, gate, attempts)
+            done[spec.key] = {**run.to_record(spec.key), **quiet}
             if sink is not None:
                 sink.write(json.dumps(done[spec.key]) + "\n")
                 sink.flush()
@@ -230,19 +238,12 @@ def measure(bench: TimingBench, specs: list[RunSpec], cache: Path | None = None,
 
 
 def fit_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Relative least squares with non-negative coefficients (drop negative features, refit)."""
-    active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    while True:
-        w = 1.0 / np.maximum(y, 1e-6)
-        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if (coef >= 0).all() or len(active) == 1:
-            out = np.zeros(x.shape[1])
-            out[active] = np.maximum(coef, 0)
-            return out
-        active.pop(int(np.argmin(coef)))
+    """Relative least squares with non-negative coefficients (each sample weighted by 1 / y)."""
+    w = 1.0 / np.maximum(y, 1e-6)
+    return _nonnegative(x * w[:, None], y * w)
 
 
-def _scaffold(costs: dict[str, PhaseCost], overhead: PhaseCost, num_layers: int, kv_bytes: int,
+def scaffold(costs: dict[str, PhaseCost], overhead: PhaseCost, num_layers: int, kv_bytes: int,
               bandwidth_gbps: float | None) -> CostModel:
     profile = Profile("fit", "fit", "fit", "fit", num_layers, kv_bytes, costs, overhead,
                       {"fit": bandwidth_gbps or 1e6})
@@ -290,7 +291,7 @@ def fit_costs(runs: list[RunTiming], num_layers: int, pass_weight: float = 1.0,
     costs, overhead = _fit_once([r.scaled(factors.get(r.session, 1.0)) for r in runs], num_layers, pass_weight)
     if len({r.session for r in runs}) > 1:
         for _ in range(num_rounds - 1):
-            model = _scaffold(costs, overhead, num_layers, 1, None)
+            model = scaffold(costs, overhead, num_layers, 1, None)
             factors = session_factors(runs, model)
             costs, overhead = _fit_once([r.scaled(factors[r.session]) for r in runs], num_layers, pass_weight)
     return costs, overhead
@@ -389,24 +390,12 @@ def validation_error(bench: TimingBench, model: CostModel, shapes=HELD_OUT, plan
                      attempts: int = 3) -> list[dict]:
     """Measured vs predicted TTFT (at the coverages the requests really ran) on batch shapes the
     fit never saw, each row with its run's record (`RunTiming.to_record`: the shape and selection,
-    so a refit can be checked on the same runs). With `gate`, each run waits for a quiet machine
-    and is timed again if another process joined."""
+    so a refit can be checked on the same runs). With `gate`, as `timed_quietly`."""
     L = bench.model.num_layers
     rows = []
-
-    def timed(contexts, spec, seed_):
-        if gate is None:
-            return bench.time_run(contexts, spec, seed_)
-        for _ in range(attempts):
-            with gate() as quiet:
-                run = bench.time_run(contexts, spec, seed_)
-            if quiet.is_quiet:
-                break
-        return run
-
     for i, contexts in enumerate(shapes):
         for spec in plans:
-            runs = [timed(contexts, spec, seed + i) for _ in range(repeats)]
+            runs = [timed_quietly(bench, contexts, spec, seed + i, gate, attempts)[0] for _ in range(repeats)]
             measured = float(np.median([r.total_s for r in runs]))
             predicted = predicted_ttft(model, runs[0])
             rows.append({"contexts": list(runs[0].shape.context_tokens), "plan": plan_config(spec, L).label(),
@@ -421,5 +410,5 @@ def relative_errors(runs: list[RunTiming], model: CostModel) -> list[float]:
 
 
 __all__ = ["ALL", "PROFILE_PLANS", "RunSpec", "RunTiming", "Sample", "TimingBench", "default_grid",
-           "estimate_seconds", "fit_costs", "fit_relative", "measure", "plan_config", "predicted_ttft",
+           "estimate_seconds", "fit_costs", "fit_relative", "scaffold", "timed_quietly", "measure", "plan_config", "predicted_ttft",
            "relative_errors", "session_factors", "validation_error"]

@@ -88,14 +88,24 @@ class DemandProfiler:
                 for d in depths:
                     demands[(s, d)].append(self.min_coverage(inst, s, d))
             entropies.append(self.entropy(inst))
-        tasks = [inst.task for inst in instances]
-        curves = tuple(DemandCurve(s, d, tuple(v)) for (s, d), v in demands.items())
-        if len(set(tasks)) > 1:  # each task's own curves, for requests that name it
-            curves += tuple(DemandCurve(s, d, tuple(x for x, t in zip(v, tasks) if t == task), task)
-                            for task in sorted(set(tasks)) for (s, d), v in demands.items())
+        curves = task_curves(demands, [inst.task for inst in instances])
         mid = depths[len(depths) // 2]
         theta = fit_threshold(entropies, demands.get(("kv_dev", mid), []), demands.get(("qci", mid), []))
         return curves, theta, entropies
+
+
+def task_curves(demands: dict[tuple[str, int], list[float | None]], tasks: list[str]) -> tuple[DemandCurve, ...]:
+    """Curves over every request (the served mix's) and, where the requests hold several tasks,
+    each task's own, for requests that name it. `demands[(signal, depth)][i]` is request i's (None:
+    not measured, left out); `tasks[i]` its task."""
+    groups = [None] + (sorted(set(tasks)) if len(set(tasks)) > 1 else [])
+    curves = []
+    for task in groups:
+        for (signal, depth), values in demands.items():
+            kept = tuple(v for v, t in zip(values, tasks) if v is not None and task in (None, t))
+            if kept:
+                curves.append(DemandCurve(signal, depth, kept, task))
+    return tuple(curves)
 
 
 def fit_threshold(entropies: list[float], kv_dev: list[float], qci: list[float], default: float = 0.5) -> float:

@@ -27,7 +27,7 @@ from cachesmith.planner.cost_model import CostModel
 from cachesmith.planner.profile import NEVER, DemandCurve, PhaseCost, Profile, ProfileError
 from cachesmith.profiler.bandwidth import tier_bandwidth
 from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
-                                       session_factors, validation_error)
+                                       scaffold, session_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
 from cachesmith.profiler.quiet import QuietRun
 from cachesmith.recompute import full_prefill
@@ -104,8 +104,7 @@ def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, 
                    gate=config.gate())
     model = pipe.model
     costs, overhead = fit_costs(runs, model.num_layers)
-    fitted = CostModel(Profile("fit", "fit", "fit", "fit", model.num_layers, _kv_bytes(pipe), costs, overhead,
-                               {"fit": max(gbps.values(), default=10.0)}))
+    fitted = scaffold(costs, overhead, model.num_layers, _kv_bytes(pipe), max(gbps.values(), default=10.0))
     factors = session_factors(runs, fitted)
     errs = np.abs(relative_errors([r.scaled(factors[r.session]) for r in runs], fitted))
     return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead),

@@ -85,6 +85,12 @@ def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task()
     assert by[(None, "kv_dev", 1)] == (0.3, 0.0, NEVER, NEVER)  # CacheBlend's (1, 0): passes from its 30% preset
     assert {t for t, _, _ in by} == {None, "pr", "vt"} and len(curves) == 3 * 7
     assert 0.0 <= theta <= 1.0
+    flips_only = outcome(4, "pr", full=True, reuse=False, at=0.1)
+    flips_only.plans = {k: v for k, v in flips_only.plans.items() if not k.startswith("(kv_dev,1,0,")}
+    with_it = {(c.task, c.signal, c.rank_depth): c.demands
+               for c in demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, outs + [flips_only]))[0]}
+    assert with_it[(None, "kv_dev", 1)] == by[(None, "kv_dev", 1)]  # no CacheBlend presets: left out there
+    assert with_it[(None, "kv_dev", 2)][-1] == 0.1 and len(with_it[(None, "kv_dev", 2)]) == 5  # counted here
     single = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, outs[:2]))[0]
     assert {c.task for c in single} == {None}  # one task: its curves are the mix's
     with pytest.raises(InputError, match="no instance"):
