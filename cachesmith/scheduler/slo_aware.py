@@ -17,6 +17,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.planner import Planner
 from cachesmith.planner.grid import TERMS, request_terms, ttft_grid, ttft_totals
 from cachesmith.recompute import full_reuse
+from cachesmith.scheduler.arrivals import ArrivalHistory
 from cachesmith.scheduler.buckets import bucketize, compositions
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
 
@@ -33,6 +34,9 @@ class SchedulerConfig:
     # budgets aim this fraction of the time to the deadline early: execution noise under the
     # runtime monitor's tolerance would otherwise turn a budget set at the deadline into a miss
     safety_margin: float = 0.08
+    # past saturation, leave the predicted next arrival room for its own saturation budget
+    is_arrival_aware: bool = True
+    arrival_window: int = 64  # recent arrivals the prediction is measured on
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
@@ -41,6 +45,8 @@ class SchedulerConfig:
             raise ConfigError(f"safety_margin={self.safety_margin} must be in [0, 0.5)")
         if self.window_layers is not None and self.window_layers < 1:
             raise ConfigError(f"window_layers={self.window_layers} must be >= 1")
+        if self.arrival_window < 8:
+            raise ConfigError(f"arrival_window={self.arrival_window} must be >= 8")
 
 
 class SloAwareScheduler:
@@ -52,6 +58,7 @@ class SloAwareScheduler:
         deepest = max(planner.depths) + 1
         self.window_layers = min(num_layers, max(self.config.window_layers or deepest, deepest))
         self.partial_capacity = self.config.kv_capacity_tokens * num_layers // self.window_layers
+        self.arrivals = ArrivalHistory(max_requests=self.config.arrival_window)
 
     def band(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
         """(floor, saturation) of running `requests` as one batch."""
@@ -76,6 +83,7 @@ class SloAwareScheduler:
         start = time.perf_counter()
         if not queue:
             return None
+        self._observe(queue)
         floors = dict(zip((r.request_id for r in queue), self.floors(queue).tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
@@ -98,6 +106,23 @@ class SloAwareScheduler:
                                 expected_on_time=on_time, num_candidates=len(priced[1]) - 1,  # the fallback row is not one
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
+
+    def _observe(self, queue: Sequence[QueuedRequest]) -> None:
+        new = [r for r in queue if r.request_id not in self.arrivals]
+        if new:
+            saturations = self._bands_of(_terms(new))[1]
+            for r, s in zip(new, saturations.tolist()):
+                self.arrivals.observe(r.request_id, r.arrival_s, r.slo_s, s)
+
+    def _arrival_room(self, now: float, queued_work: np.ndarray) -> np.ndarray:
+        """[M] the most budget a batch may take past saturation and still leave the predicted next
+        arrival, behind the batch and the waiting queue at floors, its own saturation budget before
+        its deadline; inf when nothing is predicted."""
+        gap = self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
+        if not np.isfinite(gap):
+            return np.full(queued_work.shape, np.inf)
+        slo, saturation = self.arrivals.typical()
+        return gap + slo - saturation - queued_work
 
     def _is_burst(self, buckets: list[list[QueuedRequest]]) -> bool:
         """Some deadline x length bucket holds more context than the KV capacity (paper §5.2)."""
@@ -171,12 +196,19 @@ class SloAwareScheduler:
         def queue_on_time(start: np.ndarray) -> np.ndarray:
             return ((start[:, None] + queue_ends <= dl[None, :]) & waiting).sum(1)
 
+        # the budget rises toward the deadline only while every waiting request that makes its
+        # deadline behind the batch at its floor still makes it (Algorithm 1: "until a request would miss")
+        makes_it = waiting & (now + floor[:, None] + queue_ends <= dl[None, :])  # [M, Q]
+        room = np.where(makes_it, dl[None, :] - queue_ends - now - 1e-9, np.inf).min(1)  # [M] (off the rounding edge)
+        budget = np.where(floor > limit, floor, np.maximum(floor, np.minimum(budget, room)))
         queued = queue_on_time(now + budget)
         num_waiting = waiting.sum(1)
-        raise_ok = (floor <= limit) & (limit > saturation) & (queued == num_waiting)
+        # past saturation only while every waiting request clears its floor at the deadline's budget
+        # and the predicted next arrival keeps its saturation budget
+        raise_ok = (floor <= limit) & (limit > saturation) & (queued == num_waiting) & (room >= limit)
         if raise_ok.any():
-            raise_ok &= queue_on_time(now + limit) == num_waiting
-            budget = np.where(raise_ok, limit, budget)
+            raised = np.minimum(limit, self._arrival_room(now, (waiting * fl[None, :]).sum(1)))
+            budget = np.where(raise_ok, np.maximum(budget, raised), budget)
         return on_time + queued, budget, tokens
 
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

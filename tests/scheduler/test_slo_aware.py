@@ -72,6 +72,45 @@ def test_relaxed_queue_is_served_in_one_batch(scheduler):
     assert d.budget_s >= saturation - 1e-9  # nothing waits: the budget may pass saturation
 
 
+def test_the_budget_stops_where_a_waiting_request_would_miss():
+    """Algorithm 1 raises a batch's budget "until a request would miss its deadline": inside the
+    band too, the waiting queue (FCFS at floors behind the batch) keeps its deadlines."""
+    sched = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(max_batch_size=1))
+    probe = QueuedRequest(0, 0.0, 1.0, 1024, 32)
+    floor, saturation = sched.band([probe])
+    deadline = 1.5 * saturation  # the batch alone could take its whole band
+    queue = [QueuedRequest(i, 0.0, deadline, 1024, 32) for i in range(4)]  # one runs, three wait
+    d = sched.next_batch(queue, 0.0)
+    assert d.expected_on_time == 4
+    assert floor <= d.budget_s <= deadline - 3 * floor + 1e-9 < saturation
+    run = drain(sched, queue)
+    assert all(end <= deadline + 1e-9 for _, end in run[:1])  # the first batch leaves room for the rest
+
+
+def test_past_saturation_the_predicted_next_arrival_keeps_its_band():
+    """An empty queue lets a batch pass saturation up to its deadline, unless the measured arrivals
+    predict a request soon whose own saturation budget would no longer fit before its deadline."""
+    relaxed = QueuedRequest(100, 50.0, 1000.0, 1024, 32)
+    _, saturation = SloAwareScheduler(Planner(make_profile())).band([relaxed])
+
+    def budget_after(gap_s: float) -> float:
+        sched = SloAwareScheduler(Planner(make_profile()))
+        for i in range(20):  # past requests like this one, with a tight SLO, every gap_s
+            sched.arrivals.observe(i, 50.0 - gap_s * (20 - i), 1.2 * saturation, saturation)
+        return sched.next_batch([relaxed], 50.0).budget_s
+
+    busy = budget_after(0.1 * saturation)  # the next request is due within the batch
+    assert busy == pytest.approx(saturation)
+    # arrivals 100 s apart: past saturation up to where the next one (due 100 s after this one)
+    # still has its saturation budget before its 1.2 x saturation deadline
+    quiet = budget_after(100.0)
+    assert quiet == pytest.approx(100.0 + 0.2 * saturation) and quiet > 10 * saturation
+    off = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(is_arrival_aware=False))
+    for i in range(20):
+        off.arrivals.observe(i, 50.0 - 0.1 * saturation * (20 - i), 1.2 * saturation, saturation)
+    assert off.next_batch([relaxed], 50.0).budget_s == pytest.approx(1000.0 * (1 - SchedulerConfig().safety_margin))
+
+
 def test_the_candidate_cap_is_honoured():
     combos = list(compositions([16] * 8, 16, 256))
     assert len(combos) == 256 and len(set(combos)) == 256
@@ -92,17 +131,17 @@ def test_kv_capacity_limits_the_batch():
 
 def test_a_burst_bucket_runs_wider_under_partial_kv_allocation():
     planner = Planner(make_profile())
-    cfg = SchedulerConfig(kv_capacity_tokens=3000)
+    cfg = SchedulerConfig(kv_capacity_tokens=3400)  # three resident; the window fits all six
     sched = SloAwareScheduler(planner, cfg)
     probe = [QueuedRequest(i, 0.0, 1.0, 1000, 32) for i in range(6)]
     floor_all, _ = sched.band(probe)
     burst = [QueuedRequest(i, 0.0, 1.02 * floor_all, 1000, 32) for i in range(6)]  # one deadline bucket
-    resident = SloAwareScheduler(planner, SchedulerConfig(kv_capacity_tokens=3000, is_partial_allocation=False))
+    resident = SloAwareScheduler(planner, SchedulerConfig(kv_capacity_tokens=3400, is_partial_allocation=False))
     narrow = resident.next_batch(burst, 0.0)
-    assert len(narrow.request_ids) <= 2 and narrow.expected_on_time < 6  # resident: not all can make it
+    assert len(narrow.request_ids) <= 3 and narrow.expected_on_time < 6  # resident: not all can make it
     d = sched.next_batch(burst, 0.0)
     assert d.kv_window_layers == sched.window_layers == max(planner.depths) + 1 < 30
-    assert sched.partial_capacity == 3000 * 30 // d.kv_window_layers
+    assert sched.partial_capacity == 3400 * 30 // d.kv_window_layers
     assert 2 < len(d.request_ids) <= sched.partial_capacity // 1032 and d.expected_on_time > narrow.expected_on_time
     # once the bucket fits again, the next batch runs fully resident
     assert sched.next_batch(burst[:2], 0.0).kv_window_layers is None
@@ -120,9 +159,14 @@ def _reference_score(sched, members, live, floors, now):
     """Algorithm 1's scoring of one composition, written plainly (one band call per candidate)."""
     floor, saturation = sched.band(members)
     limit = (min(r.deadline_s for r in members) - now) * (1 - sched.config.safety_margin)
-    budget = floor if floor > limit else min(limit, saturation)
     ids = {r.request_id for r in members}
     waiting = sorted((r for r in live if r.request_id not in ids), key=lambda r: r.arrival_s)
+    budget = floor if floor > limit else min(limit, saturation)
+    ahead = 0.0  # the budget stops where a waiting request that makes it at the floor would miss
+    for r in waiting:
+        ahead += floors[r.request_id]
+        if now + floor + ahead <= r.deadline_s:
+            budget = max(floor, min(budget, r.deadline_s - ahead - now - 1e-9))
 
     def fcfs(t):
         n = 0
