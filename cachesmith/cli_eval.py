@@ -2,6 +2,7 @@
 `bench.outcomes` and `bench.evaluation`).
 
   cachesmith outcomes [--num-instances 80]      (offline, resumable: verdicts cached as JSONL)
+  cachesmith outcomes --extend TABLE            (only the plans the table lacks)
   cachesmith report [--table T --validation V --out docs/results.md]   (grid resumable)
 """
 from __future__ import annotations
@@ -24,11 +25,30 @@ def _outcomes(args: argparse.Namespace) -> int:
     if args.num_instances < 1:
         raise CachesmithError(f"--num-instances {args.num_instances} must be >= 1")
     pipe = RagPipeline(args.model, args.device, args.dtype)
+    if args.extend is not None:
+        return _extend(pipe, args)
     out = args.out or default_table_path(pipe)
     insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
     table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"), is_flips_only=args.flips_only)
     table.save(out)
     print(f"{out}: {len(table.outcomes)} instances")
+    if args.demand_into is not None:
+        _write_demand(table, args.demand_into)
+    return 0
+
+
+def _extend(pipe, args: argparse.Namespace) -> int:
+    """Measure the fixed plans a saved table lacks; rewrite its demand where asked."""
+    from cachesmith.bench.outcomes import OutcomeTable, extend_table
+    from cachesmith.model.assets import cachesmith_home
+
+    if not args.extend.exists():
+        raise CachesmithError(f"--extend {args.extend}: no outcome table there")
+    table = OutcomeTable.load(args.extend)
+    cache = cachesmith_home() / "outcomes" / f"{args.extend.stem}.evals.jsonl"  # resumable, not beside a committed table
+    added = extend_table(pipe, table, cache)
+    table.save(args.extend)
+    print(f"{args.extend}: {added} verdicts added over {len(table.outcomes)} instances")
     if args.demand_into is not None:
         _write_demand(table, args.demand_into)
     return 0
@@ -87,6 +107,9 @@ def add_parsers(sub, add_model_args) -> None:
     out.add_argument("--flips-only", action="store_true",
                      help="demand instances: full prefill, full reuse and the flips, no baseline presets "
                           "(the simulator cannot serve static methods from such a table)")
+    out.add_argument("--extend", type=Path, default=None, metavar="TABLE",
+                     help="measure only the fixed plans this saved table's instances lack (after the plan "
+                          "list grew) and save it back; with --demand-into, rewrite that profile's demand")
     out.set_defaults(func=_outcomes)
     rep = sub.add_parser("report", help="the paper's grid and ablations on the simulator -> docs/results.md")
     rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)

@@ -27,9 +27,13 @@ from cachesmith.profiler.demand import (GRID_STEPS, SIGNALS, DemandProfiler, anc
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.workloads.tasks import generate
 
 
 SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (scores at layer w = 1)
+# CacheBlend's family also below its presets' coverages: a burst's budgets often fit only 5-10%,
+# and unmeasured coverages read as full reuse's verdict, so rank depth 1 would never be planned there
+SHALLOW_COVERAGES = (0.05, 0.10)
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,11 @@ class Outcome:
 
 
 def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeConfig]:
-    """Full prefill, full reuse and every selective preset at each baseline coverage."""
+    """Full prefill, full reuse, every selective preset at each baseline coverage and CacheBlend's
+    family at the shallow coverages below them."""
     plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
-    return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages]
+    shallow = [RecomputeConfig(*SHALLOW, c) for c in SHALLOW_COVERAGES if c not in coverages]
+    return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages] + shallow
 
 
 class OutcomeMeasurer:
@@ -111,15 +117,18 @@ class OutcomeMeasurer:
             lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
         return Flip(low, high, hi / GRID_STEPS)
 
-    def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
-        """`is_flips_only`: full prefill, full reuse, the flips and CacheBlend's presets (the
-        planner's rank depth 1), not the other presets: enough for demand curves, not for the
-        simulator's static methods."""
-        parts = self.pipe.instance_prompt(inst)
+    def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
+        """The fixed plans an instance is measured under; `is_flips_only`: full prefill, full reuse
+        and CacheBlend's family (the planner's rank depth 1), not the other presets: enough for
+        demand curves, not for the simulator's static methods."""
         plans = fixed_plans(self.num_layers)
         if is_flips_only:
             plans = [p for p in plans if p.coverage in (0.0, 1.0) or (p.signal.value, p.warmup, p.probe) == SHALLOW]
-        plans = {p.label(): self._passes(inst, p, p.label()) for p in plans}
+        return plans
+
+    def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
+        parts = self.pipe.instance_prompt(inst)
+        plans = {p.label(): self._passes(inst, p, p.label()) for p in self.plans(is_flips_only)}
         high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
         flips = {f"{s}/{d}": self.flip(inst, s, d, high) for s in SIGNALS for d in anchor_depths(self.num_layers)}
         return Outcome(instance_digest(inst), inst.task, seed, len(parts.prefix_ids),
@@ -222,6 +231,27 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
     mid = depths[len(depths) // 2]
     theta = fit_threshold([o.entropy for o in outs], demands[("kv_dev", mid)], demands[("qci", mid)])
     return task_curves(demands, [o.task for o in outs]), theta
+
+
+def extend_table(pipe: RagPipeline, table: OutcomeTable, cache_path: Path, show_progress: bool = True) -> int:
+    """Measure, in place, every fixed plan `table`'s instances lack (the plan list grew since they
+    were measured), each instance regenerated from its task and seed and checked against its
+    digest; flips-only instances get only what flips-only measures. Resumable through
+    `cache_path`. Returns the number of verdicts added."""
+    measurer, added = OutcomeMeasurer(pipe, cache_path), 0
+    for o in tqdm(table.outcomes, desc="extending outcome tables", unit="inst", disable=not show_progress):
+        is_flips_only = preset("epic", DEFAULT_COVERAGES[0], table.num_layers).label() not in o.plans
+        missing = [p for p in measurer.plans(is_flips_only) if p.label() not in o.plans]
+        if not missing:
+            continue
+        inst = generate(o.task, o.seed)
+        if instance_digest(inst) != o.digest:
+            raise InputError(f"outcome table: instance {o.task}/{o.seed} no longer generates the measured "
+                             f"instance (digest {o.digest}); measure a new table instead")
+        o.plans.update({p.label(): measurer._passes(inst, p, p.label()) for p in missing})
+        o.__dict__.pop("static", None)  # the cached view of the plans is stale now
+        added += len(missing)
+    return added
 
 
 def default_table_path(pipe: RagPipeline) -> Path:

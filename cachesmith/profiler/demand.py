@@ -1,7 +1,8 @@
 """Demand profiling (paper §5.1, Fig. 2/7): for each profiling request, the minimum sufficient
 coverage (5% grid, binary search) per signal at the anchor rank depths (5%, 20%, 50% of the layers,
-p = 1, so w = depth - 1), plus its layer-0 QCI entropy; and the entropy threshold that best
-routes requests to the signal that needs less coverage.
+p = 1, so w = depth - 1) and at rank depth 1 for KV deviation (CacheBlend's (1, 0): the planner's
+cheapest ranking), plus its layer-0 QCI entropy; and the entropy threshold that best routes
+requests to the signal that needs less coverage.
 
 In: a `RagPipeline` and workload instances (default: the served mix, MIX). Out: `DemandCurve`s (over
 all instances and, where they hold several tasks, per task) and theta. The gate reads the whole
@@ -58,13 +59,15 @@ class DemandProfiler:
         return self.cache[key]
 
     def min_coverage(self, inst: WorkloadInstance, signal: str, depth: int) -> float:
-        """Smallest grid coverage that passes (monotone assumption), NEVER if none does."""
+        """Smallest grid coverage that passes (monotone assumption), NEVER if none does. Rank depth
+        1 is CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
         L = self.pipe.model.num_layers
         if not self.evaluate(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]:
             return NEVER
+        warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
 
         def passes(step: int) -> bool:
-            plan = RecomputeConfig(signal, depth - 1, 1, step / GRID_STEPS)
+            plan = RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
             return self.evaluate(inst, plan, f"{signal}/{depth}/{step}")["passed"]
 
         if passes(0):
@@ -82,11 +85,12 @@ class DemandProfiler:
     def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True):
         depths = anchor_depths(self.pipe.model.num_layers)
         demands = {(s, d): [] for s in signals for d in depths}
+        if "kv_dev" in signals:  # the planner's rank depth 1: CacheBlend's (1, 0), bursts' workhorse
+            demands[("kv_dev", 1)] = []
         entropies = []
         for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
-            for s in signals:
-                for d in depths:
-                    demands[(s, d)].append(self.min_coverage(inst, s, d))
+            for s, d in demands:
+                demands[(s, d)].append(self.min_coverage(inst, s, d))
             entropies.append(self.entropy(inst))
         curves = task_curves(demands, [inst.task for inst in instances])
         mid = depths[len(depths) // 2]

@@ -2,15 +2,18 @@
 engine gives the same instance under that plan."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from cachesmith.bench.outcomes import OutcomeMeasurer
+from cachesmith.bench.outcomes import OutcomeMeasurer, OutcomeTable, extend_table
 from cachesmith.engine import Engine, EngineConfig
+from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.planner import Profile
-from cachesmith.recompute import preset
+from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.request import Request
 from cachesmith.workloads.tasks import generate
 
@@ -29,10 +32,22 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     assert measurer.measure(inst, 4) == o  # resumed from the cache: nothing evaluated again
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
     flips_only = measurer.measure(inst, 4, is_flips_only=True)  # demand instances: no presets, same flips
+    shallow = {RecomputeConfig("kv_dev", 1, 0, c).label() for c in (0.05, 0.10)}  # CacheBlend below 15%
+    assert shallow <= set(o.plans)
     assert flips_only.flips == o.flips and set(flips_only.plans) == {
         preset("full_prefill", 1.0, L).label(), preset("full_reuse", 0.0, L).label(),
-        preset("cacheblend", 0.15, L).label(), preset("cacheblend", 0.3, L).label()}
+        preset("cacheblend", 0.15, L).label(), preset("cacheblend", 0.3, L).label()} | shallow
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
+    # a table measured before the plan list grew: extending it measures exactly what it lacks
+    older = replace(o, plans={k: v for k, v in o.plans.items() if k not in shallow})
+    table = OutcomeTable("smollm2-135m", L, pipe.model.config.max_positions, [older])
+    assert extend_table(pipe, table, tmp_path / "evals.jsonl", show_progress=False) == 2
+    assert table.outcomes[0].plans == o.plans and table.outcomes[0].static == o.static
+    assert extend_table(pipe, table, tmp_path / "evals.jsonl", show_progress=False) == 0
+    lacking = {k: v for k, v in o.plans.items() if k not in shallow}
+    stale = OutcomeTable("smollm2-135m", L, 2048, [replace(o, plans=lacking, digest="0" * 16)])
+    with pytest.raises(InputError, match="no longer generates"):
+        extend_table(pipe, stale, tmp_path / "evals.jsonl", show_progress=False)
     profile = Profile.load(next(PACKAGED_DIR.glob("smollm2-135m-*.json")))
     for method in ("full_prefill", "cacheblend@0.15", "prophetkv@0.3"):
         engine = Engine(pipe, profile, EngineConfig(method))
