@@ -163,53 +163,25 @@ class SloAwareScheduler:
                   now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(requests on time in batch + modeled queue, budget, context tokens) per candidate.
 
-        A candidate's budget is raised to its most urgent member's deadline, capped at saturation;
-        past saturation only while every waiting request still clears its floor (FCFS at floors
-        after the batch). Below its floor it runs at the floor and counts who still makes it."""
-        M = combos.shape[0]
-        totals, tokens = np.zeros((M, len(TERMS))), np.zeros(M)
-        first_deadline = np.full(M, np.inf)
-        flat = [r for bucket in buckets for r in bucket]
-        terms, sizes = _terms(flat), np.array([r.num_tokens for r in flat], float)  # one call for all
-        ends = np.cumsum([len(bucket) for bucket in buckets])
-        for b, bucket in enumerate(buckets):
-            k, rows = combos[:, b], slice(ends[b] - len(bucket), ends[b])
-            totals += np.vstack([np.zeros(len(TERMS)), np.cumsum(terms[rows], 0)])[k]
-            tokens += np.concatenate([[0.0], np.cumsum(sizes[rows])])[k]
-            first_deadline = np.where(k > 0, np.minimum(first_deadline, bucket[0].deadline_s), first_deadline)
+        A candidate's budget rises toward its most urgent member's deadline, capped at saturation
+        and where a waiting request that makes its deadline at its floor behind the batch (the
+        queue FCFS at floors) would miss it; past saturation only while the whole waiting queue
+        still clears its floor and the predicted next arrival keeps its saturation budget. Below its
+        floor it runs at the floor and counts who still makes it."""
+        totals, tokens, first_deadline = _compose(buckets, combos)
         floor, saturation = self._bands_of(totals)
         limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
-        budget = np.where(floor > limit, floor, np.minimum(limit, saturation))
-        on_time = np.zeros(M, int)
-        for b, bucket in enumerate(buckets):  # members sorted by deadline: the late ones come first
-            deadlines = np.array([r.deadline_s for r in bucket])
-            on_time += combos[:, b] - np.minimum(combos[:, b], np.searchsorted(deadlines, now + budget, "left"))
-        # the waiting queue in arrival order, modeled FCFS at floors after the batch
-        order = sorted(((r.arrival_s, b, j) for b, bucket in enumerate(buckets) for j, r in enumerate(bucket)))
-        where_b = np.array([b for _, b, _ in order])
-        where_j = np.array([j for _, _, j in order])
-        waiting = combos[:, where_b] <= where_j[None, :]  # [M, Q]
-        fl = np.array([floors[buckets[b][j].request_id] for _, b, j in order])
-        dl = np.array([buckets[b][j].deadline_s for _, b, j in order])
+        waiting, fl, dl = _waiting_queue(buckets, combos, floors)  # [M, Q], [Q], [Q]
         queue_ends = np.cumsum(waiting * fl[None, :], 1)  # [M, Q] after the batch starts the queue
-
-        def queue_on_time(start: np.ndarray) -> np.ndarray:
-            return ((start[:, None] + queue_ends <= dl[None, :]) & waiting).sum(1)
-
-        # the budget rises toward the deadline only while every waiting request that makes its
-        # deadline behind the batch at its floor still makes it (Algorithm 1: "until a request would miss")
         makes_it = waiting & (now + floor[:, None] + queue_ends <= dl[None, :])  # [M, Q]
-        room = np.where(makes_it, dl[None, :] - queue_ends - now - 1e-9, np.inf).min(1)  # [M] (off the rounding edge)
-        budget = np.where(floor > limit, floor, np.maximum(floor, np.minimum(budget, room)))
-        queued = queue_on_time(now + budget)
-        num_waiting = waiting.sum(1)
-        # past saturation only while every waiting request clears its floor at the deadline's budget
-        # and the predicted next arrival keeps its saturation budget
-        raise_ok = (floor <= limit) & (limit > saturation) & (queued == num_waiting) & (room >= limit)
+        room = np.where(makes_it, dl[None, :] - queue_ends - now - 1e-9, np.inf).min(1)  # [M], off the rounding edge
+        budget = np.where(floor > limit, floor, np.maximum(floor, np.minimum(np.minimum(limit, saturation), room)))
+        queued = (((now + budget)[:, None] + queue_ends <= dl[None, :]) & waiting).sum(1)
+        raise_ok = (floor <= limit) & (limit > saturation) & (queued == waiting.sum(1)) & (room >= limit)
         if raise_ok.any():
-            raised = np.minimum(limit, self._arrival_room(now, (waiting * fl[None, :]).sum(1)))
+            raised = np.minimum(limit, self._arrival_room(now, queue_ends[:, -1]))
             budget = np.where(raise_ok, np.maximum(budget, raised), budget)
-        return on_time + queued, budget, tokens
+        return _members_on_time(buckets, combos, now + budget) + queued, budget, tokens
 
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Budget bands [M] of M batches given by their summed request terms [M, 8], in one walk."""
@@ -218,6 +190,43 @@ class SloAwareScheduler:
         M = totals.shape[0]
         t = ttft_totals(cost, signal, ((1, 1),), np.repeat([cfg.r_min, cfg.r_max], M), np.vstack([totals, totals]))[0]
         return k * t[:M], k * t[M:]
+
+
+def _compose(buckets: list[list[QueuedRequest]], combos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate [M]: summed cost-model terms [M, 9], context tokens, most urgent deadline
+    (each bucket's first k members, sorted by deadline)."""
+    M = combos.shape[0]
+    totals, tokens, first_deadline = np.zeros((M, len(TERMS))), np.zeros(M), np.full(M, np.inf)
+    flat = [r for bucket in buckets for r in bucket]
+    terms, sizes = _terms(flat), np.array([r.num_tokens for r in flat], float)  # one call for all
+    ends = np.cumsum([len(bucket) for bucket in buckets])
+    for b, bucket in enumerate(buckets):
+        k, rows = combos[:, b], slice(ends[b] - len(bucket), ends[b])
+        totals += np.vstack([np.zeros(len(TERMS)), np.cumsum(terms[rows], 0)])[k]
+        tokens += np.concatenate([[0.0], np.cumsum(sizes[rows])])[k]
+        first_deadline = np.where(k > 0, np.minimum(first_deadline, bucket[0].deadline_s), first_deadline)
+    return totals, tokens, first_deadline
+
+
+def _waiting_queue(buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float]):
+    """The queue in arrival order: which requests wait behind each candidate [M, Q], their floors
+    [Q] and deadlines [Q]."""
+    order = sorted(((r.arrival_s, b, j) for b, bucket in enumerate(buckets) for j, r in enumerate(bucket)))
+    where_b = np.array([b for _, b, _ in order])
+    where_j = np.array([j for _, _, j in order])
+    waiting = combos[:, where_b] <= where_j[None, :]  # [M, Q]
+    fl = np.array([floors[buckets[b][j].request_id] for _, b, j in order])
+    dl = np.array([buckets[b][j].deadline_s for _, b, j in order])
+    return waiting, fl, dl
+
+
+def _members_on_time(buckets: list[list[QueuedRequest]], combos: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """[M] members whose deadline the batch's end meets (members sorted by deadline per bucket)."""
+    on_time = np.zeros(combos.shape[0], int)
+    for b, bucket in enumerate(buckets):
+        deadlines = np.array([r.deadline_s for r in bucket])
+        on_time += combos[:, b] - np.minimum(combos[:, b], np.searchsorted(deadlines, ends, "left"))
+    return on_time
 
 
 def _terms(requests: Sequence[QueuedRequest]) -> np.ndarray:
