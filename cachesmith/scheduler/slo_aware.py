@@ -83,8 +83,9 @@ class SloAwareScheduler:
         start = time.perf_counter()
         if not queue:
             return None
-        self._observe(queue)
-        floors = dict(zip((r.request_id for r in queue), self.floors(queue).tolist()))
+        floor_s, saturation_s = self._bands_of(_terms(queue))  # [R] each alone, one walk for both
+        self._observe(queue, saturation_s)
+        floors = dict(zip((r.request_id for r in queue), floor_s.tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
@@ -107,12 +108,9 @@ class SloAwareScheduler:
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
 
-    def _observe(self, queue: Sequence[QueuedRequest]) -> None:
-        new = [r for r in queue if r.request_id not in self.arrivals]
-        if new:
-            saturations = self._bands_of(_terms(new))[1]
-            for r, s in zip(new, saturations.tolist()):
-                self.arrivals.observe(r.request_id, r.arrival_s, r.slo_s, s)
+    def _observe(self, queue: Sequence[QueuedRequest], saturation_s: np.ndarray) -> None:
+        for r, s in zip(queue, saturation_s.tolist()):
+            self.arrivals.observe(r.request_id, r.arrival_s, r.slo_s, s)  # the first sighting counts
 
     def _arrival_room(self, now: float, queued_work: np.ndarray) -> np.ndarray:
         """[M] the most budget a batch may take past saturation and still leave the predicted next
