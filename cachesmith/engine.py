@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from cachesmith.clock import Clock, make_clock
 from cachesmith.errors import InputError
-from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, TokenHook
+from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
@@ -49,10 +49,6 @@ class PrefilledBatch:
     run: BatchExecution
     first_token_s: float  # clock time of the batch's first tokens
     batch_id: int
-
-    def first_tokens(self) -> list[tuple[int, int]]:
-        """(request id, first token id) per request: streamable before decoding starts."""
-        return [(a.request.request_id, out.first_token) for a, out in zip(self.batch, self.run.outs)]
 
 
 @dataclass
@@ -148,16 +144,19 @@ class Engine:
     def finish_batch(self, pre: "PrefilledBatch", on_token: TokenHook | None = None) -> list[RequestResult]:
         """Decode (off the TTFT clock), gate, and make the results of a prefilled batch."""
         outputs = self.executor.decode(pre.batch, pre.run, on_token)
-        results = []
-        for adm, out in zip(pre.batch, outputs):
-            req, inst = adm.request, adm.request.instance
-            passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
-            results.append(RequestResult(
-                req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
-                passed, pre.decision.mode, pre.run.plan_label, out.coverage,
-                out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
-                out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds))
-        return results
+        return [self.result(pre, adm, out) for adm, out in zip(pre.batch, outputs)]
+
+    def result(self, pre: "PrefilledBatch", adm: Admitted, out: RequestOutput) -> RequestResult:
+        """One request's result from its decoded output (gated)."""
+        req, inst = adm.request, adm.request.instance
+        passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
+        return RequestResult(
+            req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
+            passed, pre.decision.mode, pre.run.plan_label, out.coverage,
+            out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
+            out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds,
+            num_cached_prefix=out.num_cached_prefix, reused_by_chunk=out.reused_by_chunk,
+            logprobs=out.logprobs, output_token_ids=out.token_ids)
 
     def _gate(self, req: Request, answer: str) -> bool | None:
         """The quality gate's verdict; None when it cannot judge (no gold, or no reference answer)."""

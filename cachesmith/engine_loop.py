@@ -4,9 +4,12 @@ In: `submit(instance, slo_s, on_token)` from any thread. Out: a `Future` resolvi
 request's `RequestResult` (refused ones at once, with their error), and `on_token(index, token_id)`
 calls as tokens are produced: the first token as soon as its batch's prefill ends, the rest while
 decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
-finished batch to a decode thread (prefill-decode disaggregation, DESIGN.md §5), so decoding one
-batch never delays the next batch's first tokens (`is_decode_overlapped=False` decodes on the
-prefill thread instead). Admissions (tokenizing, prefilling missing chunk KV) run in the caller's
+finished batch's sequences to a decode thread (prefill-decode disaggregation, DESIGN.md §5). The
+decode thread steps every decoding sequence together (continuous batching: sequences join and
+leave between steps) and starts no step while a prefill batch runs, so the TTFT SLOs keep the cores;
+only when `max_decoding` sequences wait does decoding run beside prefill, and the prefill thread
+then waits for room before its next batch (memory stays bounded). `is_decode_overlapped=False`
+decodes each batch whole on the prefill thread instead. Admissions (tokenizing, prefilling missing chunk KV) run in the caller's
 thread, one at a time, so they never hold up scheduling. A queue limit answers `QueueFull` with a
 retry-after estimate; `cancel` drops a request still queued; `close()` stops admissions and drains
 what is queued. A batch that raises turns into per-request errors; the loop keeps serving.
@@ -16,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,8 @@ from concurrent.futures import Future
 
 from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import CachesmithError, ConfigError, InputError
+from cachesmith.model import Decoding, Generation
+from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, RequestResult
 from cachesmith.workloads.instance import WorkloadInstance
 
@@ -42,13 +46,15 @@ class EngineClosed(CachesmithError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queue: int = 64, is_decode_overlapped: bool = True) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 64, is_decode_overlapped: bool = True,
+                 max_decoding: int = 64) -> None:
         if engine.clock.name != "live":
             raise ConfigError(f"EngineLoop needs the live clock, the engine has {engine.clock.name!r}")
-        if max_queue < 1:
-            raise ConfigError(f"max_queue={max_queue} must be >= 1")
+        if max_queue < 1 or max_decoding < 1:
+            raise ConfigError(f"max_queue={max_queue} and max_decoding={max_decoding} must be >= 1")
         # False: decode each batch on the prefill thread before the next batch (no core sharing)
         self.engine, self.max_queue, self.is_decode_overlapped = engine, max_queue, is_decode_overlapped
+        self.max_decoding = max_decoding
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
         self._futures: dict[int, Future] = {}
@@ -56,8 +62,14 @@ class EngineLoop:
         self._ids = itertools.count()
         self._num_admitting = 0
         self._is_closing = False
-        self._stop_ids = set(engine.pipeline.model.config.eos_token_ids)
-        self._prefilled: queue.Queue[PrefilledBatch | None] = queue.Queue()
+        self._decoding = Decoding(engine.pipeline.model)  # the decode thread's sequences
+        self._handed: list[Generation] = []  # started on the prefill thread, not yet joined
+        self._num_decoding = 0  # handed + active, read by the prefill thread for room
+        self._is_prefilling = False
+        self._is_prefill_done = False
+        # hears "prefill <num decoding>", "prefilled" and "step <num sequences>" as they happen, under
+        # the loop's lock
+        self.trace: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="cachesmith-prefill", daemon=True)
         self._decoder = threading.Thread(target=self._decode_loop, name="cachesmith-decode", daemon=True)
         self._thread.start()
@@ -92,13 +104,14 @@ class EngineLoop:
                 raise QueueFull(depth, self.max_queue, self.retry_after_s())
 
     def submit(self, instance: WorkloadInstance, slo_s: float,
-               on_token: Callable[[int, int], None] | None = None, arrival_s: float | None = None) -> Future:
+               on_token: Callable[[int, int], None] | None = None, arrival_s: float | None = None,
+               sampling: SamplingParams = GREEDY) -> Future:
         """Queue a request; `arrival_s` (default now, on the engine's clock) starts its TTFT."""
         with self._cond:
             self.check_capacity()
             self._num_admitting += 1
             arrival = self.engine.clock.now() if arrival_s is None else arrival_s
-            request = Request(next(self._ids), instance, slo_s, arrival)
+            request = Request(next(self._ids), instance, slo_s, arrival, sampling)
         future: Future = Future()
         future.request_id = request.request_id  # what `cancel` takes
         try:
@@ -120,29 +133,50 @@ class EngineLoop:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self.engine.queue_depth == 0 and not (self._is_closing and self._num_admitting == 0):
+                while not self._has_work():
                     self._cond.wait()
-                if self.engine.queue_depth == 0:
-                    self._prefilled.put(None)  # closing, and nothing left to serve
+                if self.engine.queue_depth == 0:  # closing, and nothing left to serve
+                    self._is_prefill_done = True
+                    self._cond.notify_all()
                     return
                 decided = self.engine.next_decision()
-            if decided is None:
-                continue
-            decision, batch = decided
-            try:
-                prefilled = self.engine.prefill_batch(decision, batch)
-            except Exception as exc:  # a bad batch must not take the server down with it
-                log.exception("batch %s failed", decision.request_ids)
-                self._resolve([RequestResult.failed(a.request, f"internal error while serving: {exc}")
-                               for a in batch])
-                continue
-            for rid, token in prefilled.first_tokens():
-                if token not in self._stop_ids:
-                    self._emit(rid, 0, token)
+                self._is_prefilling = decided is not None
+                if decided is not None:
+                    self._note(f"prefill {self._num_decoding}")
+            if decided is not None:
+                self._prefill(*decided)
+
+    def _has_work(self) -> bool:
+        """Caller holds the condition: a batch to run (with room to decode it), or time to stop."""
+        if self.engine.queue_depth == 0:
+            return self._is_closing and self._num_admitting == 0
+        return self._num_decoding < self.max_decoding or not self.is_decode_overlapped
+
+    def _prefill(self, decision, batch) -> None:
+        try:
+            prefilled = self.engine.prefill_batch(decision, batch)
+            gens = self.engine.executor.start_decoding(Decoding(self.engine.pipeline.model), batch,
+                                                       prefilled.run, self._emit)
+        except Exception as exc:  # a bad batch must not take the server down with it
+            log.exception("batch %s failed", decision.request_ids)
+            self._resolve([RequestResult.failed(a.request, f"internal error while serving: {exc}")
+                           for a in batch])
+            with self._cond:
+                self._is_prefilling = False
+                self._note("prefilled")
+                self._cond.notify_all()
+            return
+        for gen in gens:
+            gen.tag = (prefilled, gen.tag)
+        with self._cond:
+            self._is_prefilling = False
+            self._note("prefilled")
             if self.is_decode_overlapped:
-                self._prefilled.put(prefilled)
-            else:
-                self._finish(prefilled)
+                self._handed += gens
+                self._num_decoding += len(gens)
+                self._cond.notify_all()
+        if not self.is_decode_overlapped:
+            self._finish_whole(prefilled, gens)
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request still waiting in the queue (a client that went away): its future resolves
@@ -155,17 +189,72 @@ class EngineLoop:
         return True
 
     def _decode_loop(self) -> None:
-        while (prefilled := self._prefilled.get()) is not None:
-            self._finish(prefilled)
+        """Step every decoding sequence together, between prefill batches."""
+        while True:
+            with self._cond:
+                while not self._may_step():
+                    if self._is_prefill_done and not self._handed and not self._decoding.active:
+                        return
+                    self._cond.wait()
+                joining, self._handed = self._handed, []
+                for gen in joining:
+                    self._decoding.add(gen)
+                if self._decoding.active:  # noted under the lock: ordered with prefill's events
+                    self._note(f"step {len(self._decoding.active)}")
+            finished = [g for g in joining if g.is_done]  # ended at their first token
+            if self._decoding.active:
+                finished += self._step()
+            self._done(finished)
 
-    def _finish(self, prefilled: PrefilledBatch) -> None:
+    def _may_step(self) -> bool:
+        """Caller holds the condition: prefill runs first unless `max_decoding` sequences wait."""
+        num_waiting = len(self._handed) + len(self._decoding.active)
+        return num_waiting > 0 and (not self._is_prefilling or self._num_decoding >= self.max_decoding)
+
+    def _step(self) -> list[Generation]:
         try:
-            results = self.engine.finish_batch(prefilled, self._emit_later)
+            return self._decoding.step()
+        except Exception as exc:  # fail these sequences, keep serving
+            log.exception("decode step failed")
+            failed, self._decoding.active = self._decoding.active, []
+            for gen in failed:
+                gen.error = f"internal error while decoding: {exc}"
+            return failed
+
+    def _done(self, gens: list[Generation]) -> None:
+        results = []
+        for gen in gens:
+            prefilled, index = gen.tag
+            adm = prefilled.batch[index]
+            if gen.error is not None:
+                prefilled.run.outs[index].cache.release()
+                results.append(RequestResult.failed(adm.request, gen.error))
+                continue
+            out = self.engine.executor.output(adm, prefilled.run, index, gen)
+            results.append(self.engine.result(prefilled, adm, out))
+        with self._cond:
+            self._num_decoding -= len(gens)
+            self._cond.notify_all()
+        self._resolve(results)
+
+    def _finish_whole(self, prefilled: PrefilledBatch, gens: list[Generation]) -> None:
+        """Decode a batch to its end on this thread (`is_decode_overlapped=False`)."""
+        decoding = Decoding(self.engine.pipeline.model)
+        for gen in gens:
+            decoding.add(gen)
+        try:
+            decoding.run()
         except Exception as exc:
             log.exception("decoding batch %s failed", prefilled.batch_id)
-            results = [RequestResult.failed(a.request, f"internal error while decoding: {exc}")
-                       for a in prefilled.batch]
-        self._resolve(results)
+            for gen in gens:
+                gen.error = f"internal error while decoding: {exc}"
+        with self._cond:
+            self._num_decoding += len(gens)  # _done takes them off again
+        self._done(gens)
+
+    def _note(self, event: str) -> None:
+        if self.trace is not None:
+            self.trace(event)
 
     def _emit(self, request_id: int, index: int, token_id: int) -> None:
         sink = self._sinks.get(request_id)
@@ -176,10 +265,6 @@ class EngineLoop:
         except Exception:  # a consumer's failure (a client gone) must not stop the others
             log.exception("token sink of request %d failed; it gets no more tokens", request_id)
             self._sinks.pop(request_id, None)
-
-    def _emit_later(self, request_id: int, index: int, token_id: int) -> None:
-        if index > 0:  # the first token went out when the prefill ended
-            self._emit(request_id, index, token_id)
 
     def _resolve(self, results: list[RequestResult]) -> None:
         with self._cond:
@@ -194,5 +279,7 @@ class EngineLoop:
             self._cond.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
+        with self._cond:  # a prefill thread that timed out still leaves the decoder to finish
+            self._cond.notify_all()
         self._decoder.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not (self._thread.is_alive() or self._decoder.is_alive())

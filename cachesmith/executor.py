@@ -18,9 +18,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
 from cachesmith.errors import InputError
 from cachesmith.kvstore import KeyedRequest
-from cachesmith.model import greedy_decode
+from cachesmith.model import Decoding, Generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
@@ -39,6 +41,7 @@ class Admitted:
     request: Request
     keyed: KeyedRequest | None  # None in the simulator: no KV is stored or read
     queued: QueuedRequest
+    chunk_tokens: tuple[int, ...] = ()  # each context chunk's token count, in prompt order
 
 
 def check_request(request: Request, prefix: int, context: int, suffix: int, max_positions: int,
@@ -67,6 +70,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     is_passed: bool | None = None  # the runtime's own verdict (the simulator's); None: gate the answer
+    num_cached_prefix: int = 0
+    reused_by_chunk: tuple[int, ...] = ()
+    logprobs: list | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,8 @@ class BatchExecutor:
         parts = self.pipeline.instance_prompt(inst)
         queued = check_request(request, len(parts.prefix_ids), sum(len(c) for c in parts.chunk_ids),
                                len(parts.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
-        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued)
+        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued,
+                        tuple(len(c) for c in parts.chunk_ids))
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part)."""
@@ -162,16 +170,41 @@ class BatchExecutor:
 
     def decode(self, batch: list[Admitted], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:
-        """Greedy answers from the prefilled batch (decode runs off the TTFT clock)."""
-        outputs = []
-        for adm, out, cov in zip(batch, run.outs, run.coverages):
+        """Answers from the prefilled batch, its requests decoded together (off the TTFT clock)."""
+        decoding = Decoding(self.pipeline.model)
+        gens = self.start_decoding(decoding, batch, run, on_token)
+        decoding.run()
+        return [self.output(adm, run, i, gen) for i, (adm, gen) in enumerate(zip(batch, gens))]
+
+    def start_decoding(self, decoding: Decoding, batch: list[Admitted], run: BatchExecution,
+                       on_token: TokenHook | None = None) -> list[Generation]:
+        """Each request's first token chosen now (it may be sampled); the rest come from
+        `decoding.step()`. A generation's `tag` is its request's index in the batch."""
+        gens = []
+        for i, (adm, out) in enumerate(zip(batch, run.outs)):
             rid = adm.request.request_id
-            hook = None if on_token is None else (lambda i, t, rid=rid: on_token(rid, i, t))
-            ids = greedy_decode(self.pipeline.model, out.logits, out.cache, adm.request.instance.max_new_tokens,
-                                on_token=hook)
-            out.cache.release()  # its slabs serve the next batch without fresh page faults
-            q = adm.queued
-            outputs.append(RequestOutput(self.pipeline.tokenizer.decode(ids).strip(), float(cov), out.num_context,
-                                         int(out.selected.numel()), out.qci_entropy,
-                                         q.prefix_tokens + q.context_tokens + q.suffix_tokens, len(ids)))
-        return outputs
+            hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
+            gens.append(decoding.start(out.logits, out.cache, adm.request.instance.max_new_tokens,
+                                       adm.request.sampling, hook, tag=i))
+        return gens
+
+    def output(self, adm: Admitted, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:
+        """A finished generation's answer; its cache's slabs go back to the pool for the next batch."""
+        out, q = run.outs[index], adm.queued
+        out.cache.release()
+        asked = adm.request.sampling.num_logprobs is not None
+        return RequestOutput(self.pipeline.tokenizer.decode(gen.token_ids).strip(), float(run.coverages[index]),
+                             out.num_context, int(out.selected.numel()), out.qci_entropy,
+                             q.prefix_tokens + q.context_tokens + q.suffix_tokens, len(gen.token_ids),
+                             num_cached_prefix=q.prefix_tokens,
+                             reused_by_chunk=reused_by_chunk(adm.chunk_tokens, out.selected),
+                             logprobs=list(gen.logprobs) if asked else None, token_ids=tuple(gen.token_ids))
+
+
+def reused_by_chunk(chunk_tokens: tuple[int, ...], selected) -> tuple[int, ...]:
+    """Per chunk, its rows not recomputed: chunk lengths less the recomputed context indices
+    (`selected`, sorted, over the concatenated context) that fall in it."""
+    ends = np.cumsum(chunk_tokens)
+    recomputed = np.bincount(np.searchsorted(ends, np.asarray(selected), side="right"),
+                             minlength=len(chunk_tokens))[:len(chunk_tokens)]
+    return tuple(int(n - r) for n, r in zip(chunk_tokens, recomputed))

@@ -15,6 +15,7 @@ import torch
 
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
+from cachesmith.model.chunk import extend_chunk, prefill_chunk
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.errors import InputError
 from cachesmith.recompute import BatchRunner, RecomputeConfig
@@ -50,15 +51,15 @@ class RagPipeline:
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
 
     def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "",
-               system: str | None = None) -> PromptParts:
+               system: str | None = None, history: Sequence[tuple[str, str]] = ()) -> PromptParts:
         return self.tokenizer.rag_prompt_parts(documents, question, system=system or self.system,
-                                               answer_prefix=answer_prefix)
+                                               answer_prefix=answer_prefix, history=history)
 
     def instance_prompt(self, inst: WorkloadInstance) -> PromptParts:
         """An instance's prompt; chunks given as stored chunk ids take their tokens from the store."""
         system = inst.prefix or None
         if not inst.chunk_ids:
-            return self.prompt(inst.documents, inst.question, inst.answer_prefix, system)
+            return self.prompt(inst.documents, inst.question, inst.answer_prefix, system, inst.history)
         chunks = []
         for i, key in enumerate(inst.chunk_ids):
             try:
@@ -70,8 +71,27 @@ class RagPipeline:
                                  f"`cachesmith precompute --keys-out` lists stored ids)")
             chunks.append(list(reader.header.token_ids))
             reader.close()
-        parts = self.prompt(["-"], inst.question, inst.answer_prefix, system)
+        parts = self.prompt(["-"], inst.question, inst.answer_prefix, system, inst.history)
         return PromptParts(parts.prefix_ids, chunks, parts.suffix_ids)
+
+    def ensure_prefix(self, token_ids: Sequence[int], earlier: Sequence[Sequence[int]] = ()) -> tuple[str, int]:
+        """Key of the stored KV of a prompt prefix, and how many of its tokens were already stored.
+        On a miss the longest stored `earlier` prefix of it (a conversation's earlier turns) is
+        extended by the rest, exactly (both start at position 0), instead of prefilling it all."""
+        ids = list(token_ids)
+        key = self.store.key_for(self.model, ids)
+        if self.store.contains(key):
+            return key, len(ids)
+        for base_ids in sorted(earlier, key=len, reverse=True):
+            base_ids = list(base_ids)
+            if not 0 < len(base_ids) < len(ids) or ids[:len(base_ids)] != base_ids:
+                continue  # not a token prefix of this one (the template may differ at the seam)
+            base = self.store.get(self.store.key_for(self.model, base_ids), self.model)
+            if base is not None:
+                self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]))
+                return key, len(base_ids)
+        self.store.put(prefill_chunk(self.model, ids))
+        return key, 0
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.workloads.instance import WorkloadInstance
 
 
@@ -17,6 +18,7 @@ class Request:
     instance: WorkloadInstance
     slo_s: float
     arrival_s: float = 0.0
+    sampling: SamplingParams = GREEDY  # how its tokens are chosen (its budget: instance.max_new_tokens)
 
 
 @dataclass
@@ -41,6 +43,16 @@ class RequestResult:
     num_output_tokens: int = 0  # generated (the first token included, end-of-sequence not)
     error_kind: str | None = None  # "invalid" (refused), "internal" (a batch failed), "cancelled"
     batch_s: float | None = None  # the batch's measured (or simulated) TTFT: staging to its first tokens
+    num_cached_prefix: int = 0  # prompt prefix tokens whose KV was read from the store (exact)
+    reused_by_chunk: tuple[int, ...] = ()  # per context chunk, its tokens read from the store, not recomputed
+    logprobs: list | None = None  # per generated token, a `TokenLogprob` (when the request asked)
+    output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from stored KV and not recomputed: the exact prefix and the reused
+        context rows."""
+        return self.num_cached_prefix + sum(self.reused_by_chunk)
 
     @property
     def ttft_s(self) -> float | None:

@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny random-weight HF models saved to disk, and the packaged real model."""
+"""Shared fixtures: tiny random-weight HF models saved to disk, the packaged real model, redis-servers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.redis_server import start_redis
 from tests.tiny_models import TINY_ARCHITECTURES, save_tiny_model
 
 
@@ -28,3 +29,20 @@ def real_model():
 
     path = resolve_model("smollm2-135m")
     return Decoder(path, "cpu", torch.float32), Tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server shared by the session's tests (entries are content-addressed, so tests
+    do not collide), stopped after the session."""
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture()
+def redis_server(tmp_path):
+    """A redis-server of this test's own, which the test may stop (an outage) before the end."""
+    server = start_redis(tmp_path)
+    yield server
+    server.stop()

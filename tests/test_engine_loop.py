@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,8 @@ from cachesmith.clock import LiveClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import ConfigError
+from cachesmith.model.sampling import SamplingParams
+from cachesmith.workloads.instance import WorkloadInstance
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
@@ -107,10 +110,10 @@ def test_tokens_stream_in_order_and_spell_the_answer(pipe):
 def test_a_failing_decode_and_a_failing_sink_do_not_stop_the_loop(pipe):
     engine = live_engine(pipe, "full_reuse")
     loop = EngineLoop(engine)
-    original = engine.executor.decode
-    engine.executor.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("decode broke"))
+    original = loop._decoding.step  # the decode thread's step over every decoding sequence
+    loop._decoding.step = lambda: (_ for _ in ()).throw(RuntimeError("decode broke"))
     assert "internal error while decoding: decode broke" in loop.submit(instance(8), 30.0).result(timeout=10).error
-    engine.executor.decode = original
+    loop._decoding.step = original
 
     def bad_sink(i, t):
         raise ValueError("client went away")
@@ -147,3 +150,51 @@ def test_cancel_drops_a_queued_request_but_not_a_running_one(pipe):
     gate.set()
     assert running.result(timeout=30).error is None and not loop.cancel(running.request_id)
     assert loop.close(timeout=10)
+
+
+def _long(seed: int) -> WorkloadInstance:
+    return replace(instance(seed), max_new_tokens=12)
+
+
+def test_decode_steps_sequences_together_and_never_starts_during_a_prefill(pipe):
+    loop = EngineLoop(live_engine(pipe, "full_reuse"))
+    events: list[str] = []
+    loop.trace = events.append  # called under the loop's lock: the order is the real one
+    futures = [loop.submit(_long(40 + i), 30.0) for i in range(6)]
+    results = [f.result(timeout=60) for f in futures]
+    assert all(r.error is None for r in results) and loop.close(timeout=10)
+    prefills = [e for e in events if e.startswith("prefill ")]
+    assert len(prefills) == events.count("prefilled") >= 1
+    is_prefilling = False
+    for event in events:
+        if event.startswith("prefill"):
+            is_prefilling = event != "prefilled"
+        else:
+            assert not is_prefilling, events  # decode waits for the prefill batch (prefill priority)
+    assert max(int(e.split()[1]) for e in events if e.startswith("step")) >= 2  # stepped together
+
+
+def test_a_full_decode_set_makes_the_next_prefill_wait(pipe):
+    loop = EngineLoop(live_engine(pipe, "full_reuse"), max_decoding=1)
+    events: list[str] = []
+    loop.trace = events.append
+    decoding = threading.Event()
+    futures = [loop.submit(_long(50), 30.0, on_token=lambda i, t: decoding.set())]
+    assert decoding.wait(30)  # the first request is decoding: the next batches must wait for room
+    futures += [loop.submit(_long(51 + i), 30.0) for i in range(2)]
+    assert all(f.result(timeout=60).error is None for f in futures) and loop.close(timeout=10)
+    prefills = [int(e.split()[1]) for e in events if e.startswith("prefill ")]
+    assert len(prefills) >= 2 and set(prefills) == {0}  # each batch waited until decoding had room
+    assert any(e.startswith("step") for e in events)
+
+
+def test_sampled_requests_repeat_with_their_seed_and_report_logprobs(pipe):
+    loop = EngineLoop(live_engine(pipe, "full_prefill"))
+    hot = SamplingParams(temperature=1.5, seed=7, num_logprobs=2)
+    first, again = (loop.submit(_long(60), 30.0, sampling=hot).result(timeout=30) for _ in range(2))
+    greedy = loop.submit(_long(60), 30.0, sampling=SamplingParams(num_logprobs=1)).result(timeout=30)
+    assert loop.close(timeout=10)
+    assert first.error is None and first.output_token_ids == again.output_token_ids
+    assert len(first.logprobs) == first.num_output_tokens == len(first.output_token_ids)
+    # greedy: every chosen token is the most likely one, and its logprob is the top one's
+    assert all(r.token_id == r.top[0][0] and r.logprob == r.top[0][1] for r in greedy.logprobs)

@@ -104,12 +104,18 @@ class ChunkStore:
             reader.tier = tier
             self.stats.hits[tier.name] += 1
             if i > 0:
-                data = read_bytes(source, 0, source.size)
-                for faster in self.tiers[:i]:
-                    faster.put(key, data)
+                self._fill(self.tiers[:i], key, source)
             return reader
         self.stats.misses += 1
         return None
+
+    @staticmethod
+    def _fill(faster: Sequence[Tier], key: str, source) -> None:
+        data = read_bytes(source, 0, source.size)
+        if len(data) != source.size:  # the tier went away mid-read: a partial copy would only be evicted
+            return
+        for tier in faster:
+            tier.put(key, data)
 
     def get(self, key: str, model: Decoder | None = None) -> ChunkKV | None:
         """The whole entry as a `ChunkKV`, or None (a miss, or every holder was corrupt)."""

@@ -110,6 +110,11 @@ class Tier(ABC):
     def keys(self) -> list[str]:
         """Every key this tier holds, sorted."""
 
+    @property
+    def is_up(self) -> bool:
+        """Whether the tier can serve now; the store-tier-up gauge reads it at scrape time."""
+        return True
+
 
 class MemoryTier(Tier):
     name = "memory"
@@ -230,9 +235,14 @@ class DiskTier(Tier):
     def keys(self) -> list[str]:
         return sorted(p.stem for p in self.root.glob("*/*.cskv"))
 
+    @property
+    def is_up(self) -> bool:
+        return self.root.is_dir() and os.access(self.root, os.R_OK | os.W_OK)
+
 
 class RedisTier(Tier):
-    """Entries as redis strings; GETRANGE reads a layer or a row range. Unreachable -> warn, skip."""
+    """Entries as redis strings; GETRANGE reads a layer or a row range. Unreachable -> warn, skip:
+    every call then answers as an empty tier, so the store serves from its local tiers."""
 
     name = "redis"
     PREFIX = "cachesmith:kv:"
@@ -244,22 +254,32 @@ class RedisTier(Tier):
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._unreachable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._refused = redis.exceptions.RedisError
 
     @property
     def is_available(self) -> bool:
+        """False while backing off after a failure (no reconnect storm)."""
         return time.monotonic() >= self._down_until
+
+    @property
+    def is_up(self) -> bool:
+        # a PING, so a server that went away while no request touched it still reads as down;
+        # while backing off no PING is sent, so a scrape never hammers a dead server
+        return self.is_available and bool(self._call(self.client.ping, False))
 
     def _call(self, fn, default):
         if not self.is_available:
             return default
         try:
             return fn()
-        except self._errors as exc:
+        except self._unreachable as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             log.warning("redis tier %s unreachable (%s); using local tiers for %.0f s",
                         self.url, exc, self.retry_after_s)
-            return default
+        except self._refused as exc:  # reachable but refused the command (out of memory, read-only)
+            log.warning("redis tier %s refused a command (%s); skipped", self.url, exc)
+        return default
 
     def source(self, key: str):
         name = self.PREFIX + validate_key(key)

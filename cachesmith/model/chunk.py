@@ -62,3 +62,23 @@ def prefill_chunk(model: Decoder, token_ids: Sequence[int] | torch.Tensor) -> Ch
         values=values,
         model_fingerprint=model.fingerprint,
     )
+
+
+def extend_chunk(model: Decoder, base: ChunkKV, token_ids: Sequence[int]) -> ChunkKV:
+    """The KV of `base`'s tokens followed by `token_ids`, all from position 0: `base`'s rows are
+    reused and only the new tokens run (over them), which is exact because `base` is itself a prefill
+    from position 0 with nothing before it (a conversation's stored earlier turns)."""
+    base.check_compatible(model, "base chunk")
+    ids = model.as_token_tensor(token_ids, field="token_ids", start=base.num_tokens)
+    n = base.num_tokens
+    cache = model.new_cache(n + ids.numel())
+    cos, sin = model.rope.cos_sin(torch.arange(n, device=model.device))
+    for layer in range(model.num_layers):
+        cache.write(layer, 0, model.rope.apply(base.keys[layer], cos, sin), base.values[layer])
+    cache.num_tokens = n
+    pre_rope_keys: list[torch.Tensor] = []
+    model.extend(ids, cache, pre_rope_keys=pre_rope_keys)
+    keys = torch.cat([base.keys, torch.stack(pre_rope_keys)], dim=1)
+    values = cache.value_slab[:, :n + ids.numel()].clone()
+    cache.release()
+    return ChunkKV(base.token_ids + tuple(int(t) for t in ids.tolist()), keys, values, model.fingerprint)

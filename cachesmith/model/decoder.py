@@ -15,6 +15,7 @@ from cachesmith.errors import InputError
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
+from cachesmith.model.linear import Linear
 from cachesmith.model.rope import RotaryEmbedding
 from cachesmith.model.weights import fingerprint, load_weights
 
@@ -50,6 +51,7 @@ class Decoder:
         self.fingerprint = fingerprint(self.model_dir)
         self.embed_weight = weights.embed  # [vocab, hidden]
         self.head_weight = weights.head  # [vocab, hidden]
+        self.head_proj = Linear(weights.head)
         self.layers = [DecoderLayer(self.config, w) for w in weights.layers]
         self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
         self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
@@ -66,7 +68,7 @@ class Decoder:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden of the selected positions [k, hidden] -> float32 logits [k, vocab]."""
-        return torch.nn.functional.linear(hidden, self.head_weight).float()
+        return self.head_proj(hidden).float()
 
     # -- validation ---------------------------------------------------------------------------
     def as_token_tensor(self, token_ids: Sequence[int] | torch.Tensor, field: str = "token_ids",
@@ -122,9 +124,11 @@ class Decoder:
         return self.head(hidden[-1:])[0], cache
 
     @torch.inference_mode()
-    def extend(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def extend(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache,
+               pre_rope_keys: list[torch.Tensor] | None = None) -> torch.Tensor:
         """New tokens at positions [cache.num_tokens, + T) over everything the cache holds (causal
-        among themselves); their K/V are appended. Returns the final-normed hidden [T, hidden]."""
+        among themselves); their K/V are appended (and each layer's pre-RoPE K to `pre_rope_keys`,
+        if given). Returns the final-normed hidden [T, hidden]."""
         start = cache.num_tokens
         if start + len(token_ids) > self.config.max_positions:
             raise InputError(f"decode reached the model's maximum of {self.config.max_positions} positions")
@@ -137,6 +141,8 @@ class Decoder:
         h = self.embed(ids)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(layer.input_norm(h))
+            if pre_rope_keys is not None:
+                pre_rope_keys.append(k)
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             cache.write(i, start, k, v)
             keys, values = cache.view(i, end)

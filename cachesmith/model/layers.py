@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cachesmith.model.config import ModelConfig
+from cachesmith.model.linear import Linear
 
 
 class RMSNorm:
@@ -44,19 +45,20 @@ class DecoderLayer:
         self.post_norm = RMSNorm(weights["post_norm"], config.rms_norm_eps)
         self.qkv_weight = weights["qkv"]  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
         self.qkv_bias = weights.get("qkv_bias")
+        self.qkv_proj = Linear(self.qkv_weight, self.qkv_bias)
         self.q_norm = RMSNorm(weights["q_norm"], config.rms_norm_eps) if config.is_qk_norm else None
         self.k_norm = RMSNorm(weights["k_norm"], config.rms_norm_eps) if config.is_qk_norm else None
-        self.o_weight = weights["o"]  # [hidden, num_heads * head_dim]
-        self.gate_weight = weights["gate"]  # [intermediate, hidden]
-        self.up_weight = weights["up"]  # [intermediate, hidden]
-        self.down_weight = weights["down"]  # [hidden, intermediate]
+        self.o_proj = Linear(weights["o"])  # [hidden, num_heads * head_dim]
+        self.gate_proj = Linear(weights["gate"])  # [intermediate, hidden]
+        self.up_proj = Linear(weights["up"])  # [intermediate, hidden]
+        self.down_proj = Linear(weights["down"])  # [hidden, intermediate]
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed hidden x [num_tokens, hidden] -> pre-RoPE q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
         cfg = self.config
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -97,15 +99,15 @@ class DecoderLayer:
 
     def out_proj(self, attn: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H * D] -> [num_tokens, hidden]."""
-        return F.linear(attn, self.o_weight)
+        return self.o_proj(attn)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Post-normed hidden [num_tokens, hidden] -> [num_tokens, hidden] (SwiGLU)."""
         # Two matmuls rather than a fused gate/up: the down projection then reads a contiguous
         # input (measured faster at 4K tokens), and SiLU * up runs in place (a fresh
         # [T, intermediate] tensor costs page faults on CPU).
-        gate = F.silu(F.linear(x, self.gate_weight), inplace=True)
-        return F.linear(gate.mul_(F.linear(x, self.up_weight)), self.down_weight)
+        gate = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """Residual MLP sub-block h + mlp(post_norm(h)), added into `h` in place and returned."""

@@ -47,6 +47,10 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it appears in decoded output (special tokens included)."""
+        return self.hf.decode([token_id])
+
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
@@ -58,9 +62,10 @@ class Tokenizer:
 
     def rag_prompt_parts(self, documents: Sequence[str], question: str,
                          system: str | None = None, separator: str = "\n\n",
-                         answer_prefix: str = "") -> PromptParts:
-        """Chat prompt whose user turn is the documents followed by the question; `answer_prefix`
-        opens the assistant turn (part of the always-computed suffix)."""
+                         answer_prefix: str = "", history: Sequence[tuple[str, str]] = ()) -> PromptParts:
+        """Chat prompt whose last user turn is the documents followed by the question; `history`
+        (earlier (role, content) turns) goes into the prefix before it; `answer_prefix` opens the
+        assistant turn (part of the always-computed suffix)."""
         if not documents:
             raise InputError("documents must hold at least one passage")
         for i, doc in enumerate(documents):
@@ -68,12 +73,32 @@ class Tokenizer:
                 raise InputError(f"documents[{i}] must be a non-empty string")
         if not isinstance(question, str) or not question.strip():
             raise InputError("question must be a non-empty string")
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": _SLOT}]
-        head, tail = self.chat_text(messages).split(_SLOT)
+        head, tail = self.chat_text(_messages(system, history) + [{"role": "user", "content": _SLOT}]).split(_SLOT)
         return PromptParts(
             prefix_ids=self.encode(head),
             chunk_ids=[self.chunk_ids(doc, separator, field=f"documents[{i}]")
                        for i, doc in enumerate(documents)],
             suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )
+
+    def conversation_ids(self, system: str | None, turns: Sequence[tuple[str, str]]) -> list[int]:
+        """Token ids of a finished conversation (no generation prompt): what the next turn's prompt
+        starts with, so its KV can be stored for that turn."""
+        return self.encode(self.chat_text(_messages(system, turns), add_generation_prompt=False))
+
+    def earlier_prefixes(self, system: str | None, history: Sequence[tuple[str, str]]) -> list[list[int]]:
+        """Token ids a stored earlier prompt prefix of this conversation may hold: each earlier
+        turn's prompt head and each finished exchange, longest first."""
+        heads = []
+        for j in range(len(history), -1, -1):
+            if j and history[j - 1][0] != "assistant":
+                continue  # a prompt always follows a finished exchange
+            heads.append(self.rag_prompt_parts(["-"], "-", system, history=history[:j]).prefix_ids)
+            if j:
+                heads.append(self.conversation_ids(system, history[:j]))
+        return heads
+
+
+def _messages(system: str | None, turns: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": role, "content": content} for role, content in turns]

@@ -55,7 +55,9 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics", dependencies=auth)
     async def prometheus():
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # in a worker thread: the store-tier-up gauge may wait on a redis PING (up to its timeout)
+        body = await run_in_threadpool(metrics.exposition)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
@@ -173,7 +175,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
             raise ApiError(500 if result.is_internal_error else 400, result.error, None,
                            "internal_error" if result.is_internal_error else None,
                            "server_error" if result.is_internal_error else "invalid_request_error")
-        return completion_body(shape, head, result, max_tokens, body.stops)
+        return completion_body(shape, head, result, max_tokens, body.stops, service.pipeline.tokenizer.token_text)
     stream.watch(future)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(_cancel_if_abandoned(sse(shape, head, stream, max_tokens, include_usage),

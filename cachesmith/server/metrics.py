@@ -20,8 +20,16 @@ class ServiceMetrics:
     def __init__(self, service: Service) -> None:
         self.registry = CollectorRegistry()
         self.service = service
-        self.ttft = Histogram("cachesmith_ttft_seconds", "Time to first token (arrival to first token)",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
+        # vLLM's name with our prefix, so dashboards built on vllm:time_to_first_token_seconds carry over
+        self.ttft = Histogram("cachesmith:time_to_first_token_seconds",
+                              "Time to first token (arrival to first token)", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        # vLLM's prefix-cache counters, in tokens: prompt tokens looked up, and those served from
+        # stored KV without recompute (usage.prompt_tokens_details.cached_tokens)
+        self.cache_queries = Counter("cachesmith:prefix_cache_queries", "Prompt tokens of served requests",
+                                     registry=self.registry)
+        self.cache_hits = Counter("cachesmith:prefix_cache_hits",
+                                  "Prompt tokens served from stored KV and not recomputed", registry=self.registry)
         self.served = Counter("cachesmith_requests_served", "Requests that got an answer, by SLO and gate",
                               ["on_time", "gate"], registry=self.registry)
         self.qsa = Counter("cachesmith_qsa", "Requests on time and passing their quality gate (QSA numerator)",
@@ -41,6 +49,8 @@ class ServiceMetrics:
             self.failed.labels(result.error_kind or "invalid").inc()
             return
         self.ttft.observe(result.ttft_s)
+        self.cache_queries.inc(result.num_prompt_tokens)
+        self.cache_hits.inc(result.num_cached_tokens)
         gate = "none" if result.is_passed is None else "passed" if result.is_passed else "failed"
         self.served.labels(str(result.is_on_time).lower(), gate).inc()
         if result.is_qsa:
@@ -80,3 +90,8 @@ class _EngineCollector:
                                   value=store.misses)
         yield GaugeMetricFamily("cachesmith_store_hit_rate", "Store hits / reads since start",
                                 value=store.hit_rate())
+        up = GaugeMetricFamily("cachesmith_store_tier_up", "1 if the store tier is reachable now, else 0 "
+                               "(reads and writes then skip it)", labels=["tier"])
+        for tier in svc.store.tiers:
+            up.add_metric([tier.name], float(tier.is_up))
+        yield up

@@ -7,11 +7,12 @@ In: a finished `RequestResult` (or a `TokenStream` for streaming). Out: JSON-rea
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from cachesmith.request import RequestResult
+from cachesmith.server.logprobs import chat_logprobs, num_answer_tokens, text_logprobs
 from cachesmith.server.streaming import TokenStream, answer_text, finish_reason
 
 
@@ -32,26 +33,35 @@ class Shape(Enum):
 
 
 def served(result: RequestResult) -> dict:
-    """What cachesmith did for this request (times in ms on the server's clock)."""
+    """What cachesmith did for this request (times in ms on the server's clock). `cached_tokens`
+    splits usage's cached tokens: the exact prompt prefix read from the store, and context rows
+    composed from stored chunk KV and not recomputed."""
     return {"ttft_ms": round(1e3 * result.ttft_s, 3), "slo_ms": round(1e3 * result.slo_s, 3),
             "is_on_time": result.is_on_time, "is_passed": result.is_passed, "mode": result.mode,
             "plan": result.plan, "coverage": result.coverage, "num_context_tokens": result.num_context_tokens,
-            "num_recomputed": result.num_recomputed, "batch_size": result.batch_size}
+            "num_recomputed": result.num_recomputed, "batch_size": result.batch_size,
+            "cached_tokens": {"prefix": result.num_cached_prefix, "chunks": sum(result.reused_by_chunk)}}
 
 
 def usage(result: RequestResult) -> dict:
     return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
-            "total_tokens": result.num_prompt_tokens + result.num_output_tokens}
+            "total_tokens": result.num_prompt_tokens + result.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
 
 
 def completion_body(shape: Shape, head: dict, result: RequestResult, max_tokens: int,
-                    stop: Sequence[str]) -> dict:
+                    stop: Sequence[str], token_text: Callable[[int], str] | None = None) -> dict:
     text, _ = answer_text(result, stop)
     reason = finish_reason(result, max_tokens, stop)
+    logprobs = None
+    if result.logprobs is not None and token_text is not None:
+        records = result.logprobs[:num_answer_tokens(result, text, token_text)]
+        logprobs = chat_logprobs(records, token_text) if shape is Shape.CHAT else text_logprobs(records, token_text)
     if shape is Shape.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     return {**head, "object": shape.value.object, "choices": [choice], "usage": usage(result),
             "cachesmith": served(result)}
 

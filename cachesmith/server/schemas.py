@@ -2,16 +2,19 @@
 `documents` (texts, or `{"id": ...}` of stored chunks) and `slo_ms`, plus the chunk API.
 
 In: JSON bodies. Out: validated pydantic models and, from them, the service's `CompletionSpec`.
-Unknown fields are refused by name; OpenAI fields cachesmith cannot honour (sampling, n > 1,
-logprobs, echo, penalties) are refused with the reason rather than ignored. Decoding is greedy.
+Unknown fields are refused by name; OpenAI fields cachesmith cannot honour (n > 1, echo, suffix,
+best_of > 1, logprobs with streaming) are refused with the reason rather than ignored. Decoding is
+greedy unless `temperature` > 0 (then `top_p`, `top_k`, `seed` and the penalties apply).
 """
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import replace
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from cachesmith.errors import InputError
+from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cachesmith.server.service import CompletionSpec, DocumentRef
 
 MAX_STOP = 4
@@ -22,14 +25,82 @@ class _Body(BaseModel):
 
 
 class DocumentId(_Body):
+    """`{"id": ...}`: a chunk already in the store, by its 64-hex id."""
     id: str = Field(min_length=1, max_length=128)
 
 
+def _passage(title: str | None, text: str) -> str:
+    # the same join for every titled shape, so each stores the same chunk as the string "title\ntext"
+    return f"{title}\n{text}" if title and title.strip() else text
+
+
 class DocumentText(_Body):
+    """`{"text": ...}`, or vLLM's and LangChain-like `{"title": ..., "text": ...}`."""
+    title: str | None = None
     text: str = Field(min_length=1)
 
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, text: str) -> str:
+        if not text.strip():
+            raise ValueError("must not be empty")
+        return text
 
-Document = str | DocumentText | DocumentId
+    @property
+    def passage(self) -> str:
+        return _passage(self.title, self.text)
+
+
+class CohereData(BaseModel):
+    """The passage is `snippet` (else `text`), after `title` when given. Cohere lets clients put
+    other fields here (url, date, ...): they are accepted and not part of the passage."""
+    model_config = ConfigDict(extra="allow")
+    title: str | None = None
+    snippet: str | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _has_passage(self):
+        if self.snippet is None and self.text is None:
+            raise ValueError('needs "snippet" or "text" (the passage)')
+        name = "snippet" if self.snippet is not None else "text"
+        if not getattr(self, name).strip():
+            raise ValueError(f"{name} must not be empty")
+        return self
+
+
+class CohereDocument(_Body):
+    """Cohere's `{"id"?: ..., "data": {...}}`. Its `id` is the client's own name for the document,
+    not a stored chunk id: an object with `data` is always a text document."""
+    id: str | None = None
+    data: CohereData
+
+    @property
+    def passage(self) -> str:
+        data = self.data
+        return _passage(data.title, data.snippet if data.snippet is not None else data.text)
+
+
+def _shape(doc) -> str | None:
+    """Which shape a document is, so a bad one reports that shape's errors only (not every
+    shape's); None (no shape) gets the message below."""
+    if isinstance(doc, (str, BaseModel)):
+        return "str" if isinstance(doc, str) else type(doc).__name__
+    if not isinstance(doc, dict):
+        return None
+    if "data" in doc:
+        return "CohereDocument"
+    if "text" in doc or "title" in doc:
+        return "DocumentText"
+    return "DocumentId" if "id" in doc else None
+
+
+Document = Annotated[
+    Annotated[str, Tag("str")] | Annotated[DocumentText, Tag("DocumentText")]
+    | Annotated[DocumentId, Tag("DocumentId")] | Annotated[CohereDocument, Tag("CohereDocument")],
+    Discriminator(_shape, custom_error_type="document_shape",
+                  custom_error_message='a document is a string, {"text": ...} (optionally with "title"), '
+                                       '{"id": <stored chunk id>} or {"data": {"snippet" or "text": ...}}')]
 
 
 class StreamOptions(_Body):
@@ -45,13 +116,14 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None or 0: greedy
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)  # an extension, as in vLLM (0: off)
     n: int = 1
-    seed: int | None = None  # decoding is greedy: any seed gives the same answer
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # same seed and request -> same text
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     answer_prefix: str = ""  # cachesmith: text that opens the answer (the model continues it)
     gold: list[str] | None = None  # cachesmith: reference answers; gates the answer for QSA metrics
     task: str = "custom"  # cachesmith: how `gold` is scored (a workload task name)
@@ -65,39 +137,40 @@ class _Generation(_Body):
         return stops
 
     @model_validator(mode="after")
-    def _greedy_only(self):
-        refused = [(self.temperature not in (None, 0), "temperature", "only greedy decoding (temperature 0)"),
-                   (self.top_p not in (None, 1), "top_p", "only greedy decoding (top_p 1)"),
-                   (self.n != 1, "n", "one choice per request (n=1)"),
-                   (self.presence_penalty != 0, "presence_penalty", "no penalties"),
-                   (self.frequency_penalty != 0, "frequency_penalty", "no penalties")]
-        for is_bad, name, what in refused:
-            if is_bad:
-                raise ValueError(f"{name}: cachesmith supports {what}")
+    def _one_choice(self):
+        if self.n != 1:
+            raise ValueError(f"n: cachesmith returns one choice per request (n=1), got n={self.n}")
         return self
+
+    def sampling(self, num_logprobs: int | None) -> SamplingParams:
+        return SamplingParams(self.temperature or 0.0, 1.0 if self.top_p is None else self.top_p, self.top_k or 0,
+                              self.seed, self.presence_penalty or 0.0, self.frequency_penalty or 0.0, num_logprobs)
 
     @property
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
     def spec(self, question: str, system: str = "", answer_prefix: str | None = None,
-             max_tokens: int | None = None) -> CompletionSpec:
+             max_tokens: int | None = None, num_logprobs: int | None = None) -> CompletionSpec:
+        if num_logprobs is not None and self.stream:
+            raise InputError("logprobs: not available with stream=true; ask without streaming")
         return CompletionSpec(tuple(_document(d) for d in self.documents), question, system,
                               max_tokens or self.max_tokens, None if self.slo_ms is None else self.slo_ms / 1e3,
                               tuple(self.gold or ()), self.task,
-                              self.answer_prefix if answer_prefix is None else answer_prefix)
+                              self.answer_prefix if answer_prefix is None else answer_prefix,
+                              self.sampling(num_logprobs))
 
 
 def _document(doc: Document) -> DocumentRef:
     if isinstance(doc, DocumentId):
         return DocumentRef(chunk_id=doc.id)
-    return DocumentRef(text=doc if isinstance(doc, str) else doc.text)
+    return DocumentRef(text=doc if isinstance(doc, str) else doc.passage)
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[str]
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy completions allow 0-5
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -107,7 +180,7 @@ class CompletionRequest(_Generation):
             if len(prompt) != 1:
                 raise InputError(f"prompt: one prompt per request, got a list of {len(prompt)}")
             prompt = prompt[0]
-        return self.spec(prompt)
+        return self.spec(prompt, num_logprobs=self.logprobs)
 
 
 class TextPart(_Body):
@@ -128,25 +201,40 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
 
     def to_spec(self) -> CompletionSpec:
-        """System (or developer) messages first, then one user message: the question (the documents
-        go into that user turn, before it). A last assistant message opens the answer, which the
-        model continues (as `answer_prefix`)."""
+        """System (or developer) messages first, then turns alternating user / assistant. The last
+        user message is the question; the documents go into that turn, before it. Earlier turns are
+        the exact prefix (their KV is stored and reused by the next turn). A last assistant message
+        opens the answer, which the model continues (as `answer_prefix`)."""
         system = [m for m in self.messages if m.role in ("system", "developer")]
         rest = self.messages[len(system):]
         if any(m.role in ("system", "developer") for m in rest):
             raise InputError("messages: system messages must come first")
-        roles = [m.role for m in rest]
-        if roles not in (["user"], ["user", "assistant"]):
-            raise InputError("messages: cachesmith serves single-turn RAG requests: optional system messages, "
-                             f"one user message, optionally an assistant message to continue (got roles {roles})")
-        prefix = rest[1].text if len(rest) == 2 else None
+        prefix = rest[-1].text if rest and rest[-1].role == "assistant" else None
+        turns = rest[:-1] if prefix is not None else rest
+        roles = [m.role for m in turns]
+        if not turns or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)) \
+                or roles[-1] != "user":
+            raise InputError("messages: after the system messages, turns must alternate user / assistant, start "
+                             "with a user message and end with the user's question (optionally followed by an "
+                             f"assistant message to continue); got roles {[m.role for m in rest]}")
         if prefix is not None and self.answer_prefix:
             raise InputError("answer_prefix: give it or a last assistant message, not both")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise InputError("max_tokens and max_completion_tokens disagree; give one")
-        return self.spec(rest[0].text, "\n\n".join(m.text for m in system), prefix, self.max_completion_tokens)
+        spec = self.spec(turns[-1].text, "\n\n".join(m.text for m in system), prefix, self.max_completion_tokens,
+                         (self.top_logprobs or 0) if self.logprobs else None)
+        return replace(spec, history=tuple((m.role, m.text) for m in turns[:-1]), is_chat=True,
+                       stop=tuple(self.stops))
 
 
 class ChunksRequest(_Body):

@@ -25,9 +25,12 @@ from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.keys import dtype_name, validate_key
+from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.request import RequestResult
+from cachesmith.server.jobs import BackgroundJobs
+from cachesmith.server.streaming import answer_text
 from cachesmith.workloads.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,10 @@ class CompletionSpec:
     gold: tuple[str, ...] = ()  # optional: gates the answer (QSA metrics) when given
     task: str = "custom"  # how the gate scores the answer (a workload task name, or custom)
     answer_prefix: str = ""  # opens the assistant turn; the model continues it
+    sampling: SamplingParams = GREEDY
+    history: tuple[tuple[str, str], ...] = ()  # earlier chat turns (role, content), before the documents
+    is_chat: bool = False  # a chat turn: its exchange is stored for the conversation's next turn
+    stop: tuple[str, ...] = ()  # where the client's text ends (what the next turn will send back)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class Service:
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
         self._pins: Counter = Counter()
         self._pin_lock = threading.Lock()
+        self._turn_stores = BackgroundJobs("cachesmith-turns")
 
     @property
     def store(self) -> ChunkStore:
@@ -133,18 +141,18 @@ class Service:
         try:
             max_tokens, slo_s = self._limits(spec)
             self.loop.check_capacity()  # before any costly work
-            keys = self._store_chunks(spec.documents, self._tokenize(spec.documents), pinned)
-            self._pin([self._prefix_key(spec)], pinned)
+            keys, fresh = self._store_chunks(spec.documents, self._tokenize(spec.documents), pinned)
+            num_prefix_stored = self._ensure_prefix(spec, pinned)
             instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
                                         answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
-                                        chunk_ids=tuple(keys))
-            future = self.loop.submit(instance, slo_s, on_token, arrival_s=arrival)
+                                        chunk_ids=tuple(keys), history=spec.history)
+            future = self.loop.submit(instance, slo_s, on_token, arrival_s=arrival, sampling=spec.sampling)
         except BaseException as exc:
             self._unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError)):
                 self.num_rejected[_reason(exc)] += 1
             raise
-        future.add_done_callback(lambda f: self._finished(f, pinned))
+        future.add_done_callback(lambda f: self._finished(f, spec, pinned, num_prefix_stored, fresh))
         return future
 
     def cancel(self, future: Future) -> bool:
@@ -192,9 +200,11 @@ class Service:
             raise InputError(f"documents: {total} context tokens exceed the model's {limit} positions")
         return out
 
-    def _store_chunks(self, documents, token_ids, pinned: list[str]) -> list[str]:
-        keys = []
+    def _store_chunks(self, documents, token_ids, pinned: list[str]) -> tuple[list[str], list[bool]]:
+        """Each document's chunk key, and whether its KV was prefilled now (for this request)."""
+        keys, fresh = [], []
         for i, (doc, ids) in enumerate(zip(documents, token_ids)):
+            is_new = False
             if ids is None:
                 key = doc.chunk_id
                 self._pin([key], pinned)
@@ -205,22 +215,55 @@ class Service:
                 key = self.store.key_for(self.pipeline.model, ids)
                 self._pin([key], pinned)  # before storing: a delete cannot slip in between
                 with self.loop.admission():
-                    self.store.ensure(self.pipeline.model, ids)
+                    _, is_new = self.store.ensure(self.pipeline.model, ids)
             keys.append(key)
-        return keys
+            fresh.append(is_new)
+        return keys, fresh
 
-    def _prefix_key(self, spec: CompletionSpec) -> str:
-        parts = self.pipeline.prompt(["-"], spec.question, system=spec.system or None)
-        return self.store.key_for(self.pipeline.model, parts.prefix_ids)
+    def _ensure_prefix(self, spec: CompletionSpec, pinned: list[str]) -> int:
+        """Store the prompt prefix's KV (system, earlier turns, the last user turn's opening) and pin
+        it; returns how many of its tokens were stored before this request. A conversation's next
+        turn extends the stored earlier turns instead of prefilling them again."""
+        system = spec.system or self.pipeline.system
+        ids = self.pipeline.prompt(["-"], spec.question, system=system, history=spec.history).prefix_ids
+        limit = self.pipeline.model.config.max_positions
+        if len(ids) >= limit:
+            raise InputError(f"messages: the conversation before the documents takes {len(ids)} tokens, "
+                             f"the model has {limit} positions")
+        earlier = self.pipeline.tokenizer.earlier_prefixes(system, spec.history) if spec.history else []
+        if spec.history:
+            self._turn_stores.wait_all()  # a previous turn's exchange may still be being stored
+        self._pin([self.store.key_for(self.pipeline.model, ids)], pinned)
+        with self.loop.admission():
+            return self.pipeline.ensure_prefix(ids, earlier)[1]
 
-    def _finished(self, future: Future, pinned: list[str]) -> None:
+    def _finished(self, future: Future, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
+                  fresh: list[bool]) -> None:
         self._unpin(pinned)
         result = future.result()
+        # KV prefilled while admitting this request was computed for it, not served from the store:
+        # it does not count as cached (this runs before any reader of the result is called back)
+        result.num_cached_prefix = min(result.num_cached_prefix, num_prefix_stored)
+        if result.reused_by_chunk:
+            result.reused_by_chunk = tuple(0 if f else n for n, f in zip(result.reused_by_chunk, fresh))
+        if spec.is_chat and result.error is None and not spec.answer_prefix:
+            text, _ = answer_text(result, spec.stop)
+            turns = (*spec.history, ("user", spec.question), ("assistant", text))
+            self._turn_stores.submit(self._store_turn, spec.system or self.pipeline.system, turns)
         for listener in self.listeners:
             try:
                 listener(result)
             except Exception:  # metrics must never fail a request
                 log.exception("result listener failed")
+
+    def _store_turn(self, system: str | None, turns: tuple[tuple[str, str], ...]) -> None:
+        """Store a finished exchange's conversation KV for its next turn (off the request's path)."""
+        tokenizer = self.pipeline.tokenizer
+        ids = tokenizer.conversation_ids(system, turns)
+        if len(ids) >= self.pipeline.model.config.max_positions:
+            return  # no next turn fits anyway
+        with self.loop.admission():
+            self.pipeline.ensure_prefix(ids, tokenizer.earlier_prefixes(system, turns))
 
     def _pin(self, keys: list[str], pinned: list[str]) -> None:
         with self._pin_lock:
@@ -300,7 +343,9 @@ class Service:
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop taking requests and serve what is queued. True if it drained within `timeout`."""
-        return self.loop.close(timeout)
+        drained = self.loop.close(timeout)
+        self._turn_stores.close()
+        return drained
 
 
 def _reason(exc: Exception) -> str:

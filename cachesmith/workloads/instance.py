@@ -25,6 +25,7 @@ class WorkloadInstance:
     max_new_tokens: int = 16
     metadata: dict[str, Any] = field(default_factory=dict)
     chunk_ids: tuple[str, ...] = ()  # chunks already in the store (`cachesmith precompute --keys-out`)
+    history: tuple[tuple[str, str], ...] = ()  # earlier (role, content) chat turns, before the documents
 
     def __post_init__(self) -> None:
         if bool(self.documents) == bool(self.chunk_ids):
@@ -65,5 +66,10 @@ class WorkloadInstance:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InputError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        history = raw.get("history", [])
+        if not isinstance(history, list) or not all(
+                isinstance(t, list) and len(t) == 2 and t[0] in ("user", "assistant") and isinstance(t[1], str)
+                for t in history):
+            raise InputError(f"{where}: history must be a list of [role, content] turns (role user or assistant)")
         return cls(**{**raw, "documents": tuple(docs), "gold": tuple(gold), "chunk_ids": tuple(ids),
-                      "task": raw.get("task", "custom")})
+                      "task": raw.get("task", "custom"), "history": tuple(tuple(t) for t in history)})

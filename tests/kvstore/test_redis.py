@@ -49,3 +49,29 @@ def test_redis_lists_its_keys(model, redis_url):
     assert key in store.tiers[0].keys() and key in store.keys()
     store.delete(key)
     assert key not in store.keys()
+
+
+def test_a_redis_that_goes_away_leaves_the_local_tiers_serving(model, redis_server, caplog):
+    store = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_server.url))
+    redis_tier = store.tiers[1]
+    shared = store.put(prefill_chunk(model, _ids(6)))
+    assert redis_tier.is_up and redis_tier.contains(shared)
+    redis_server.stop()
+    chunk = prefill_chunk(model, _ids(7))
+    local = store.put(chunk)  # memory takes it; redis warns and is skipped
+    assert "unreachable" in caplog.text and not redis_tier.is_up
+    assert torch.equal(store.get(local, model).keys, chunk.keys)
+    assert store.contains(shared) and store.keys() == sorted([shared, local])
+    assert store.describe(local)[1] == ("memory",)
+    store.delete(shared)
+    assert not store.contains(shared)
+
+
+def test_a_redis_that_refuses_writes_is_skipped_but_up(model, redis_server, caplog):
+    import redis
+
+    redis.Redis.from_url(redis_server.url).config_set("maxmemory", 1)  # every write: OOM
+    store = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_server.url))
+    key = store.put(prefill_chunk(model, _ids(8)))
+    assert "refused" in caplog.text and store.describe(key)[1] == ("memory",)
+    assert store.tiers[1].is_up  # reachable: only the write was refused

@@ -103,3 +103,10 @@ def test_temp_files_of_dead_writers_are_swept_on_open(tmp_path):
         f.write_bytes(b"x")
     tier = DiskTier(tmp_path)
     assert tier.num_swept == 1 and not dead.exists() and live.exists() and kept.exists()
+
+
+def test_a_disk_tier_whose_root_is_gone_is_down(tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path / "kv"))
+    assert [t.is_up for t in store.tiers] == [True, True]
+    (tmp_path / "kv").rmdir()  # unmounted, or removed under the server
+    assert [t.is_up for t in store.tiers] == [True, False]

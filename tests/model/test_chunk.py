@@ -8,6 +8,7 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.model import Decoder, prefill_chunk
+from cachesmith.model.chunk import extend_chunk
 
 
 def test_repositioned_chunk_keys_equal_keys_computed_at_offset(tiny_model_dir):
@@ -53,3 +54,29 @@ def test_chunk_from_other_model_or_dtype_is_rejected(tiny_llama_dir):
                             ).check_compatible(model)
     with pytest.raises(InputError, match="chunk token_ids"):
         prefill_chunk(model, [])
+
+
+def test_extending_a_stored_prefix_equals_prefilling_it_all(tiny_model_dir):
+    path, _ = tiny_model_dir
+    model = Decoder(path)
+    head, tail = torch.arange(5, 25), torch.arange(30, 41)
+    whole = prefill_chunk(model, torch.cat([head, tail]))
+    extended = extend_chunk(model, prefill_chunk(model, head), tail.tolist())
+    assert extended.token_ids == whole.token_ids
+    assert torch.equal(extended.keys[:, :20], whole.keys[:, :20])  # the base rows are reused as they are
+    assert (extended.keys - whole.keys).abs().max().item() < 1e-5
+    assert (extended.values - whole.values).abs().max().item() < 1e-5
+
+
+def test_ensure_prefix_extends_the_longest_stored_earlier_prefix(tiny_llama_dir):
+    from cachesmith.kvstore import ChunkStore, StoreConfig
+    from cachesmith.pipeline import RagPipeline
+
+    pipe = RagPipeline.__new__(RagPipeline)  # only the model and the store are needed here
+    pipe.model, pipe.store = Decoder(tiny_llama_dir[0]), ChunkStore(StoreConfig(tiers=("memory",)))
+    first, second, third = list(range(5, 15)), list(range(5, 22)), list(range(5, 30))
+    assert pipe.ensure_prefix(first)[1] == 0  # nothing stored: prefilled whole
+    assert pipe.ensure_prefix(first)[1] == 10  # stored: all of it
+    assert pipe.ensure_prefix(second, [first, [99, 98]])[1] == 10  # extends `first`; [99, 98] is no prefix
+    key, num_stored = pipe.ensure_prefix(third, [first, second])
+    assert num_stored == 17 and pipe.store.get(key, pipe.model).token_ids == tuple(third)

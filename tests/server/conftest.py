@@ -26,9 +26,10 @@ def tiny_profile(pipe: RagPipeline):
     return replace(make_profile(num_layers=pipe.model.num_layers), model_fingerprint=pipe.model.fingerprint)
 
 
-def make_service(model_dir, store_root=None, tiers=("memory",), **overrides) -> Service:
+def make_service(model_dir, store_root=None, tiers=("memory",), redis_url=None, **overrides) -> Service:
     config = ServiceConfig(model=str(model_dir), served_name=NAME, **overrides)
-    pipe = RagPipeline(str(model_dir), store=ChunkStore(StoreConfig(tiers=tiers, root=store_root)))
+    store = ChunkStore(StoreConfig(tiers=tiers, root=store_root, redis_url=redis_url))
+    pipe = RagPipeline(str(model_dir), store=store)
     return Service(config, pipe, tiny_profile(pipe))
 
 

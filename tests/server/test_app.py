@@ -68,12 +68,20 @@ def test_streaming_is_server_sent_events_ending_in_done(server_for):
     ({"documents": []}, 400, "documents", "at least one document"),
     ({"documents": [{"id": "0" * 64}]}, 400, "documents[0].id", "unknown chunk id"),
     ({"documents": [{"id": "not-a-key"}]}, 400, "documents[0].id", "64 lower-case hex"),
-    ({"documents": [{"idd": "x"}]}, 400, "documents[0]", "Extra inputs"),
+    ({"documents": [{"idd": "x"}]}, 400, "documents[0]", "a document is a string"),
+    ({"documents": [{"id": "0" * 64, "idd": "x"}]}, 400, "documents[0].idd", "Extra inputs"),
     ({"documents": ["   "]}, 400, "documents[0]", "must not be empty"),
     ({"documents": ["word " * 1200]}, 400, "documents", "positions"),
     ({"slo_ms": -5}, 400, "slo_ms", "greater than 0"),
     ({"max_tokens": 100_000}, 400, "max_tokens", "between 1 and 512"),
-    ({"temperature": 0.7}, 400, "temperature", "greedy"),
+    ({"temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
+    ({"temperature": -0.1}, 400, "temperature", "greater than or equal to 0"),
+    ({"top_p": 0}, 400, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    ({"top_k": -1}, 400, "top_k", "greater than or equal to 0"),
+    ({"presence_penalty": 3}, 400, "presence_penalty", "less than or equal to 2"),
+    ({"logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
+    ({"logprobs": 2, "stream": True}, 400, "logprobs", "stream"),
     ({"n": 2}, 400, "n", "n=1"),
     ({"logit_bias": {"1": 2}}, 400, "logit_bias", "Extra inputs"),
     ({"model": "gpt-9"}, 404, "model", "does not exist"),
@@ -94,8 +102,15 @@ def test_malformed_json_non_utf8_and_multi_turn_chat(server_for):
         r = c.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=headers)
         assert r.status_code == 400
         r = c.post("/v1/chat/completions", json={"model": NAME, "documents": DOCS, "messages": [
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]})
+        assert r.status_code == 400 and "alternate user / assistant" in error_of(r)["message"]
+        r = c.post("/v1/chat/completions", json={"model": NAME, "documents": DOCS, "messages": [
             {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]})
-        assert r.status_code == 400 and "single-turn" in error_of(r)["message"]
+        assert r.status_code == 200  # a follow-up turn
+        r = c.post("/v1/chat/completions", json={"model": NAME, "documents": DOCS, "messages": [
+            {"role": "user", "content": "many words " * 2000}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]})
+        assert r.status_code == 400 and error_of(r)["param"] == "messages"  # longer than the positions
         assert c.get("/health").status_code == 200  # nothing above hurt the server
 
 
@@ -145,7 +160,10 @@ def test_queue_limit_answers_429_with_retry_after(server_for):
     while service.queue_depth < 2 and time.monotonic() < deadline:  # ... then two queued
         time.sleep(0.01)
     r = httpx.post(srv.url + "/v1/completions", json=body(), timeout=60)
-    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.status_code == 429 and int(r.headers["retry-after"]) == 1  # no batch has run: 1 s a batch
+    engine.stats.busy_s, engine.stats.num_batches = 10.0, 4  # as if 4 batches had taken 2.5 s each
+    r = httpx.post(srv.url + "/v1/completions", json=body(), timeout=60)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"  # one batch (2 waiting, 8 a batch), rounded up
     assert error_of(r)["code"] == "queue_full" and "max_queue=2" in error_of(r)["message"]
     gate.set()
     for t in threads:
@@ -222,19 +240,26 @@ def test_deleting_a_chunk_in_use_is_refused(server_for):
 
 def test_metrics_count_what_was_served(server_for):
     srv = server_for()
+    usages = []
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         for i in range(3):
-            assert c.post("/v1/completions", json=body(prompt=f"Q{i}?", slo_ms=60_000)).status_code == 200
+            r = c.post("/v1/completions", json=body(prompt=f"Q{i}?", slo_ms=60_000))
+            assert r.status_code == 200
+            usages.append(r.json()["usage"])
         c.post("/v1/completions", json=body(documents=[{"id": "0" * 64}]))
         text = c.get("/metrics").text
     assert 'cachesmith_requests_served_total{gate="none",on_time="true"} 3.0' in text
-    assert "cachesmith_ttft_seconds_count 3.0" in text
+    assert "cachesmith:time_to_first_token_seconds_count 3.0" in text
     assert 'cachesmith_requests_rejected_total{reason="invalid"} 1.0' in text
     assert "cachesmith_queue_depth 0.0" in text and "cachesmith_store_hit_rate" in text
+    assert 'cachesmith_store_tier_up{tier="memory"} 1.0' in text
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert 1 <= values["cachesmith_batches_total"] <= 3 and values["cachesmith_busy_seconds_total"] > 0
+    assert values["cachesmith:prefix_cache_queries_total"] == sum(u["prompt_tokens"] for u in usages)
+    hits = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert values["cachesmith:prefix_cache_hits_total"] == hits > 0  # the same documents and prefix again
 
 
 def test_a_last_assistant_message_is_the_answer_prefix(server_for):
@@ -274,3 +299,34 @@ def test_a_request_abandoned_while_queued_is_cancelled(server_for, stream):
     text = httpx.get(srv.url + "/metrics", timeout=60).text
     assert 'cachesmith_requests_failed_total{reason="cancelled"} 1.0' in text
     assert engine.stats.num_batches == 1  # only the first request ran
+
+
+def test_draining_answers_503_until_the_queue_is_served(server_for):
+    srv = server_for()
+    service = srv.server.config.app.state.service
+    gate, entered, original = threading.Event(), threading.Event(), service.engine.prefill_batch
+
+    def held(decision, batch):
+        entered.set()
+        gate.wait(30)
+        return original(decision, batch)
+
+    service.engine.prefill_batch = held
+    out: dict = {}
+    client = threading.Thread(target=lambda: out.update(r=httpx.post(srv.url + "/v1/completions", json=body(),
+                                                                      timeout=60)))
+    client.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=lambda: out.update(drained=service.close(30)))
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not service.loop.is_closing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    health = httpx.get(srv.url + "/health", timeout=10)
+    refused = httpx.post(srv.url + "/v1/completions", json=body(), timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert refused.status_code == 503
+    gate.set()
+    client.join(60)
+    closer.join(60)
+    assert out["r"].status_code == 200 and out["drained"] is True  # the request in flight was served

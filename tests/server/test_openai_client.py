@@ -62,3 +62,38 @@ def test_client_errors_map_to_openai_exceptions(served):
     with pytest.raises(openai.BadRequestError, match="documents"):
         client.completions.create(model="smollm2-135m", prompt="x")
     assert [m.id for m in client.models.list()] == ["smollm2-135m"]
+
+
+def test_seeded_sampling_repeats_and_logprobs_agree_with_greedy(served):
+    srv, pipe, client = served
+    hot = dict(model="smollm2-135m", messages=[{"role": "user", "content": QUESTION}], max_tokens=16,
+               temperature=1.3, top_p=0.95, seed=11, extra_body={"documents": DOCS})
+    first, again = (client.chat.completions.create(**hot).choices[0].message.content for _ in range(2))
+    assert first and first == again
+    greedy = client.chat.completions.create(model="smollm2-135m", messages=hot["messages"], max_tokens=16,
+                                            logprobs=True, top_logprobs=3, extra_body={"documents": DOCS})
+    content = greedy.choices[0].logprobs.content
+    assert content and all(e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob
+                           and len(e.top_logprobs) == 3 for e in content)  # temperature 0: the top token
+    assert "".join(e.token for e in content).strip() == greedy.choices[0].message.content
+    text = client.completions.create(model="smollm2-135m", prompt=QUESTION, max_tokens=8, logprobs=2,
+                                     extra_body={"documents": DOCS}).choices[0]
+    assert len(text.logprobs.tokens) == len(text.logprobs.token_logprobs) == len(text.logprobs.top_logprobs) > 0
+    assert all(lp <= 0 for lp in text.logprobs.token_logprobs)
+
+
+def test_a_three_turn_chat_reuses_the_stored_earlier_turns(served):
+    srv, pipe, client = served
+    questions = ["Which river does the capital of Freedonia lie on?", "And what is it called?", "Thanks. Again?"]
+    messages, turns, cached = [], [], []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12,
+                                               extra_body={"documents": DOCS})
+        answer = reply.choices[0].message.content
+        cached.append((reply.usage.prompt_tokens_details.cached_tokens, reply.model_extra["cachesmith"]))
+        messages.append({"role": "assistant", "content": answer})
+        turns += [("user", question), ("assistant", answer)]
+    for k in (1, 2):  # turns 2 and 3 read every earlier exchange from the store
+        earlier = len(pipe.tokenizer.conversation_ids(None, turns[:2 * k]))
+        assert cached[k][0] >= earlier and cached[k][1]["cached_tokens"]["prefix"] >= earlier, (k, cached)

@@ -1,11 +1,10 @@
-"""`cachesmith serve` as a real process: SIGTERM drains in-flight streams, and a restart on the
-same disk store still has the chunks added before."""
+"""`cachesmith serve` as a real process: SIGTERM drains in-flight streams, a restart on the same
+disk store still has the chunks added before, and two servers on one redis-server share chunks."""
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,36 +12,44 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
+from tests.redis_server import free_port
 from tests.server.conftest import NAME, tiny_profile
 
 pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model_dir, profile, store_root, port) -> subprocess.Popen:
+def launch(model_dir, profile, store_root, port, tiers=("memory", "disk"), redis_url=None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cachesmith.cli", "serve", "--model", str(model_dir), "--profile", str(profile),
-           "--store-root", str(store_root), "--tiers", "memory", "disk", "--port", str(port),
+           "--store-root", str(store_root), "--tiers", *tiers, "--port", str(port),
            "--served-name", NAME, "--max-tokens-limit", "1000", "--drain-timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd += ["--redis-url", redis_url] if redis_url else []
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_up(proc: subprocess.Popen, port: int) -> str:
+    """The server's URL once /health answers."""
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return url
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
     raise AssertionError("server did not come up")
+
+
+def start(model_dir, profile, store_root, port, **store) -> subprocess.Popen:
+    proc = launch(model_dir, profile, store_root, port, **store)
+    wait_up(proc, port)
+    return proc
 
 
 @pytest.fixture()
@@ -106,3 +113,37 @@ def test_sigterm_drains_in_flight_streams_and_chunks_survive_a_restart(setup):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) in (0, -signal.SIGINT)
     assert os.path.isdir(store_root)
+
+
+def redis_hits(url: str) -> float:
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text)
+    return sum(s.value for f in families if f.name == "cachesmith_store_hits" for s in f.samples
+               if s.labels.get("tier") == "redis" and s.name == "cachesmith_store_hits_total")
+
+
+def test_two_servers_on_one_redis_share_chunks(setup, redis_url):
+    model_dir, profile, store_root = setup
+    ports = [free_port(), free_port()]
+    procs = [launch(model_dir, profile, store_root, p, tiers=("memory", "redis"), redis_url=redis_url)
+             for p in ports]  # started together: they load side by side
+    try:
+        a, b = (wait_up(proc, port) for proc, port in zip(procs, ports))
+        text = "orchard beacon summit granite velvet canyon"
+        cid = httpx.post(a + "/v1/chunks", json={"documents": [text]}, timeout=60).json()["data"][0]["id"]
+        assert cid in {c["id"] for c in httpx.get(b + "/v1/chunks", timeout=60).json()["data"]}
+        shown = httpx.get(f"{b}/v1/chunks/{cid}", timeout=60).json()
+        assert shown["tiers"] == ["redis"] and shown["text"].startswith(text)  # B never computed it
+        assert redis_hits(b) == 0
+        r = httpx.post(b + "/v1/completions", json={"model": NAME, "prompt": "Which word?",
+                                                    "documents": [{"id": cid}], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert redis_hits(b) > 0
+        assert httpx.get(f"{b}/v1/chunks/{cid}", timeout=60).json()["tiers"] == ["memory", "redis"]  # filled
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,117 @@
+"""Decode throughput of the serving path on the packaged model: many sequences stepped together.
+
+For 1, 4, 8 and 16 concurrent decoding sequences at 1K and 4K context tokens, float32 and bfloat16,
+each sequence over its own KV cache (filled by a full prefill, the same context copied into each):
+- `tokens_per_s`: tokens produced per second by `model.decode.decode_step` (what `Decoding.step`
+  and the server's decode thread run), the median step over `--steps` steps after a warm-up;
+- `reference_tokens_per_s` (1 stream only): the one-sequence reference `Decoder.decode_step`;
+- `weights_floor_s` (per dtype), measured in the same run: one pass over every weight matrix through
+  the same linear kernels with one row, i.e. the memory traffic a decode step cannot avoid;
+  `floor_fraction` = weights_floor_s / step time of one stream.
+`--json` prints the rows; `--out` writes them. Targets (issue #19): one stream >= 45 tokens/s in
+float32 and >= 80 in bfloat16 at 1K on 2 cores; 8 streams >= 4x one stream's tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, median, print_table, timed  # noqa: E402
+
+from cachesmith.model import Decoder, resolve_model  # noqa: E402
+from cachesmith.model.decode import decode_step  # noqa: E402
+
+STREAMS = (1, 4, 8, 16)
+
+
+def weights_floor_s(model: Decoder, repeats: int = 5) -> float:
+    """One row through every weight matrix (the bytes a decode step must read), median seconds."""
+    cfg = model.config
+    x = torch.randn(1, cfg.hidden_size, dtype=model.dtype, device=model.device)
+    wide = torch.randn(1, cfg.intermediate_size, dtype=model.dtype, device=model.device)
+    attn = torch.randn(1, cfg.num_heads * cfg.head_dim, dtype=model.dtype, device=model.device)
+
+    def one_pass():
+        for layer in model.layers:
+            layer.qkv_proj(x), layer.o_proj(attn), layer.gate_proj(x), layer.up_proj(x), layer.down_proj(wide)
+        model.head_proj(x)
+    one_pass()
+    return median([timed(one_pass, model.device) for _ in range(repeats)])
+
+
+def _caches(model: Decoder, context: int, streams: int, room: int):
+    ids = torch.randint(100, model.config.vocab_size - 100, (context,), generator=torch.Generator().manual_seed(0))
+    _, base = model.prefill(ids, extra_capacity=room)
+    caches = [base]
+    for _ in range(streams - 1):
+        cache = model.new_cache(context + room)
+        cache.key_slab[:, :context] = base.key_slab[:, :context]
+        cache.value_slab[:, :context] = base.value_slab[:, :context]
+        cache.num_tokens = context
+        caches.append(cache)
+    return caches
+
+
+def step_s(model: Decoder, context: int, streams: int, steps: int, is_reference: bool = False) -> float:
+    caches = _caches(model, context, streams, room=steps + 4)
+    if is_reference:
+        run = lambda: model.decode_step(5, caches[0])  # noqa: E731
+    else:
+        run = lambda: decode_step(model, [5] * streams, caches)  # noqa: E731
+    for _ in range(2):
+        run()
+    seconds = median([timed(run, model.device) for _ in range(steps)])
+    for cache in caches:
+        cache.release()
+    return seconds
+
+
+def measure(args) -> list[dict]:
+    rows = []
+    for dtype in args.dtypes:
+        model = Decoder(resolve_model(args.model), args.device, dtype)
+        floor = weights_floor_s(model)
+        todo = [(c, s) for c in args.contexts for s in args.streams]
+        for context, streams in tqdm(todo, desc=f"decode {dtype}", unit="shape", file=sys.stderr):
+            seconds = step_s(model, context, streams, args.steps)
+            row = {"dtype": dtype, "context_tokens": context, "streams": streams, "step_s": seconds,
+                   "tokens_per_s": streams / seconds, "weights_floor_s": floor}
+            if streams == 1:
+                row["reference_tokens_per_s"] = 1 / step_s(model, context, 1, args.steps, is_reference=True)
+                row["floor_fraction"] = floor / seconds
+            rows.append(row)
+        one = {r["context_tokens"]: r["tokens_per_s"] for r in rows if r["dtype"] == dtype and r["streams"] == 1}
+        for r in rows:
+            if r["dtype"] == dtype and r["context_tokens"] in one:
+                r["speedup_vs_one"] = r["tokens_per_s"] / one[r["context_tokens"]]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    ap.add_argument("--streams", nargs="+", type=int, default=list(STREAMS))
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per shape (median)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = measure(args)
+    cols = ["dtype", "context_tokens", "streams", "tokens_per_s", "speedup_vs_one", "reference_tokens_per_s",
+            "floor_fraction"]
+    emit(rows, args.json, args.out,
+         lambda: print_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
+
+
+if __name__ == "__main__":
+    main()
