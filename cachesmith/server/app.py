@@ -16,7 +16,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -25,8 +25,9 @@ from cachesmith.server.config import ServerConfig
 from cachesmith.server.errors import ApiError, install_error_handlers
 from cachesmith.server.limits import BodyLimit
 from cachesmith.server.metrics import ServiceMetrics
+from cachesmith.server.openapi import describe
 from cachesmith.server.responses import Shape, completion_body, sse
-from cachesmith.server.schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
+from cachesmith.server.schemas import CHUNK_ID_PATTERN, ChatCompletionRequest, ChunksRequest, CompletionRequest
 from cachesmith.server.service import Service
 from cachesmith.server.streaming import TokenStream
 
@@ -44,6 +45,7 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     install_error_handlers(app)
+    describe(app, service.config.name)
     auth = [Depends(_bearer(config.api_key))]
 
     @app.get("/health")
@@ -78,19 +80,20 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
         return {"object": "list", "data": [r.to_dict() for r in records]}
 
     @app.get("/v1/chunks", dependencies=auth)
-    async def list_chunks(limit: int = Query(100, ge=1, le=1000), after: str | None = None):
+    async def list_chunks(limit: int = Query(100, ge=1, le=1000),
+                          after: str | None = Query(None, pattern=CHUNK_ID_PATTERN)):
         records, has_more = await run_in_threadpool(service.list_chunks, limit, after)
         return {"object": "list", "data": [r.to_dict() for r in records], "has_more": has_more}
 
     @app.get("/v1/chunks/{chunk_id}", dependencies=auth)
-    async def get_chunk(chunk_id: str):
+    async def get_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
         record = await run_in_threadpool(service.chunk, chunk_id)
         if record is None:
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
         return record.to_dict()
 
     @app.delete("/v1/chunks/{chunk_id}", dependencies=auth)
-    async def delete_chunk(chunk_id: str):
+    async def delete_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
         if not await run_in_threadpool(service.delete_chunk, chunk_id):
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
         return {"id": chunk_id, "object": "chunk", "deleted": True}

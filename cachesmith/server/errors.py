@@ -11,10 +11,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from cachesmith.engine_loop import EngineClosed, QueueFull
 from cachesmith.errors import InputError
-from cachesmith.server.service import ChunkInUse
+from cachesmith.server.service import ChunkInUse, UnknownChunk
 
 
 class ApiError(Exception):
@@ -59,6 +60,16 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, "invalid request: " + "; ".join(details), where)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path."""
+    scope = {"type": "http", "path": request.url.path, "method": "OPTIONS"}
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
 def too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"request body exceeds the limit of {max_bytes} bytes (max_body_bytes)", "body",
                     "body_too_large")
@@ -72,6 +83,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
         return validation_error(exc).response()
+
+    @app.exception_handler(UnknownChunk)
+    async def unknown_chunk(request: Request, exc: UnknownChunk):
+        return ApiError(404, str(exc), str(exc).split("=", 1)[0], "not_found").response()
 
     @app.exception_handler(InputError)
     async def input_error(request: Request, exc: InputError):
@@ -94,4 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ApiError(exc.status_code, str(exc.detail), None, None, kind, dict(exc.headers or {})).response()
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette lists the first matching route's methods only
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return ApiError(exc.status_code, str(exc.detail), None, None, kind, headers).response()

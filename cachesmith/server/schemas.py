@@ -11,13 +11,22 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_validator
 
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cachesmith.server.service import CompletionSpec, DocumentRef
 
 MAX_STOP = 4
+CHUNK_ID_PATTERN = "^[0-9a-f]{64}$"
+NON_BLANK = r"\S"  # at least one character that is not whitespace
+SAFE_INT = 2**53  # larger integers do not survive a JSON number in every client
+
+
+def _schema_pattern(pattern: str):
+    """A pattern the published schema states while the check itself stays in code, where its
+    error message names the rule ("must not be empty", "64 lower-case hex digits")."""
+    return Field(json_schema_extra={"pattern": pattern})
 
 
 class _Body(BaseModel):
@@ -26,7 +35,7 @@ class _Body(BaseModel):
 
 class DocumentId(_Body):
     """`{"id": ...}`: a chunk already in the store, by its 64-hex id."""
-    id: str = Field(min_length=1, max_length=128)
+    id: str = _schema_pattern(CHUNK_ID_PATTERN)  # checked by the service (kvstore.keys)
 
 
 def _passage(title: str | None, text: str) -> str:
@@ -37,7 +46,7 @@ def _passage(title: str | None, text: str) -> str:
 class DocumentText(_Body):
     """`{"text": ...}`, or vLLM's and LangChain-like `{"title": ..., "text": ...}`."""
     title: str | None = None
-    text: str = Field(min_length=1)
+    text: str = _schema_pattern(NON_BLANK)
 
     @field_validator("text")
     @classmethod
@@ -54,10 +63,11 @@ class DocumentText(_Body):
 class CohereData(BaseModel):
     """The passage is `snippet` (else `text`), after `title` when given. Cohere lets clients put
     other fields here (url, date, ...): they are accepted and not part of the passage."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
+        {"required": [name], "properties": {name: {"type": "string"}}} for name in ("snippet", "text")]})
     title: str | None = None
-    snippet: str | None = None
-    text: str | None = None
+    snippet: str | None = Field(default=None, json_schema_extra={"pattern": NON_BLANK})
+    text: str | None = Field(default=None, json_schema_extra={"pattern": NON_BLANK})
 
     @model_validator(mode="after")
     def _has_passage(self):
@@ -96,7 +106,7 @@ def _shape(doc) -> str | None:
 
 
 Document = Annotated[
-    Annotated[str, Tag("str")] | Annotated[DocumentText, Tag("DocumentText")]
+    Annotated[str, _schema_pattern(NON_BLANK), Tag("str")] | Annotated[DocumentText, Tag("DocumentText")]
     | Annotated[DocumentId, Tag("DocumentId")] | Annotated[CohereDocument, Tag("CohereDocument")],
     Discriminator(_shape, custom_error_type="document_shape",
                   custom_error_message='a document is a string, {"text": ...} (optionally with "title"), '
@@ -110,17 +120,19 @@ class StreamOptions(_Body):
 class _Generation(_Body):
     """What completions and chat completions share."""
     model: str
-    documents: list[Document] = Field(default_factory=list)
-    slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    documents: list[Document] = Field(min_length=1)
+    # the service's default limit (ServiceConfig.max_slo_s) is 3600 s; below 1 ms no batch can run
+    slo_ms: float | None = Field(default=None, ge=1, le=3_600_000, allow_inf_nan=False)
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)  # None or 0: greedy
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # an extension, as in vLLM (0: off)
-    n: int = 1
-    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # same seed and request -> same text
+    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    seed: int | None = Field(default=None, ge=-SAFE_INT, le=SAFE_INT)  # same seed and request -> same text
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -135,12 +147,6 @@ class _Generation(_Body):
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
         return stops
-
-    @model_validator(mode="after")
-    def _one_choice(self):
-        if self.n != 1:
-            raise ValueError(f"n: cachesmith returns one choice per request (n=1), got n={self.n}")
-        return self
 
     def sampling(self, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(self.temperature or 0.0, 1.0 if self.top_p is None else self.top_p, self.top_k or 0,
@@ -168,9 +174,10 @@ def _document(doc: Document) -> DocumentRef:
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[str]
+    prompt: Annotated[str, _schema_pattern(NON_BLANK)] | Annotated[
+        list[Annotated[str, _schema_pattern(NON_BLANK)]], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy completions allow 0-5
+    logprobs: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy: 0-5
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -185,12 +192,12 @@ class CompletionRequest(_Generation):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: str = Field(pattern=NON_BLANK)
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Annotated[str, Field(pattern=NON_BLANK)] | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
     @property
@@ -202,23 +209,17 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs=true")
-        return self
 
     def to_spec(self) -> CompletionSpec:
-        """System (or developer) messages first, then turns alternating user / assistant. The last
+        """System (or developer) messages, then turns alternating user / assistant. The last
         user message is the question; the documents go into that turn, before it. Earlier turns are
         the exact prefix (their KV is stored and reused by the next turn). A last assistant message
         opens the answer, which the model continues (as `answer_prefix`)."""
+        # system (or developer) messages anywhere join the system prompt, in order, as one
         system = [m for m in self.messages if m.role in ("system", "developer")]
-        rest = self.messages[len(system):]
-        if any(m.role in ("system", "developer") for m in rest):
-            raise InputError("messages: system messages must come first")
+        rest = [m for m in self.messages if m.role not in ("system", "developer")]
         prefix = rest[-1].text if rest and rest[-1].role == "assistant" else None
         turns = rest[:-1] if prefix is not None else rest
         roles = [m.role for m in turns]
@@ -232,10 +233,11 @@ class ChatCompletionRequest(_Generation):
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise InputError("max_tokens and max_completion_tokens disagree; give one")
         spec = self.spec(turns[-1].text, "\n\n".join(m.text for m in system), prefix, self.max_completion_tokens,
-                         (self.top_logprobs or 0) if self.logprobs else None)
+                         # asking for top alternatives asks for log-probabilities (a rule a schema can state)
+                         (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None)
         return replace(spec, history=tuple((m.role, m.text) for m in turns[:-1]), is_chat=True,
                        stop=tuple(self.stops))
 
 
 class ChunksRequest(_Body):
-    documents: list[str] = Field(min_length=1, max_length=256)
+    documents: list[Annotated[str, _schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)

@@ -40,6 +40,10 @@ class ChunkInUse(CachesmithError):
     """A chunk an in-flight request reads cannot be deleted until that request is done."""
 
 
+class UnknownChunk(InputError):
+    """A document names a chunk id the store does not hold (a 404: the request may be right)."""
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     model: str = "smollm2-135m"
@@ -209,7 +213,7 @@ class Service:
                 key = doc.chunk_id
                 self._pin([key], pinned)
                 if not self.store.contains(key):
-                    raise InputError(f"documents[{i}].id={key!r}: unknown chunk id (not in the store; "
+                    raise UnknownChunk(f"documents[{i}].id={key!r}: unknown chunk id (not in the store; "
                                      f"add it with POST /v1/chunks)")
             else:
                 key = self.store.key_for(self.pipeline.model, ids)

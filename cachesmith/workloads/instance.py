@@ -39,7 +39,10 @@ class WorkloadInstance:
         return f"{self.task}/{self.variant}/{self.metadata.get('seed', '?')}"
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        fields = asdict(self)
+        if not fields["history"]:  # single-turn lines stay as they were (their content digests too)
+            del fields["history"]
+        return json.dumps(fields, ensure_ascii=False)
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "instance") -> "WorkloadInstance":

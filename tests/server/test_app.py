@@ -65,14 +65,14 @@ def test_streaming_is_server_sent_events_ending_in_done(server_for):
 
 
 @pytest.mark.parametrize("change, status, param, words", [
-    ({"documents": []}, 400, "documents", "at least one document"),
-    ({"documents": [{"id": "0" * 64}]}, 400, "documents[0].id", "unknown chunk id"),
+    ({"documents": []}, 400, "documents", "at least 1 item"),
+    ({"documents": [{"id": "0" * 64}]}, 404, "documents[0].id", "unknown chunk id"),
     ({"documents": [{"id": "not-a-key"}]}, 400, "documents[0].id", "64 lower-case hex"),
     ({"documents": [{"idd": "x"}]}, 400, "documents[0]", "a document is a string"),
     ({"documents": [{"id": "0" * 64, "idd": "x"}]}, 400, "documents[0].idd", "Extra inputs"),
     ({"documents": ["   "]}, 400, "documents[0]", "must not be empty"),
     ({"documents": ["word " * 1200]}, 400, "documents", "positions"),
-    ({"slo_ms": -5}, 400, "slo_ms", "greater than 0"),
+    ({"slo_ms": -5}, 400, "slo_ms", "greater than or equal to 1"),
     ({"max_tokens": 100_000}, 400, "max_tokens", "between 1 and 512"),
     ({"temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
     ({"temperature": -0.1}, 400, "temperature", "greater than or equal to 0"),
@@ -82,7 +82,7 @@ def test_streaming_is_server_sent_events_ending_in_done(server_for):
     ({"presence_penalty": 3}, 400, "presence_penalty", "less than or equal to 2"),
     ({"logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
     ({"logprobs": 2, "stream": True}, 400, "logprobs", "stream"),
-    ({"n": 2}, 400, "n", "n=1"),
+    ({"n": 2}, 400, "n", "less than or equal to 1"),
     ({"logit_bias": {"1": 2}}, 400, "logit_bias", "Extra inputs"),
     ({"model": "gpt-9"}, 404, "model", "does not exist"),
 ])
@@ -211,7 +211,7 @@ def test_chunk_api_add_list_get_delete(server_for):
         r = c.delete(f"/v1/chunks/{added[0]['id']}")
         assert r.status_code == 404 and error_of(r)["code"] == "not_found"
         r = c.post("/v1/completions", json=body(documents=[{"id": added[0]["id"]}]))
-        assert r.status_code == 400 and "unknown chunk id" in error_of(r)["message"]
+        assert r.status_code == 404 and "unknown chunk id" in error_of(r)["message"]
         assert c.get("/v1/chunks/xyz").status_code == 400
         assert c.post("/v1/chunks", json={"documents": []}).status_code == 400
 

@@ -1,7 +1,9 @@
 """Task generators: determinism, evidence placement, MIX balance, and bad knobs named."""
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -174,3 +176,10 @@ def test_instances_are_identical_across_processes(tmp_path):
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     assert outs[0] == outs[1] and len(outs[0]) > 1000
+
+
+def test_instance_json_keeps_single_turn_lines_and_digests_as_they_were():
+    inst = generate("vt", 3)
+    assert "history" not in json.loads(inst.to_json())  # outcome tables hold digests of these lines
+    chat = replace(inst, history=(("user", "a"), ("assistant", "b")))
+    assert WorkloadInstance.from_dict(json.loads(chat.to_json())) == chat
