@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: timing, medians, tables and JSON output."""
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -14,9 +15,20 @@ import torch
 from cachesmith.planner import Profile, ProfileError
 from cachesmith.profiler.synthetic import random_request
 
-__all__ = ["emit", "load_profile", "median", "print_table", "random_request", "timed"]
+__all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "random_request", "timed"]
 
 MEASURED = "smollm2-135m-float32-cpu.json"  # what `cachesmith profile` writes for the packaged model
+
+
+def parse_timing_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add --threads, --json and --out to a timing benchmark's parser, parse, and apply --threads."""
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:

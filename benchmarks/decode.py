@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, timed  # noqa: E402
+from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.model.decode import decode_step  # noqa: E402
@@ -100,12 +100,7 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--streams", nargs="+", type=int, default=list(STREAMS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per shape (median)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_timing_args(ap)
     rows = measure(args)
     cols = ["dtype", "context_tokens", "streams", "tokens_per_s", "speedup_vs_one", "reference_tokens_per_s",
             "floor_fraction"]

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, timed  # noqa: E402
+from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferEngine  # noqa: E402
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
@@ -146,12 +146,7 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 8000])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_timing_args(ap)
     with tempfile.TemporaryDirectory(prefix="cachesmith-reuse-") as tmp:
         rows = [r for d in args.dtypes for r in measure(d, args.contexts, args.batches, args.repeats, Path(tmp))]
     cols = ["dtype", "context_tokens", "batch_size", "full_reuse_s", "limit_s", "vs_limit", "fixed_s",

@@ -155,8 +155,7 @@ class EngineLoop:
     def _prefill(self, decision, batch) -> None:
         try:
             prefilled = self.engine.prefill_batch(decision, batch)
-            gens = self.engine.executor.start_decoding(Decoding(self.engine.pipeline.model), batch,
-                                                       prefilled.run, self._emit)
+            gens = self.engine.executor.start_decoding(batch, prefilled.run, self._emit)
         except Exception as exc:  # a bad batch must not take the server down with it
             log.exception("batch %s failed", decision.request_ids)
             self._resolve([RequestResult.failed(a.request, f"internal error while serving: {exc}")
@@ -204,7 +203,10 @@ class EngineLoop:
             finished = [g for g in joining if g.is_done]  # ended at their first token
             if self._decoding.active:
                 finished += self._step()
-            self._done(finished)
+            self._resolve(self._results(finished))
+            with self._cond:
+                self._num_decoding -= len(finished)
+                self._cond.notify_all()
 
     def _may_step(self) -> bool:
         """Caller holds the condition: prefill runs first unless `max_decoding` sequences wait."""
@@ -221,7 +223,8 @@ class EngineLoop:
                 gen.error = f"internal error while decoding: {exc}"
             return failed
 
-    def _done(self, gens: list[Generation]) -> None:
+    def _results(self, gens: list[Generation]) -> list[RequestResult]:
+        """Finished generations' results; their caches go back to the pool."""
         results = []
         for gen in gens:
             prefilled, index = gen.tag
@@ -232,10 +235,7 @@ class EngineLoop:
                 continue
             out = self.engine.executor.output(adm, prefilled.run, index, gen)
             results.append(self.engine.result(prefilled, adm, out))
-        with self._cond:
-            self._num_decoding -= len(gens)
-            self._cond.notify_all()
-        self._resolve(results)
+        return results
 
     def _finish_whole(self, prefilled: PrefilledBatch, gens: list[Generation]) -> None:
         """Decode a batch to its end on this thread (`is_decode_overlapped=False`)."""
@@ -248,9 +248,7 @@ class EngineLoop:
             log.exception("decoding batch %s failed", prefilled.batch_id)
             for gen in gens:
                 gen.error = f"internal error while decoding: {exc}"
-        with self._cond:
-            self._num_decoding += len(gens)  # _done takes them off again
-        self._done(gens)
+        self._resolve(self._results(gens))
 
     def _note(self, event: str) -> None:
         if self.trace is not None:

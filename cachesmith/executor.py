@@ -23,6 +23,7 @@ import numpy as np
 from cachesmith.errors import InputError
 from cachesmith.kvstore import KeyedRequest
 from cachesmith.model import Decoding, Generation
+from cachesmith.model.generate import start_generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
@@ -172,20 +173,22 @@ class BatchExecutor:
                on_token: TokenHook | None = None) -> list[RequestOutput]:
         """Answers from the prefilled batch, its requests decoded together (off the TTFT clock)."""
         decoding = Decoding(self.pipeline.model)
-        gens = self.start_decoding(decoding, batch, run, on_token)
+        gens = self.start_decoding(batch, run, on_token)
+        for gen in gens:
+            decoding.add(gen)
         decoding.run()
         return [self.output(adm, run, i, gen) for i, (adm, gen) in enumerate(zip(batch, gens))]
 
-    def start_decoding(self, decoding: Decoding, batch: list[Admitted], run: BatchExecution,
+    def start_decoding(self, batch: list[Admitted], run: BatchExecution,
                        on_token: TokenHook | None = None) -> list[Generation]:
-        """Each request's first token chosen now (it may be sampled); the rest come from
-        `decoding.step()`. A generation's `tag` is its request's index in the batch."""
+        """Each request's first token chosen now (it may be sampled); the rest come from a
+        `Decoding`'s steps. A generation's `tag` is its request's index in the batch."""
         gens = []
         for i, (adm, out) in enumerate(zip(batch, run.outs)):
             rid = adm.request.request_id
             hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
-            gens.append(decoding.start(out.logits, out.cache, adm.request.instance.max_new_tokens,
-                                       adm.request.sampling, hook, tag=i))
+            gens.append(start_generation(self.pipeline.model, out.logits, out.cache,
+                                         adm.request.instance.max_new_tokens, adm.request.sampling, hook, i))
         return gens
 
     def output(self, adm: Admitted, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:

@@ -15,7 +15,7 @@ import torch
 
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
-from cachesmith.model.chunk import extend_chunk, prefill_chunk
+from cachesmith.model.chunk import extend_chunk
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.errors import InputError
 from cachesmith.recompute import BatchRunner, RecomputeConfig
@@ -90,8 +90,7 @@ class RagPipeline:
             if base is not None:
                 self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]))
                 return key, len(base_ids)
-        self.store.put(prefill_chunk(self.model, ids))
-        return key, 0
+        return self.store.ensure(self.model, ids)[0], 0
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""

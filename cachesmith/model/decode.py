@@ -25,8 +25,9 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_k
     """One query row q [H, D] over keys, values [T, Hkv, D] -> [H * D].
 
     The query heads sharing a KV head go in as that head's queries ([1, Hkv, H / Hkv, D]): no copy
-    of K/V per query head, and no mask (one row sees every key). 2-3x faster than expanding GQA for
-    a single row on CPU at 1K-4K keys."""
+    of K/V per query head, and no mask (one row sees every key). Measured against expanding GQA, one
+    row on 2 CPU threads: 1.4-2x faster in float32 at 1K-4K keys, 1.6x in bfloat16 at 4K, about even in
+    bfloat16 at 1K."""
     num_heads, head_dim = q.shape
     grouped = q.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
@@ -53,7 +54,7 @@ def decode_step(model: Decoder, token_ids: Sequence[int], caches: Sequence[KVCac
             cache.write(i, start, k[j:j + 1], v[j:j + 1])
             keys, values = cache.view(i, start + 1)
             rows.append(_attend_one(q[j], keys, values, cfg.num_kv_heads))
-        attn = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [num_seqs, H * D]
+        attn = torch.stack(rows)  # [num_seqs, H * D]
         h = h + layer.out_proj(attn)
         h = layer.mlp_block(h)
     for cache, start in zip(caches, starts):

@@ -6,9 +6,9 @@ and an optional `on_token(index, token_id)` that hears each kept token as soon a
 server streams from it). Out: per sequence the generated token ids (stopping at an end-of-sequence
 id, not included, or after `max_new_tokens`) and, when asked, their log-probabilities.
 
-`Decoding` holds the sequences being decoded: `start` chooses a sequence's first token at once
-(it is the request's TTFT), `step` chooses everyone's next token in one `decode_step`, and
-sequences join and leave between steps. The caller owns the caches (and releases them).
+`start_generation` chooses a sequence's first token at once (it is the request's TTFT);
+`Decoding` holds the sequences being decoded: `step` chooses everyone's next token in one
+`decode_step`, and sequences join and leave between steps. The caller owns the caches (and releases them).
 """
 from __future__ import annotations
 
@@ -52,6 +52,23 @@ class Generation:
         self.is_done = len(self.token_ids) >= self.max_new_tokens
 
 
+def start_generation(model: Decoder, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
+                     params: SamplingParams = GREEDY, on_token: Callable[[int, int], None] | None = None,
+                     tag: object = None, eos_token_ids: Iterable[int] | None = None) -> Generation:
+    """A sequence's generation with its first token chosen now (it is the request's TTFT)."""
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    stop = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    # every kept token but the last takes a cache row
+    limit = min(max_new_tokens, model.config.max_positions - cache.num_tokens)
+    gen = Generation(cache, limit, Sampler(params), stop, on_token, tag)
+    if limit <= 0:
+        gen.is_done = True
+    else:
+        gen.take(first_logits)
+    return gen
+
+
 class Decoding:
     """The sequences being decoded together on one model."""
 
@@ -59,20 +76,9 @@ class Decoding:
         self.model = model
         self.active: list[Generation] = []
 
-    def start(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
-              params: SamplingParams = GREEDY, on_token: Callable[[int, int], None] | None = None,
-              tag: object = None, eos_token_ids: Iterable[int] | None = None) -> Generation:
-        """Choose a sequence's first token now; it joins the next step unless already done."""
-        if max_new_tokens < 0:
-            raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        stop = frozenset(self.model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        # every kept token but the last takes a cache row
-        limit = min(max_new_tokens, self.model.config.max_positions - cache.num_tokens)
-        gen = Generation(cache, limit, Sampler(params), stop, on_token, tag)
-        if limit <= 0:
-            gen.is_done = True
-            return gen
-        gen.take(first_logits)
+    def start(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int, **kwargs) -> Generation:
+        """`start_generation` on this model, joined to the next step unless already done."""
+        gen = start_generation(self.model, first_logits, cache, max_new_tokens, **kwargs)
         self.add(gen)
         return gen
 
@@ -103,6 +109,6 @@ def greedy_decode(model: Decoder, first_logits: torch.Tensor, cache: KVCache, ma
                   on_token: Callable[[int, int], None] | None = None) -> list[int]:
     """Greedy token ids of one sequence (see `Decoding` for many)."""
     decoding = Decoding(model)
-    gen = decoding.start(first_logits, cache, max_new_tokens, GREEDY, on_token, eos_token_ids=eos_token_ids)
+    gen = decoding.start(first_logits, cache, max_new_tokens, on_token=on_token, eos_token_ids=eos_token_ids)
     decoding.run()
     return gen.token_ids

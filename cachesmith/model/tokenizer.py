@@ -73,13 +73,23 @@ class Tokenizer:
                 raise InputError(f"documents[{i}] must be a non-empty string")
         if not isinstance(question, str) or not question.strip():
             raise InputError("question must be a non-empty string")
-        head, tail = self.chat_text(_messages(system, history) + [{"role": "user", "content": _SLOT}]).split(_SLOT)
+        head, tail = self._around_documents(system, history)
         return PromptParts(
             prefix_ids=self.encode(head),
             chunk_ids=[self.chunk_ids(doc, separator, field=f"documents[{i}]")
                        for i, doc in enumerate(documents)],
             suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )
+
+    def _around_documents(self, system: str | None, history: Sequence[tuple[str, str]]) -> tuple[str, str]:
+        """The chat text before and after the last user turn's content."""
+        head, tail = self.chat_text(_messages(system, history) + [{"role": "user", "content": _SLOT}]).split(_SLOT)
+        return head, tail
+
+    def prefix_ids(self, system: str | None, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """Token ids of a prompt's prefix: system, earlier turns and the last user turn's opening
+        (what `rag_prompt_parts` puts before the documents)."""
+        return self.encode(self._around_documents(system, history)[0])
 
     def conversation_ids(self, system: str | None, turns: Sequence[tuple[str, str]]) -> list[int]:
         """Token ids of a finished conversation (no generation prompt): what the next turn's prompt
@@ -93,7 +103,7 @@ class Tokenizer:
         for j in range(len(history), -1, -1):
             if j and history[j - 1][0] != "assistant":
                 continue  # a prompt always follows a finished exchange
-            heads.append(self.rag_prompt_parts(["-"], "-", system, history=history[:j]).prefix_ids)
+            heads.append(self.prefix_ids(system, history[:j]))
             if j:
                 heads.append(self.conversation_ids(system, history[:j]))
         return heads

@@ -229,7 +229,7 @@ class Service:
         it; returns how many of its tokens were stored before this request. A conversation's next
         turn extends the stored earlier turns instead of prefilling them again."""
         system = spec.system or self.pipeline.system
-        ids = self.pipeline.prompt(["-"], spec.question, system=system, history=spec.history).prefix_ids
+        ids = self.pipeline.tokenizer.prefix_ids(system, spec.history)
         limit = self.pipeline.model.config.max_positions
         if len(ids) >= limit:
             raise InputError(f"messages: the conversation before the documents takes {len(ids)} tokens, "
