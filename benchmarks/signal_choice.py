@@ -49,7 +49,7 @@ def main() -> None:
         for depth in depths:
             hits = {r: [] for r in ("entropy", "passes", "passes+task", "kv_dev", "qci")}
             for o in outs:
-                kv, qci = demand(o, f"kv_dev/{depth}"), demand(o, f"qci/{depth}")
+                kv, qci = demand(o, f"kv_dev/{depth}")[0], demand(o, f"qci/{depth}")[0]  # minimum sufficient
                 if kv == qci:
                     continue
                 oracle = "kv_dev" if kv < qci else "qci"

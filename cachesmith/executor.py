@@ -161,7 +161,7 @@ class BatchExecutor:
             config = plan.recompute_config()
             staged.set_plan(config)
             monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1,
-                                     time_scale=planner.correction.get(plan.signal, 1.0))
+                                     time_scale=planner.correction.get(plan.signal, 1.0), limit_s=decision.limit_s)
             monitor.start(at=start)
             hooks.hooks.append(monitor)
             decided.update(plan=plan, monitor=monitor)

@@ -138,7 +138,13 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     still to run, and the planner learns the pace (measured / predicted) for the next plans."""
     from cachesmith.profiler.packaged import rescaled
 
-    eng = Engine(pipe, rescaled(profile, 1e-4), EngineConfig("cachesmith:kv_dev", "replay"))
+    from dataclasses import replace
+
+    # its link 10^4 x faster too: a cut saves compute only where the reused rows' loads do not
+    # take longer than it (the monitor does not cut where lowering coverage saves nothing)
+    fast = rescaled(profile, 1e-4)
+    fast = replace(fast, tier_gbps={tier: 1e4 * gbps for tier, gbps in fast.tier_gbps.items()})
+    eng = Engine(pipe, fast, EngineConfig("cachesmith:kv_dev", "replay"))
     # an SLO of 1 ms: a budget the promised machine meets and no real batch does (~10 ms here)
     results = eng.run([Request(i, instance(i), 1e-3, 10.0 * i) for i in range(2)])
     assert all(r.error is None and r.mode == "planned" for r in results)

@@ -23,7 +23,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import (GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold,
-                                        task_curves)
+                                        flip_step, task_curves)
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
@@ -111,11 +111,7 @@ class OutcomeMeasurer:
         low = passes(0)
         if low == high:
             return Flip(low, high, 1.0)
-        lo, hi = 0, GRID_STEPS  # low verdict at lo; r = 100% is full prefill, which gives `high`
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
-        return Flip(low, high, hi / GRID_STEPS)
+        return Flip(low, high, flip_step(passes, high) / GRID_STEPS)
 
     def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
         """The fixed plans an instance is measured under; `is_flips_only`: full prefill, full reuse
@@ -193,44 +189,51 @@ class OutcomeTable:
             raise InputError(f"outcome table {path}: cannot be read ({exc})") from exc
 
 
-def demand(o: Outcome, key: str) -> float:
-    """`o`'s minimum sufficient coverage at "signal/depth": NEVER where full prefill fails (as the
-    demand profiler counts it), 0 where full reuse's side passes already."""
+def demand(o: Outcome, key: str) -> tuple[float, float]:
+    """`o`'s passing interval [from, until) at "signal/depth": from its minimum sufficient coverage
+    (0 where full reuse's side passes already, NEVER where nothing does) to where it fails again
+    (NEVER where it keeps passing; the flip's coverage where it passes only below it)."""
     flip = o.flips[key]
-    if not flip.high:
-        return NEVER
-    return 0.0 if flip.low else flip.at
+    if flip.high:
+        return (0.0 if flip.low else flip.at), NEVER
+    return (0.0, flip.at) if flip.low else (NEVER, NEVER)
 
 
-def shallow_demand(o: Outcome, num_layers: int) -> float | None:
-    """`o`'s demand under (kv_dev, 1, 0) from its measured preset coverages, as the simulator judges
-    that plan (`OutcomeTable.passes`: the closest measured coverage at or below, full reuse's verdict
-    below them all, full prefill's at 100%): 0 where full reuse passes, else the first measured
-    coverage that passes, else 100%; NEVER where full prefill fails. None where the presets were
-    not measured (a flips-only instance)."""
+def shallow_demand(o: Outcome, num_layers: int) -> tuple[float, float] | None:
+    """`o`'s passing interval under (kv_dev, 1, 0) from its measured preset coverages, as the
+    simulator judges that plan (`OutcomeTable.passes`: the closest measured coverage at or below,
+    full reuse's verdict below them all, full prefill's at 100%): from the first coverage that
+    passes to the first after it that fails (NEVER where none does). Where the verdicts flip more
+    than once, the first passing stretch stands for them. None where the presets were not
+    measured (a flips-only instance)."""
     points = o.static.get(SHALLOW)
     if not points:
         return None
-    if not o.plans[preset("full_prefill", 1.0, num_layers).label()]:
-        return NEVER
-    reuse = o.plans[preset("full_reuse", 0.0, num_layers).label()]
-    return next((c for c, v in [(0.0, reuse)] + points if v), 1.0)
+    full = o.plans[preset("full_prefill", 1.0, num_layers).label()]
+    verdicts = [(0.0, o.plans[preset("full_reuse", 0.0, num_layers).label()])] + points + [(1.0, full)]
+    first = next((i for i, (_, v) in enumerate(verdicts) if v), None)
+    if first is None:
+        return NEVER, NEVER
+    end = next((c for c, v in verdicts[first:] if not v), NEVER)
+    return verdicts[first][0], end
 
 
 def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
     """(demand curves, entropy threshold) from measured outcomes: per (signal, anchor depth), every
-    instance's demand (the served mix's curve) and, where the table holds several tasks, each
-    task's own; kv_dev at rank depth 1 is CacheBlend's (1, 0), from the instances whose presets
-    were measured. The threshold of the `entropy` ablation is fit on the same instances. The
-    verdicts read the whole answer, as the serving gate does."""
+    instance's passing interval (the served mix's curve) and, where the table holds several tasks,
+    each task's own; kv_dev at rank depth 1 is CacheBlend's (1, 0), from the instances whose
+    presets were measured. The threshold of the `entropy` ablation is fit on the minimum sufficient
+    coverages of the same instances. The verdicts read the whole answer, as the serving gate does."""
     if not table.outcomes:
         raise InputError("the outcome table holds no instance to take demand from")
     outs, depths = table.outcomes, anchor_depths(table.num_layers)
-    demands = {(SHALLOW[0], 1): [shallow_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
-    demands.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
+    intervals = {(SHALLOW[0], 1): [shallow_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
+    intervals.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
+    demands = {k: [None if x is None else x[0] for x in v] for k, v in intervals.items()}
+    until = {k: [None if x is None else x[1] for x in v] for k, v in intervals.items()}
     mid = depths[len(depths) // 2]
     theta = fit_threshold([o.entropy for o in outs], demands[("kv_dev", mid)], demands[("qci", mid)])
-    return task_curves(demands, [o.task for o in outs]), theta
+    return task_curves(demands, [o.task for o in outs], until), theta
 
 
 def extend_table(pipe: RagPipeline, table: OutcomeTable, cache_path: Path, show_progress: bool = True) -> int:

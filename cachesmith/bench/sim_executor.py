@@ -71,7 +71,7 @@ class SimExecutor:
                                 a.request.instance.entropy, a.request.instance.task) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
-            seconds, stall, final, replans = self._monitored(plan, shape)
+            seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s)
         signal, w, p = config.signal.value, config.warmup, config.probe
         verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, final)]
         return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
@@ -84,7 +84,8 @@ class SimExecutor:
         seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
         return seconds, max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
 
-    def _monitored(self, plan: BatchPlan, shape: BatchShape) -> tuple[float, float, list[float], int]:
+    def _monitored(self, plan: BatchPlan, shape: BatchShape,
+                   limit_s: float | None = None) -> tuple[float, float, list[float], int]:
         """(TTFT, stall, coverages at the end, monitor replans) of a planned batch: layer 0, the
         planner's decision, then the remaining passes one by one under the runtime monitor, on
         virtual time; a lowered coverage reprices the passes still to run. The planner learns the
@@ -93,7 +94,7 @@ class SimExecutor:
         machines = self.machine(signal, w, p, int(shape.arrays()[3].sum()))
         now = [0.0]
         monitor = RuntimeMonitor(plan, self.planner.cost, shape, steps_done=1, clock=lambda: now[0],
-                                 time_scale=self.planner.correction.get(signal, 1.0))
+                                 time_scale=self.planner.correction.get(signal, 1.0), limit_s=limit_s)
         monitor.start(at=0.0)
         cov = np.array(plan.coverages, float)  # [R]
         steps, durations = self._durations(machines, shape, plan, cov)  # [2, num_steps]

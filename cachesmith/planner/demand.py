@@ -1,10 +1,13 @@
 """Demand distributions as pass probabilities (paper §5.1, Fig. 7).
 
-In: the profile's `DemandCurve`s: each profiling request's minimum sufficient coverage, per signal,
-at anchor rank depths (5%, 20%, 50% of the layers, p = 1), over the served mix and, optionally,
-per task. Out: P(pass | signal, rank depth, coverage[, task]) = the fraction of profiled requests
-whose demand is at most that coverage, linearly interpolated between anchor depths and clamped
-outside them. A task the profile has no curves for reads the served mix's. The planner compares
+In: the profile's `DemandCurve`s: each profiling request's passing coverages (from its minimum
+sufficient coverage, up to where it fails again if it does), per signal, at anchor rank depths
+(5%, 20%, 50% of the layers, p = 1), over the served mix and, optionally, per task. Out:
+P(pass | signal, rank depth, coverage[, task]) = the fraction of profiled requests passing at that
+coverage, linearly interpolated between anchor depths and clamped outside them. It need not rise
+with coverage: requests that pass on their isolated chunks and fail on the restored context make
+it dip. The planner still plans the most coverage its budget reaches: on 57 profiling requests a
+dip is one or two requests, and planning into it lost settings on held-out outcomes. A task the profile has no curves for reads the served mix's. The planner compares
 candidate rank depths and signals with it; it need not predict any one request's demand.
 """
 from __future__ import annotations
@@ -31,8 +34,7 @@ class DemandModel:
             group.sort(key=lambda cv: cv.rank_depth)
             depths = np.array([cv.rank_depth for cv in group], float)
             # cdf[a, g]: fraction of requests passing at COVERAGE_GRID[g] with anchor depth a
-            cdf = np.stack([(np.asarray(cv.demands)[None, :] <= COVERAGE_GRID[:, None] + 1e-9).mean(1)
-                            for cv in group])
+            cdf = np.stack([cv.pass_rate(COVERAGE_GRID) for cv in group])
             self._tables[key] = (depths, cdf)
 
     @property

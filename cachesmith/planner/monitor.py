@@ -1,10 +1,23 @@
-"""The runtime monitor (paper §5.1, last paragraph): a runner hook that compares each layer's
-finish time with the plan's schedule and, when the batch runs late (a slow link, contention),
-re-plans the coverage of the remaining Patch layers so the batch still meets its budget.
+"""The runtime monitor (paper §5.1, last paragraph): a runner hook that compares the batch's
+progress with the plan's schedule and, when the batch would end past its budget (a slow link,
+contention), re-plans the coverage of the remaining Patch layers so the batch still meets it.
 
 In: the `BatchPlan`, the cost model and batch shape it was made with, and optionally a callable
 giving the measured link bandwidth. Out, via `after_layer`: lowered coverages {request: coverage}
 that the runner applies to the remaining Patch layers. Coverage is only ever lowered.
+
+Why it predicts the end instead of reacting to one late layer: every cut costs quality (a
+CacheBlend-family request at 10% passes about twice as often as at 0%) and time of its own (the
+dropped rows' cached KV must be loaded for every remaining layer), while one layer on a shared
+2-core machine often runs 20-30% over its estimate and the next one under it. So the monitor keeps
+a pace (the median of measured / planned seconds over the last five Patch layers, padded with
+on-pace ones while fewer than three ran), predicts the end at that pace, and cuts only when that
+end passes its target by more than the tolerance, to the largest coverage whose predicted end fits
+with the cost of a cut (measured on the layer after an earlier one) reserved, and only if the cut
+saves more than that cost. The target is the budget,
+or, given the scheduler's limit (the latest end that costs nobody a deadline), that limit less a
+margin proportional to the time still to run: the budget's own margin was set for the noise of the
+whole batch, and less of it is left the further the batch has run.
 """
 from __future__ import annotations
 
@@ -18,13 +31,20 @@ from cachesmith.planner.planner import BatchPlan
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 
 SCALES = np.linspace(1.0, 0.0, 41)  # candidate multipliers of the current coverages
+PACE_WINDOW = 5  # the pace is the median ratio of the last few layers: a lasting slowdown shows fast
+MIN_LAYERS = 3  # fewer measured layers are padded with on-pace ones: one noisy layer does not cut
+MAX_PACE = 4.0
 
 
 class RuntimeMonitor(RunnerHooks):
     def __init__(self, plan: BatchPlan, cost: CostModel, shape: BatchShape, tolerance: float = 0.05,
                  bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0,
-                 time_scale: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> None:
+                 time_scale: float = 1.0, clock: Callable[[], float] = time.perf_counter,
+                 limit_s: float | None = None, margin: float = 0.08) -> None:
         self.plan, self.cost, self.shape = plan, cost, shape
+        # past the budget, up to the scheduler's limit (nobody's deadline lost), less a margin for
+        # the noise of what is left to run: a late batch ends there rather than lose its coverage
+        self.limit_s, self.margin = limit_s, margin
         self.clock = clock  # the simulator's executor drives the monitor on its virtual time
         self.tolerance = tolerance
         self.bandwidth = bandwidth
@@ -33,8 +53,11 @@ class RuntimeMonitor(RunnerHooks):
         self.time_scale = time_scale  # the planner's learned correction of the cost model
         self.steps, self.planned_end = steps, ends[:, 0] * time_scale
         self.num_replans = 0
-        self.drift_s = 0.0
         self.pace: float | None = None  # elapsed / planned at the last step run on the original plan
+        self.layer_pace = 1.0  # measured / planned seconds of recent Patch layers (median)
+        self._ratios: list[float] = []  # measured / planned seconds of the recent Patch layers
+        self._is_after_replan = False
+        self.cut_cost_s = 0.0  # seconds a cut added to the layer after it (measured on the first)
         self._step = steps_done  # a monitor attached after layer 0 (plan decided there) starts at 1
         self._start: float | None = None
         self._last: float | None = None
@@ -56,28 +79,69 @@ class RuntimeMonitor(RunnerHooks):
         now = self.clock()
         elapsed = now - self._start
         last, self._last = self._last, now
-        if (last is not None and 0 < j < len(self.planned_end) and info.phase == "patch"
-                and self.steps[j].kind == "patch"):
-            # what a Patch layer really takes beyond the plan's estimate of that same step (a slow
-            # link, contention, model error); it is assumed to persist over the remaining layers.
-            # Plain Patch layers only: kv_dev's scoring layer is another kind, and a one-off.
-            planned = self.planned_end[j] - self.planned_end[j - 1]
-            self.drift_s = max(0.0, (now - last) - float(planned))
-        if self.num_replans == 0 and j < len(self.planned_end) and self.planned_end[j] > 0:
+        if j >= len(self.planned_end):
+            return None
+        if self.num_replans == 0 and self.planned_end[j] > 0:
             self.pace = elapsed / float(self.planned_end[j])
-        remaining = [s for s in self.steps[j + 1:] if s.kind == "patch"]
-        if j >= len(self.planned_end) or not remaining:
+        if last is not None and 0 < j and info.phase == "patch" and self.steps[j].kind == "patch":
+            # plain Patch layers only: kv_dev's scoring layer is another kind (the cost model
+            # underestimates it about 2x) and a one-off, as are WarmUp and probe layers
+            self._learn(now - last, float(self.planned_end[j] - self.planned_end[j - 1]))
+        if info.phase != "patch":  # the runner applies lowered coverage after Patch passes only
             return None
-        if elapsed <= self.planned_end[j] * (1 + self.tolerance):
+        return self._decide(j, elapsed)
+
+    def _decide(self, j: int, elapsed: float) -> dict[int, float] | None:
+        """Cut when the end predicted at the measured pace passes the target, to the largest scale
+        that fits with the cost of the cut itself (measured on an earlier cut) reserved, and only
+        when the cut saves more time than it costs."""
+        num_left = sum(s.kind == "patch" for s in self.steps[j + 1:])
+        if not num_left or not self.coverages.any():
             return None
-        scale = self._feasible_scale(len(remaining), self.plan.budget_s - elapsed)
+        seconds = np.diff(self.planned_end[j:])  # [steps left] as planned
+        left = float(seconds.sum())
+        target = self.target_s(elapsed)
+        if elapsed + self.layer_pace * left <= target + self.tolerance * self.plan.budget_s:
+            return None
+        other = sum(t for t, s in zip(seconds, self.steps[j + 1:]) if s.kind != "patch")  # probes left
+        scale = self._feasible_scale(num_left, target - elapsed - self.layer_pace * other - self.cut_cost_s)
         if scale >= 1.0:
             return None
+        now_s, cut_s = self._patch_seconds(np.stack([self.coverages, self.coverages * scale]))
+        if num_left * self.layer_pace * (now_s - cut_s) <= self.cut_cost_s:
+            return None
+        return self._lower(j, scale, elapsed)
+
+    def target_s(self, elapsed: float) -> float:
+        """The latest end the monitor lets the batch run to, `elapsed` seconds after its start."""
+        budget = self.plan.budget_s
+        if self.limit_s is None or self.limit_s <= budget:
+            return budget
+        return max(budget, self.limit_s - self.margin * (self.limit_s - elapsed))
+
+    def _learn(self, measured: float, planned: float) -> None:
+        """Fold one layer into the pace, except the layer after a cut: it also loads the dropped
+        rows' cached KV for every remaining layer, a one-off kept as the price of the next cut."""
+        if self._is_after_replan:
+            self._is_after_replan = False
+            self.cut_cost_s = max(self.cut_cost_s, measured - planned * self.layer_pace)
+            return
+        if planned <= 0:
+            return
+        self._ratios = [*self._ratios[1 - PACE_WINDOW:], measured / planned]
+        padded = self._ratios + [1.0] * (MIN_LAYERS - len(self._ratios))
+        self.layer_pace = min(MAX_PACE, float(np.median(padded)))
+
+    def _lower(self, j: int, scale: float, elapsed: float) -> dict[int, float]:
         self.num_replans += 1
         self.coverages = self.coverages * scale
-        # later steps are now measured against the lowered plan from here on
+        self._is_after_replan = True
+        # later steps are now measured against the lowered plan from here on (probes left keep theirs)
+        patch_s = float(self._patch_seconds(self.coverages[None, :])[0])
+        seconds = np.diff(self.planned_end[j:])
+        self.planned_end[j] = elapsed  # the next layer is priced from now
         self.planned_end[j + 1:] = elapsed + np.cumsum(
-            [self._patch_seconds(self.coverages[None, :])[0]] * len(self.steps[j + 1:]))
+            [patch_s if s.kind == "patch" else t for t, s in zip(seconds, self.steps[j + 1:])])
         return {i: float(c) for i, c in enumerate(self.coverages)}
 
     def _patch_seconds(self, coverages: np.ndarray) -> np.ndarray:
@@ -91,7 +155,8 @@ class RuntimeMonitor(RunnerHooks):
         return np.maximum(compute * self.time_scale, link)  # later loads overlap this layer's compute
 
     def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
+        """The largest scale whose remaining layers, at the measured pace, end within the budget."""
         candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]
-        need = num_layers_left * (self._patch_seconds(candidates) + self.drift_s)
+        need = num_layers_left * self._patch_seconds(candidates) * self.layer_pace
         ok = np.nonzero(need <= time_left)[0]
         return float(SCALES[ok[0]]) if ok.size else 0.0

@@ -14,6 +14,8 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
 from cachesmith.errors import InputError
 
 PROFILE_FORMAT = 2  # 2: per-request terms, a "select" cost; costs measured through the staged serving path
@@ -45,12 +47,45 @@ class PhaseCost:
 
 @dataclass(frozen=True)
 class DemandCurve:
-    """Minimum sufficient coverage of each profiling request (NEVER: fails even at 100%), over the
-    served mix (`task` None) or over one task's requests (read when a request names its task)."""
+    """The coverages at which each profiling request passes its gate, over the served mix (`task`
+    None) or over one task's requests (read when a request names its task), as one interval per
+    request: from its minimum sufficient coverage `demands[i]` (NEVER: none passes) up to
+    `until[i]`, where it fails again (NEVER, or `until` None for every request: it keeps passing).
+    A request that full prefill fails may still pass at low coverage, where the isolated chunks'
+    cached KV answers it and the fully restored context does not: demand 0, a finite `until`."""
     signal: str
     rank_depth: int
     demands: tuple[float, ...]
     task: str | None = None
+    until: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.until is not None and len(self.until) != len(self.demands):
+            raise ProfileError(f"demand curve {self.signal}@{self.rank_depth}: {len(self.until)} `until` "
+                               f"values for {len(self.demands)} requests")
+
+    def pass_rate(self, coverages) -> np.ndarray:
+        """Fraction of the requests passing at each of `coverages` [G]."""
+        c = np.asarray(coverages, float)[:, None] + 1e-9
+        ok = np.asarray(self.demands, float)[None, :] <= c
+        if self.until is not None:
+            ok &= c < np.asarray(self.until, float)[None, :]
+        return ok.mean(1)
+
+    def to_json(self) -> dict:
+        finite = lambda xs: [None if math.isinf(x) else x for x in xs]  # noqa: E731
+        out = {"signal": self.signal, "rank_depth": self.rank_depth, "demands": finite(self.demands),
+               "task": self.task}
+        if self.until is not None:
+            out["until"] = finite(self.until)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DemandCurve":
+        read = lambda xs: tuple(NEVER if x is None else float(x) for x in xs)  # noqa: E731
+        until = d.get("until")
+        return cls(d["signal"], int(d["rank_depth"]), read(d["demands"]), d.get("task"),
+                   None if until is None else read(until))
 
 
 @dataclass(frozen=True)
@@ -80,8 +115,7 @@ class Profile:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = asdict(self)
-        data["demand"] = [{**d, "demands": [None if math.isinf(x) else x for x in d["demands"]]}
-                          for d in data["demand"]]
+        data["demand"] = [c.to_json() for c in self.demand]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(path)
@@ -95,9 +129,7 @@ class Profile:
         try:
             profile = cls(**{**data, "layer_costs": {k: PhaseCost(**v) for k, v in data["layer_costs"].items()},
                              "overhead": PhaseCost(**data["overhead"]),
-                             "demand": tuple(DemandCurve(d["signal"], d["rank_depth"], tuple(
-                                 NEVER if x is None else float(x) for x in d["demands"]), d.get("task"))
-                                 for d in data["demand"])})
+                             "demand": tuple(DemandCurve.from_json(d) for d in data["demand"])})
         except ProfileError as exc:
             raise ProfileError(f"profile {path}: {exc}") from exc
         except (AttributeError, KeyError, TypeError, ValueError) as exc:

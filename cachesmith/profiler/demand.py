@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,25 +59,24 @@ class DemandProfiler:
             self.cache[key] = rec
         return self.cache[key]
 
-    def min_coverage(self, inst: WorkloadInstance, signal: str, depth: int) -> float:
-        """Smallest grid coverage that passes (monotone assumption), NEVER if none does. Rank depth
-        1 is CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
+    def pass_interval(self, inst: WorkloadInstance, signal: str, depth: int) -> tuple[float, float]:
+        """[from, until) on the grid where the request passes, one flip assumed between 0% and
+        full prefill: (minimum sufficient coverage, NEVER) when full prefill passes, (0, the first
+        failing coverage) when only the low side does, (NEVER, NEVER) when neither. Rank depth 1 is
+        CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
         L = self.pipe.model.num_layers
-        if not self.evaluate(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]:
-            return NEVER
+        high = self.evaluate(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]
         warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
 
         def passes(step: int) -> bool:
             plan = RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
             return self.evaluate(inst, plan, f"{signal}/{depth}/{step}")["passed"]
 
-        if passes(0):
-            return 0.0
-        lo, hi = 0, GRID_STEPS  # fails at lo; r = 100% equals full prefill, which passes
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if passes(mid) else (mid, hi)
-        return hi / GRID_STEPS
+        low = passes(0)
+        if low == high:
+            return (0.0, NEVER) if high else (NEVER, NEVER)
+        at = flip_step(passes, high) / GRID_STEPS
+        return (at, NEVER) if high else (0.0, at)
 
     def entropy(self, inst: WorkloadInstance) -> float:
         plan = RecomputeConfig("kv_dev", 1, 1, 0.0)
@@ -84,31 +84,49 @@ class DemandProfiler:
 
     def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True):
         depths = anchor_depths(self.pipe.model.num_layers)
-        demands = {(s, d): [] for s in signals for d in depths}
+        keys = [(s, d) for s in signals for d in depths]
         if "kv_dev" in signals:  # the planner's rank depth 1: CacheBlend's (1, 0), bursts' workhorse
-            demands[("kv_dev", 1)] = []
+            keys.insert(0, ("kv_dev", 1))
+        demands, until = {k: [] for k in keys}, {k: [] for k in keys}
         entropies = []
         for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
-            for s, d in demands:
-                demands[(s, d)].append(self.min_coverage(inst, s, d))
+            for s, d in keys:
+                low, high = self.pass_interval(inst, s, d)
+                demands[(s, d)].append(low)
+                until[(s, d)].append(high)
             entropies.append(self.entropy(inst))
-        curves = task_curves(demands, [inst.task for inst in instances])
+        curves = task_curves(demands, [inst.task for inst in instances], until)
         mid = depths[len(depths) // 2]
         theta = fit_threshold(entropies, demands.get(("kv_dev", mid), []), demands.get(("qci", mid), []))
         return curves, theta, entropies
 
 
-def task_curves(demands: dict[tuple[str, int], list[float | None]], tasks: list[str]) -> tuple[DemandCurve, ...]:
+def flip_step(passes: Callable[[int], bool], high: bool) -> int:
+    """The first grid step with full prefill's verdict `high`, by binary search, given that step 0
+    has the other one (one flip assumed; step GRID_STEPS is full prefill itself)."""
+    lo, hi = 0, GRID_STEPS
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
+    return hi
+
+
+def task_curves(demands: dict[tuple[str, int], list[float | None]], tasks: list[str],
+                until: dict[tuple[str, int], list[float | None]] | None = None) -> tuple[DemandCurve, ...]:
     """Curves over every request (the served mix's) and, where the requests hold several tasks,
-    each task's own, for requests that name it. `demands[(signal, depth)][i]` is request i's (None:
-    not measured, left out); `tasks[i]` its task."""
+    each task's own, for requests that name it. `demands[(signal, depth)][i]` is request i's
+    minimum sufficient coverage (None: not measured, left out), `until[(signal, depth)][i]` where
+    it fails again (NEVER: it does not; no `until`: none does); `tasks[i]` its task."""
     groups = [None] + (sorted(set(tasks)) if len(set(tasks)) > 1 else [])
     curves = []
     for task in groups:
-        for (signal, depth), values in demands.items():
-            kept = tuple(v for v, t in zip(values, tasks) if v is not None and task in (None, t))
+        for key, values in demands.items():
+            ends = (until or {}).get(key) or [NEVER] * len(values)
+            kept = [(v, e) for v, e, t in zip(values, ends, tasks) if v is not None and task in (None, t)]
             if kept:
-                curves.append(DemandCurve(signal, depth, kept, task))
+                ends_kept = tuple(e for _, e in kept)
+                curves.append(DemandCurve(key[0], key[1], tuple(v for v, _ in kept), task,
+                                          None if all(math.isinf(e) for e in ends_kept) else ends_kept))
     return tuple(curves)
 
 

@@ -24,7 +24,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import CostModel
-from cachesmith.planner.profile import NEVER, DemandCurve, PhaseCost, Profile, ProfileError
+from cachesmith.planner.profile import DemandCurve, PhaseCost, Profile, ProfileError
 from cachesmith.profiler.bandwidth import tier_bandwidth
 from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
                                        scaffold, session_factors, validation_error)
@@ -185,8 +185,7 @@ def read_demand(path: Path) -> tuple[tuple[DemandCurve, ...], float]:
     on the model, not on how the costs were measured."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        curves = tuple(DemandCurve(d["signal"], int(d["rank_depth"]), tuple(
-            NEVER if x is None else float(x) for x in d["demands"]), d.get("task")) for d in data["demand"])
+        curves = tuple(DemandCurve.from_json(d) for d in data["demand"])
         return curves, float(data["entropy_threshold"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise ProfileError(f"profile {path}: no readable demand distributions ({type(exc).__name__}: {exc})") from exc

@@ -102,8 +102,8 @@ class SloAwareScheduler:
             later = self._pick(self._price(live, floors, now + wait), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
                 return self._doomed_batch(doomed, now, start)
-        on_time, members, budget = best
-        return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned",
+        on_time, members, budget, limit = best
+        return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned", limit_s=limit,
                                 expected_on_time=on_time, num_candidates=len(priced[1]) - 1,  # the fallback row is not one
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
@@ -147,25 +147,28 @@ class SloAwareScheduler:
                                                         cfg.max_candidates))), alone])
         return (buckets, combos, *self._evaluate(buckets, combos, floors, now))
 
-    def _pick(self, priced, capacity: int) -> tuple[int, list[QueuedRequest], float]:
-        """(on time, members, budget) of the first composition within `capacity` that satisfies
-        every live request, else the one that satisfies the most."""
-        buckets, combos, score, budget, tokens = priced
+    def _pick(self, priced, capacity: int) -> tuple[int, list[QueuedRequest], float, float]:
+        """(on time, members, budget, limit) of the first composition within `capacity` that
+        satisfies every live request, else the one that satisfies the most."""
+        buckets, combos, score, budget, hard, tokens = priced
         fits = tokens[:-1] <= capacity
         score = np.append(np.where(fits, score[:-1], -1), score[-1] if not fits.any() else -1)
         done = np.nonzero(score == sum(len(b) for b in buckets))[0]
         m = int(done[0]) if done.size else int(np.argmax(score))
-        return int(score[m]), [r for b, k in zip(buckets, combos[m]) for r in b[:k]], float(budget[m])
+        return (int(score[m]), [r for b, k in zip(buckets, combos[m]) for r in b[:k]], float(budget[m]),
+                float(hard[m]))
 
     def _evaluate(self, buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float],
-                  now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(requests on time in batch + modeled queue, budget, context tokens) per candidate.
+                  now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(requests on time in batch + modeled queue, budget, limit, context tokens) per candidate.
 
         A candidate's budget rises toward its most urgent member's deadline, capped at saturation
         and where a waiting request that makes its deadline at its floor behind the batch (the
         queue FCFS at floors) would miss it; past saturation only while the whole waiting queue
         still clears its floor and the predicted next arrival keeps its saturation budget. Below its
-        floor it runs at the floor and counts who still makes it."""
+        floor it runs at the floor and counts who still makes it. The limit is the latest end that
+        costs no member, and no waiting request that makes it, its deadline: the runtime monitor may
+        let a late batch run into the gap between budget and limit rather than cut its coverage."""
         totals, tokens, first_deadline = _compose(buckets, combos)
         floor, saturation = self._bands_of(totals)
         limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
@@ -179,7 +182,8 @@ class SloAwareScheduler:
         if raise_ok.any():
             raised = np.minimum(limit, self._arrival_room(now, queue_ends[:, -1]))
             budget = np.where(raise_ok, np.maximum(budget, raised), budget)
-        return _members_on_time(buckets, combos, now + budget) + queued, budget, tokens
+        hard = np.maximum(budget, np.minimum(first_deadline - now, room))
+        return _members_on_time(buckets, combos, now + budget) + queued, budget, hard, tokens
 
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Budget bands [M] of M batches given by their summed request terms [M, 8], in one walk."""

@@ -53,6 +53,9 @@ class ScheduleDecision:
     decision_s: float = 0.0
     doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, past saving
     kv_window_layers: int | None = None  # partial KV allocation: layers resident per request
+    # seconds from the decision past which a member, or a waiting request that makes its deadline
+    # behind the batch, would miss it (>= budget_s); None: the budget is the limit
+    limit_s: float | None = None
 
 
 def batch_shape(requests: Sequence[QueuedRequest]) -> BatchShape:

@@ -76,13 +76,21 @@ def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task()
     outs = [outcome(0, "pr", full=True, reuse=False, at=0.3, entropy=0.9),  # needs 30% at depth 2
             outcome(1, "pr", full=True, reuse=True, entropy=0.9),  # passes at 0%
             outcome(2, "vt", full=False, reuse=False, entropy=0.2),  # full prefill fails: never
-            outcome(3, "vt", full=False, reuse=True, at=0.2, entropy=0.2)]  # passes below 20% only: never
+            outcome(3, "vt", full=False, reuse=True, at=0.2, entropy=0.2)]  # passes below 20% only
     curves, theta = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, outs))
     by = {(c.task, c.signal, c.rank_depth): c.demands for c in curves}
-    assert by[(None, "kv_dev", 2)] == (0.3, 0.0, NEVER, NEVER)
-    assert by[(None, "qci", 6)] == pytest.approx((0.2, 0.0, NEVER, NEVER))  # deeper anchors need 0.1 less
-    assert by[("pr", "kv_dev", 15)] == pytest.approx((0.1, 0.0)) and by[("vt", "qci", 2)] == (NEVER, NEVER)
-    assert by[(None, "kv_dev", 1)] == (0.3, 0.0, NEVER, NEVER)  # CacheBlend's (1, 0): passes from its 30% preset
+    until = {(c.task, c.signal, c.rank_depth): c.until for c in curves}
+    assert by[(None, "kv_dev", 2)] == (0.3, 0.0, NEVER, 0.0)
+    assert until[(None, "kv_dev", 2)] == (NEVER, NEVER, NEVER, 0.2)  # fails again from its flip
+    assert by[(None, "qci", 6)] == pytest.approx((0.2, 0.0, NEVER, 0.0))  # deeper anchors need 0.1 less
+    assert until[(None, "qci", 6)] == pytest.approx((NEVER, NEVER, NEVER, 0.1))
+    assert by[("pr", "kv_dev", 15)] == pytest.approx((0.1, 0.0)) and until[("pr", "kv_dev", 15)] is None
+    assert by[("vt", "qci", 2)] == (NEVER, 0.0) and until[("vt", "qci", 2)] == (NEVER, 0.2)
+    # CacheBlend's (1, 0): passes from its 30% preset; the last passes at 5-15% and fails from 30%
+    assert by[(None, "kv_dev", 1)] == (0.3, 0.0, NEVER, 0.0) and until[(None, "kv_dev", 1)][3] == 0.3
+    curve = next(c for c in curves if (c.task, c.signal, c.rank_depth) == (None, "kv_dev", 2))
+    # at 10% two pass (one from 0%, one below its 20% flip); at 25% one; at 30% two again
+    assert curve.pass_rate([0.1, 0.25, 0.3, 1.0]).tolist() == [0.5, 0.25, 0.5, 0.5]
     assert {t for t, _, _ in by} == {None, "pr", "vt"} and len(curves) == 3 * 7
     assert 0.0 <= theta <= 1.0
     flips_only = outcome(4, "pr", full=True, reuse=False, at=0.1)

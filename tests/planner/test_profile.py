@@ -58,3 +58,23 @@ def test_demand_interpolates_between_anchor_depths():
     assert model.quantile("qci", 2, 0.5) == 0.4 and model.quantile("qci", 2, 0.9) == float("inf")
     with pytest.raises(ProfileError, match="no demand distribution for signal 'kv_dev'"):
         model.cdf("kv_dev", 4)
+
+
+def test_requests_that_fail_again_make_the_pass_probability_dip_and_survive_a_round_trip(tmp_path):
+    # request 0 passes from 10%; request 1 passes below 30% only (full prefill fails it);
+    # request 2 from 50%; request 3 never
+    curve = DemandCurve("kv_dev", 2, (0.1, 0.0, 0.5, NEVER), None, (NEVER, 0.3, NEVER, NEVER))
+    model = DemandModel((curve,))
+    assert model.pass_probability("kv_dev", 2, [0.0, 0.1, 0.3, 0.5, 1.0]).tolist() == [0.25, 0.5, 0.25, 0.5, 0.5]
+    # without `until` the same demands rise only
+    rising = DemandModel((DemandCurve("kv_dev", 2, curve.demands),))
+    assert rising.pass_probability("kv_dev", 2, [0.0, 0.3]).tolist() == [0.25, 0.5]
+    profile = make_profile()
+    profile = Profile(**{**profile.__dict__, "demand": (*profile.demand, curve)})
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").demand[-1] == curve
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["demand"][-1]["until"] = [None]
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="1 `until` values for 4 requests"):
+        Profile.load(tmp_path / "p.json")

@@ -192,10 +192,26 @@ def test_vectorized_search_agrees_with_a_plain_scoring_of_every_composition():
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
             continue
-        on_time, members, _ = sched._pick(sched._price(live, floors, now), sched.config.kv_capacity_tokens)
+        on_time, members, _, _ = sched._pick(sched._price(live, floors, now), sched.config.kv_capacity_tokens)
         quantum = max(min(floors[r.request_id] for r in live), 1e-3)
         buckets = bucketize(live, now, quantum, sched.config.length_edges)
         best = max(_reference_score(sched, [r for b, k in zip(buckets, combo) for r in b[:k]], live, floors, now)
                    for combo in compositions([len(b) for b in buckets], 4, 256))
         assert on_time == best, trial
         assert on_time == _reference_score(sched, members, live, floors, now)
+
+
+def test_the_limit_is_the_members_deadline_or_a_waiting_requests_slack():
+    sched = SloAwareScheduler(Planner(make_profile()))
+    f = sched.floor(QueuedRequest(0, 0, 1, 1024, 32))
+    alone = QueuedRequest(0, 0.0, 3.0 * f, 1024, 32)
+    d = sched.next_batch([alone], 0.0)
+    # the budget keeps the safety margin; the limit is the deadline itself
+    assert d.budget_s < d.limit_s and d.limit_s == pytest.approx(alone.deadline_s)
+    # one request per batch: the one behind must keep its floor before its deadline
+    one = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(max_batch_size=1))
+    first = QueuedRequest(0, 0.0, 1.5 * f, 1024, 32)
+    for slo, limit in ((2.2 * f, 1.2 * f), (4.0 * f, first.slo_s)):  # the waiting slack binds, then the deadline
+        d = one.next_batch([first, QueuedRequest(1, 0.0, slo, 1024, 32)], 0.0)
+        assert d.request_ids == (0,) and d.budget_s <= d.limit_s
+        assert d.limit_s == pytest.approx(max(d.budget_s, limit), rel=1e-6)
