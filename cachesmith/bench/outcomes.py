@@ -23,7 +23,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import (GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold,
-                                        flip_step, task_curves)
+                                        flip_interval, flip_step, task_curves)
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
@@ -194,9 +194,7 @@ def demand(o: Outcome, key: str) -> tuple[float, float]:
     (0 where full reuse's side passes already, NEVER where nothing does) to where it fails again
     (NEVER where it keeps passing; the flip's coverage where it passes only below it)."""
     flip = o.flips[key]
-    if flip.high:
-        return (0.0 if flip.low else flip.at), NEVER
-    return (0.0, flip.at) if flip.low else (NEVER, NEVER)
+    return flip_interval(flip.low, flip.high, flip.at)
 
 
 def shallow_demand(o: Outcome, num_layers: int) -> tuple[float, float] | None:

@@ -14,10 +14,10 @@ a pace (the median of measured / planned seconds over the last five Patch layers
 on-pace ones while fewer than three ran), predicts the end at that pace, and cuts only when that
 end passes its target by more than the tolerance, to the largest coverage whose predicted end fits
 with the cost of a cut (measured on the layer after an earlier one) reserved, and only if the cut
-saves more than that cost. The target is the budget,
-or, given the scheduler's limit (the latest end that costs nobody a deadline), that limit less a
-margin proportional to the time still to run: the budget's own margin was set for the noise of the
-whole batch, and less of it is left the further the batch has run.
+saves more than that cost. The target is the budget, or, given the scheduler's limit (the latest
+end that costs nobody a deadline), that limit less a margin proportional to the time still to run:
+the budget's own margin was set for the noise of the whole batch, and less of it is left the
+further the batch has run.
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class RuntimeMonitor(RunnerHooks):
         steps, ends = cost.schedule(shape, plan.signal, plan.warmup, plan.probe, self.coverages)
         self.time_scale = time_scale  # the planner's learned correction of the cost model
         self.steps, self.planned_end = steps, ends[:, 0] * time_scale
+        is_patch = np.array([s.kind == "patch" for s in steps], bool)  # [num_steps]
+        self._patches_after = is_patch[::-1].cumsum()[::-1] - is_patch  # [num_steps] Patch steps after j
         self.num_replans = 0
         self.pace: float | None = None  # elapsed / planned at the last step run on the original plan
         self.layer_pace = 1.0  # measured / planned seconds of recent Patch layers (median)
@@ -95,7 +97,7 @@ class RuntimeMonitor(RunnerHooks):
         """Cut when the end predicted at the measured pace passes the target, to the largest scale
         that fits with the cost of the cut itself (measured on an earlier cut) reserved, and only
         when the cut saves more time than it costs."""
-        num_left = sum(s.kind == "patch" for s in self.steps[j + 1:])
+        num_left = int(self._patches_after[j])
         if not num_left or not self.coverages.any():
             return None
         seconds = np.diff(self.planned_end[j:])  # [steps left] as planned
@@ -104,13 +106,12 @@ class RuntimeMonitor(RunnerHooks):
         if elapsed + self.layer_pace * left <= target + self.tolerance * self.plan.budget_s:
             return None
         other = sum(t for t, s in zip(seconds, self.steps[j + 1:]) if s.kind != "patch")  # probes left
-        scale = self._feasible_scale(num_left, target - elapsed - self.layer_pace * other - self.cut_cost_s)
-        if scale >= 1.0:
+        need = num_left * self.layer_pace * self._patch_seconds(SCALES[:, None] * self.coverages[None, :])  # [S]
+        fits = np.nonzero(need <= target - elapsed - self.layer_pace * other - self.cut_cost_s)[0]
+        k = int(fits[0]) if fits.size else len(SCALES) - 1  # SCALES fall from 1 to 0: the largest that fits
+        if k == 0 or need[0] - need[k] <= self.cut_cost_s:  # nothing to cut, or a cut saves less than it costs
             return None
-        now_s, cut_s = self._patch_seconds(np.stack([self.coverages, self.coverages * scale]))
-        if num_left * self.layer_pace * (now_s - cut_s) <= self.cut_cost_s:
-            return None
-        return self._lower(j, scale, elapsed)
+        return self._lower(j, float(SCALES[k]), elapsed)
 
     def target_s(self, elapsed: float) -> float:
         """The latest end the monitor lets the batch run to, `elapsed` seconds after its start."""
@@ -153,10 +154,3 @@ class RuntimeMonitor(RunnerHooks):
         compute = phase_seconds(model.profile.layer_costs["patch"], step_features("patch", self.shape, coverages))
         link = model.load_bytes("reused", self.shape, coverages) / (model.bandwidth_gbps * 1e9)
         return np.maximum(compute * self.time_scale, link)  # later loads overlap this layer's compute
-
-    def _feasible_scale(self, num_layers_left: int, time_left: float) -> float:
-        """The largest scale whose remaining layers, at the measured pace, end within the budget."""
-        candidates = SCALES[:, None] * self.coverages[None, :]  # [S, R]
-        need = num_layers_left * self._patch_seconds(candidates) * self.layer_pace
-        ok = np.nonzero(need <= time_left)[0]
-        return float(SCALES[ok[0]]) if ok.size else 0.0

@@ -73,10 +73,7 @@ class DemandProfiler:
             return self.evaluate(inst, plan, f"{signal}/{depth}/{step}")["passed"]
 
         low = passes(0)
-        if low == high:
-            return (0.0, NEVER) if high else (NEVER, NEVER)
-        at = flip_step(passes, high) / GRID_STEPS
-        return (at, NEVER) if high else (0.0, at)
+        return flip_interval(low, high, 1.0 if low == high else flip_step(passes, high) / GRID_STEPS)
 
     def entropy(self, inst: WorkloadInstance) -> float:
         plan = RecomputeConfig("kv_dev", 1, 1, 0.0)
@@ -109,6 +106,14 @@ def flip_step(passes: Callable[[int], bool], high: bool) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
     return hi
+
+
+def flip_interval(low: bool, high: bool, at: float) -> tuple[float, float]:
+    """[from, until) where a request passes, given its verdict at 0% (`low`), at full prefill
+    (`high`) and the coverage `at` where one turns into the other."""
+    if high:
+        return (0.0 if low else at), NEVER
+    return (0.0, at) if low else (NEVER, NEVER)
 
 
 def task_curves(demands: dict[tuple[str, int], list[float | None]], tasks: list[str],
