@@ -3,6 +3,7 @@
 
   cachesmith outcomes [--num-instances 80]      (offline, resumable: verdicts cached as JSONL)
   cachesmith outcomes --extend TABLE            (only the plans the table lacks)
+  cachesmith outcomes --append TABLE --seed S   (more instances into a saved table)
   cachesmith report [--table T --validation V --out docs/results.md]   (grid resumable)
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ def _outcomes(args: argparse.Namespace) -> int:
     pipe = RagPipeline(args.model, args.device, args.dtype)
     if args.extend is not None:
         return _extend(pipe, args)
+    if args.append is not None:
+        return _append(pipe, args)
     out = args.out or default_table_path(pipe)
     insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
     table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"), is_flips_only=args.flips_only)
@@ -49,6 +52,24 @@ def _extend(pipe, args: argparse.Namespace) -> int:
     added = extend_table(pipe, table, cache)
     table.save(args.extend)
     print(f"{args.extend}: {added} verdicts added over {len(table.outcomes)} instances")
+    if args.demand_into is not None:
+        _write_demand(table, args.demand_into)
+    return 0
+
+
+def _append(pipe, args: argparse.Namespace) -> int:
+    """Measure new instances into a saved table (its own kind: full or flips-only)."""
+    from cachesmith.bench.outcomes import OutcomeTable, append_table
+    from cachesmith.model.assets import cachesmith_home
+    from cachesmith.workloads.tasks import generate
+
+    if not args.append.exists():
+        raise CachesmithError(f"--append {args.append}: no outcome table there")
+    insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
+    cache = cachesmith_home() / "outcomes" / f"{args.append.stem}.evals.jsonl"  # resumable, not beside a committed table
+    added = append_table(pipe, args.append, insts, cache)
+    table = OutcomeTable.load(args.append)
+    print(f"{args.append}: {added} instances added, {len(table.outcomes)} in all")
     if args.demand_into is not None:
         _write_demand(table, args.demand_into)
     return 0
@@ -110,6 +131,9 @@ def add_parsers(sub, add_model_args) -> None:
     out.add_argument("--extend", type=Path, default=None, metavar="TABLE",
                      help="measure only the fixed plans this saved table's instances lack (after the plan "
                           "list grew) and save it back; with --demand-into, rewrite that profile's demand")
+    out.add_argument("--append", type=Path, default=None, metavar="TABLE",
+                     help="measure --num-instances instances from --seed into this saved table (skipping "
+                          "those it holds), saving it after each; with --demand-into, rewrite that profile's demand")
     out.set_defaults(func=_outcomes)
     rep = sub.add_parser("report", help="the paper's grid and ablations on the simulator -> docs/results.md")
     rep.add_argument("--table", type=Path, default=PACKAGED_TABLE)

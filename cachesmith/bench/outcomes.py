@@ -5,8 +5,9 @@ In: a `RagPipeline` and workload instances. Out: an `OutcomeTable`: per instance
 layer-0 QCI entropy, the verdict of full prefill, full reuse and every baseline preset at its
 coverages, and per (signal, anchor rank depth) the coverage at which its verdict flips from the
 full-reuse-side value to the full-prefill value (5% grid, binary search, one flip assumed; p = 1 as
-in the demand profile). Every evaluated (instance, plan) is appended to a JSONL cache, so a stopped
-run resumes; a progress bar counts instances.
+in the demand profile). An instance's plans are measured together, ranked once per (S, w, p) and
+decoded in one batch (`profiler.verdicts`). Every evaluated (instance, plan) is appended to a JSONL
+cache, so a stopped run resumes; a progress bar counts instances.
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
-from cachesmith.profiler.demand import (GRID_STEPS, SIGNALS, DemandProfiler, anchor_depths, fit_threshold,
-                                        flip_interval, flip_step, task_curves)
+from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
@@ -101,17 +101,10 @@ class OutcomeMeasurer:
         self.pipe = pipe
         self.num_layers = pipe.model.num_layers
 
-    def _passes(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> bool:
-        return bool(self.profiler.evaluate(inst, plan, tag)["passed"])
-
-    def flip(self, inst: WorkloadInstance, signal: str, depth: int, high: bool) -> Flip:
-        def passes(step: int) -> bool:
-            return self._passes(inst, RecomputeConfig(signal, depth - 1, 1, step / GRID_STEPS), f"{signal}/{depth}/{step}")
-
-        low = passes(0)
-        if low == high:
-            return Flip(low, high, 1.0)
-        return Flip(low, high, flip_step(passes, high) / GRID_STEPS)
+    def verdicts(self, inst: WorkloadInstance, plans: list[RecomputeConfig]) -> dict[str, bool]:
+        """label -> verdict of each plan, measured together."""
+        records = self.profiler.measure(inst, [(p, p.label()) for p in plans])
+        return {p.label(): bool(r["passed"]) for p, r in zip(plans, records)}
 
     def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
         """The fixed plans an instance is measured under; `is_flips_only`: full prefill, full reuse
@@ -124,9 +117,10 @@ class OutcomeMeasurer:
 
     def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
         parts = self.pipe.instance_prompt(inst)
-        plans = {p.label(): self._passes(inst, p, p.label()) for p in self.plans(is_flips_only)}
+        plans = self.verdicts(inst, self.plans(is_flips_only))
         high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
-        flips = {f"{s}/{d}": self.flip(inst, s, d, high) for s in SIGNALS for d in anchor_depths(self.num_layers)}
+        keys = [(s, d) for s in SIGNALS for d in anchor_depths(self.num_layers)]
+        flips = {f"{s}/{d}": Flip(low, high, at) for (s, d), (low, at) in self.profiler.flips(inst, keys, high).items()}
         return Outcome(instance_digest(inst), inst.task, seed, len(parts.prefix_ids),
                        sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), inst.max_new_tokens,
                        self.profiler.entropy(inst), plans, flips)
@@ -249,10 +243,30 @@ def extend_table(pipe: RagPipeline, table: OutcomeTable, cache_path: Path, show_
         if instance_digest(inst) != o.digest:
             raise InputError(f"outcome table: instance {o.task}/{o.seed} no longer generates the measured "
                              f"instance (digest {o.digest}); measure a new table instead")
-        o.plans.update({p.label(): measurer._passes(inst, p, p.label()) for p in missing})
+        o.plans.update(measurer.verdicts(inst, missing))
         o.__dict__.pop("static", None)  # the cached view of the plans is stale now
         added += len(missing)
     return added
+
+
+def append_table(pipe: RagPipeline, path: Path, instances: list[tuple[int, WorkloadInstance]], cache_path: Path,
+                 show_progress: bool = True) -> int:
+    """Measure `(seed, instance)` pairs into the saved table at `path`, skipping instances it
+    already holds, saving it after every instance (a stop loses at most the one being measured,
+    whose verdicts the cache at `cache_path` keeps). Returns the number of instances added."""
+    table = OutcomeTable.load(path)
+    if pipe.model.model_dir.name != table.model or pipe.model.num_layers != table.num_layers:
+        raise InputError(f"outcome table {path} is of model {table.model} ({table.num_layers} layers), "
+                         f"not {pipe.model.model_dir.name} ({pipe.model.num_layers} layers)")
+    held = {o.digest for o in table.outcomes}
+    todo = [(seed, inst) for seed, inst in instances if instance_digest(inst) not in held]
+    measurer = OutcomeMeasurer(pipe, cache_path)
+    flips_only = bool(table.outcomes) and all(preset("epic", DEFAULT_COVERAGES[0], table.num_layers).label()
+                                              not in o.plans for o in table.outcomes)
+    for seed, inst in tqdm(todo, desc="outcome tables", unit="inst", disable=not show_progress):
+        table.outcomes.append(measurer.measure(inst, seed, flips_only))
+        table.save(path)
+    return len(todo)
 
 
 def default_table_path(pipe: RagPipeline) -> Path:

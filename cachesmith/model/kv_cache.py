@@ -107,6 +107,17 @@ class KVCache:
         """K, V [L, end - start, Hkv, D] of rows [start, end) in every layer (views)."""
         return self.key_slab[:, start:end], self.value_slab[:, start:end]
 
+    def clone(self, num_layers: int | None = None) -> "KVCache":
+        """A new cache of the same capacity holding a copy of the first `num_layers` layers (default
+        all); the other layers are left unset, as in a fresh cache."""
+        L, capacity, num_kv_heads, head_dim = self.key_slab.shape
+        out = KVCache(L, num_kv_heads, head_dim, capacity, self.key_slab.device, self.key_slab.dtype, self.pool)
+        n = L if num_layers is None else num_layers
+        out.key_slab[:n, :capacity] = self.key_slab[:n]  # a pooled slab may hold more rows
+        out.value_slab[:n, :capacity] = self.value_slab[:n]
+        out.num_tokens = self.num_tokens
+        return out
+
     def release(self) -> None:
         """Hand the slabs back to the pool; the cache (and every view of it) must not be used after."""
         if self.pool is not None and self.key_slab is not None:

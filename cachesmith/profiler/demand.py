@@ -8,25 +8,23 @@ In: a `RagPipeline` and workload instances (default: the served mix, MIX). Out: 
 all instances and, where they hold several tasks, per task) and theta. The gate reads the whole
 answer, as serving's does.
 Long and offline: every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
-so a stopped run resumes, and a progress bar counts requests.
+so a stopped run resumes, and a progress bar counts requests. The searches of one request run in
+lockstep, so each round's plans share their rankings and their decoding (`Verdicts`).
 """
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from cachesmith.jsonl import load_keyed
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
+from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.recompute import RecomputeConfig, preset
-from cachesmith.workloads.card import instance_digest, answer_instance
 from cachesmith.workloads.instance import WorkloadInstance
-from cachesmith.workloads.scoring import score
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
 GRID_STEPS = 20  # 5% steps
@@ -44,40 +42,44 @@ class DemandProfiler:
     max_new_tokens: int = 1 << 30  # the instance's own answer length: the gate reads all of it
 
     def __post_init__(self) -> None:
-        self.cache = load_keyed(self.cache_path)
-        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        self.verdicts = Verdicts(self.pipe, Path(self.cache_path), self.max_new_tokens)
+
+    def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
+        """Each trial's record `{"passed", "entropy", ...}`, measured together (`Verdicts`)."""
+        return self.verdicts.measure(inst, trials)
 
     def evaluate(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
-        key = f"{instance_digest(inst)}/{tag}"
-        if key not in self.cache:
-            short = WorkloadInstance(**{**inst.__dict__, "max_new_tokens": min(inst.max_new_tokens,
-                                                                                 self.max_new_tokens)})
-            ans = answer_instance(self.pipe, short, plan)
-            rec = {"key": key, "passed": score(inst, ans.text).passed, "entropy": ans.qci_entropy}
-            with self.cache_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-            self.cache[key] = rec
-        return self.cache[key]
+        return self.measure(inst, [(plan, tag)])[0]
 
-    def pass_interval(self, inst: WorkloadInstance, signal: str, depth: int) -> tuple[float, float]:
-        """[from, until) on the grid where the request passes, one flip assumed between 0% and
-        full prefill: (minimum sufficient coverage, NEVER) when full prefill passes, (0, the first
-        failing coverage) when only the low side does, (NEVER, NEVER) when neither. Rank depth 1 is
-        CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
-        L = self.pipe.model.num_layers
-        high = self.evaluate(inst, preset("full_prefill", 1.0, L), "full_prefill")["passed"]
-        warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
+    def flips(self, inst: WorkloadInstance, keys: list[tuple[str, int]], high: bool) -> dict[tuple[str, int], tuple[bool, float]]:
+        """Per (signal, rank depth): the verdict at 0% (`low`) and the coverage where full prefill's
+        verdict `high` takes over (1.0 when low == high), one flip assumed. The keys' binary
+        searches run in lockstep: each round measures one step of every unfinished search together.
+        Rank depth 1 is CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
+        searches = {k: flip_search(high) for k in keys}
+        pending = {k: next(g) for k, g in searches.items()}
+        found = {}
+        while pending:
+            trials = [(plan_at(s, d, step), f"{s}/{d}/{step}") for (s, d), step in pending.items()]
+            verdicts = [bool(r["passed"]) for r in self.measure(inst, trials)]
+            nxt = {}
+            for (key, _), passed in zip(pending.items(), verdicts):
+                try:
+                    nxt[key] = searches[key].send(passed)
+                except StopIteration as done:
+                    found[key] = done.value
+            pending = nxt
+        return found
 
-        def passes(step: int) -> bool:
-            plan = RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
-            return self.evaluate(inst, plan, f"{signal}/{depth}/{step}")["passed"]
-
-        low = passes(0)
-        return flip_interval(low, high, 1.0 if low == high else flip_step(passes, high) / GRID_STEPS)
+    def pass_intervals(self, inst: WorkloadInstance, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
+        """[from, until) per (signal, rank depth) where the request passes on the 5% grid:
+        (minimum sufficient coverage, NEVER) when full prefill passes, (0, the first failing
+        coverage) when only the low side does, (NEVER, NEVER) when neither."""
+        high = bool(self.evaluate(inst, preset("full_prefill", 1.0, self.pipe.model.num_layers), "full_prefill")["passed"])
+        return {k: flip_interval(low, high, at) for k, (low, at) in self.flips(inst, keys, high).items()}
 
     def entropy(self, inst: WorkloadInstance) -> float:
-        plan = RecomputeConfig("kv_dev", 1, 1, 0.0)
-        return float(self.evaluate(inst, plan, "kv_dev/2/0")["entropy"])
+        return float(self.evaluate(inst, plan_at("kv_dev", 2, 0), "kv_dev/2/0")["entropy"])
 
     def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True):
         depths = anchor_depths(self.pipe.model.num_layers)
@@ -87,10 +89,9 @@ class DemandProfiler:
         demands, until = {k: [] for k in keys}, {k: [] for k in keys}
         entropies = []
         for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
-            for s, d in keys:
-                low, high = self.pass_interval(inst, s, d)
-                demands[(s, d)].append(low)
-                until[(s, d)].append(high)
+            for k, (low, high) in self.pass_intervals(inst, keys).items():
+                demands[k].append(low)
+                until[k].append(high)
             entropies.append(self.entropy(inst))
         curves = task_curves(demands, [inst.task for inst in instances], until)
         mid = depths[len(depths) // 2]
@@ -98,14 +99,25 @@ class DemandProfiler:
         return curves, theta, entropies
 
 
-def flip_step(passes: Callable[[int], bool], high: bool) -> int:
-    """The first grid step with full prefill's verdict `high`, by binary search, given that step 0
-    has the other one (one flip assumed; step GRID_STEPS is full prefill itself)."""
+def plan_at(signal: str, depth: int, step: int) -> RecomputeConfig:
+    """The plan of rank depth `depth` at grid step `step`: (kv_dev, 1, 0) at depth 1 (CacheBlend's
+    family), (S, depth - 1, 1) otherwise."""
+    warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
+    return RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
+
+
+def flip_search(high: bool) -> Generator[int, bool, tuple[bool, float]]:
+    """Yields the grid steps to measure and takes their verdicts: step 0 first (the low side), then
+    a binary search for the first step with full prefill's verdict `high` (one flip assumed; step
+    GRID_STEPS is full prefill itself). Returns (low, coverage where `high` begins)."""
+    low = yield 0
+    if low == high:
+        return low, 1.0
     lo, hi = 0, GRID_STEPS
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if passes(mid) == high else (mid, hi)
-    return hi
+        lo, hi = (lo, mid) if (yield mid) == high else (mid, hi)
+    return low, hi / GRID_STEPS
 
 
 def flip_interval(low: bool, high: bool, at: float) -> tuple[float, float]:

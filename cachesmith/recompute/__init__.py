@@ -2,9 +2,9 @@
 from cachesmith.recompute.config import (PRESET_NAMES, RecomputeConfig, Signal, cacheblend, epic,
                                          full_prefill, full_reuse, fusionrag, preset, prophetkv)
 from cachesmith.recompute.hooks import HookChain, LayerInfo, LayerStat, LayerStatsRecorder, RunnerHooks
-from cachesmith.recompute.runner import BatchRunner, RecomputeOutput
+from cachesmith.recompute.runner import BatchRunner, PatchFork, RecomputeOutput
 from cachesmith.recompute.sequence import RecomputeRequest
 
-__all__ = ["PRESET_NAMES", "BatchRunner", "HookChain", "LayerInfo", "LayerStat", "LayerStatsRecorder",
+__all__ = ["PRESET_NAMES", "BatchRunner", "PatchFork", "HookChain", "LayerInfo", "LayerStat", "LayerStatsRecorder",
            "RecomputeConfig", "RecomputeOutput", "RecomputeRequest", "RunnerHooks", "Signal",
            "cacheblend", "epic", "full_prefill", "full_reuse", "fusionrag", "preset", "prophetkv"]

@@ -12,14 +12,14 @@ its Patch starts at w + p, see docs/decisions.md); Patch recomputes selected row
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from cachesmith.model import Decoder, KVCache
 from cachesmith.recompute import signals, split_attention
 from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs, attention_probs
-from cachesmith.errors import ConfigError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 from cachesmith.recompute.sequence import RecomputeRequest, Sequence, build_sequence, fill_cached_rows
@@ -53,6 +53,16 @@ class _PatchRows:
     attention: ScatteredAttention | split_attention.SplitAttention
 
 
+@dataclass
+class _Ranked:
+    """A batch after WarmUp and Probe: every request ranked, nothing selected yet."""
+    seqs: list[Sequence]
+    h: torch.Tensor  # [sum S, hidden] every row entering the first Patch layer
+    patch_start: int
+    start_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # kv_dev: normed rows, K, V of patch_start
+    outputs: list[RecomputeOutput] | None = None  # set when no Patch layer is left
+
+
 class BatchRunner:
     def __init__(self, model: Decoder) -> None:
         self.model = model
@@ -66,30 +76,59 @@ class BatchRunner:
         layer 0: `replan(entropies)` gets each request's layer-0 QCI entropy and returns the plan
         for the rest (warmup >= 1) and per-request coverages (None: the plan's), as the planner
         chooses the signal from them (paper §5.1)."""
-        num_layers = self.model.num_layers
-        config.validate_for(num_layers)
+        config.validate_for(self.model.num_layers)
         hooks = hooks or RunnerHooks()
         seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
         with torch.inference_mode():
-            h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
-            layer = 0
-            while layer < min(config.warmup, num_layers):
-                h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
-                if layer == 0 and replan is not None:
-                    config = self._replan(replan, seqs, num_layers)
-                layer += 1
-            if config.warmup >= num_layers:
-                return self._finish(seqs, h, [s.num_tokens for s in seqs])
-            patch_start, h, projections = self._probe(config, seqs, h, hooks)
-            if patch_start == num_layers:  # a kv_dev probe that reached the last layer: all full
-                return self._finish(seqs, h, [s.num_tokens for s in seqs])
-            rows = [self._patch_rows(s) for s in seqs]
-            index = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))])
-            h_sel = h[index.to(h.device)]  # [sum (k_i + n_i), hidden]
-            for layer in range(patch_start, num_layers):
-                pre = projections if layer == patch_start else None
-                h_sel, rows = self._patch_layer(layer, seqs, rows, h_sel, hooks, pre)
-            return self._finish(seqs, h_sel, [r.positions.numel() for r in rows])
+            ranked = self._rank(seqs, config, hooks, replan)
+            return ranked.outputs if ranked.outputs is not None else self._patch(ranked, hooks)
+
+    def fork(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> "PatchFork":
+        """The batch run through WarmUp and Probe once, ready to be patched at any coverages
+        (`PatchFork.run`), each run equal to `run` at those coverages: the rankings do not depend
+        on the coverage, so an offline search over coverages pays for them once."""
+        config.validate_for(self.model.num_layers)
+        if config.warmup + (config.probe if config.signal is Signal.KV_DEV else 0) >= self.model.num_layers:
+            raise ConfigError(f"{config.label()} has no Patch phase to fork")
+        seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
+        with torch.inference_mode():
+            return PatchFork(self, self._rank(seqs, config, RunnerHooks(), None))
+
+    def _rank(self, seqs: list[Sequence], config: RecomputeConfig, hooks: RunnerHooks,
+              replan: Replan | None) -> "_Ranked":
+        """Embedding, WarmUp and Probe: every request ranked, nothing selected yet (or the outputs,
+        when no Patch layer is left)."""
+        num_layers = self.model.num_layers
+        h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
+        layer = 0
+        while layer < min(config.warmup, num_layers):  # a replan after layer 0 may change the warmup
+            h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
+            if layer == 0 and replan is not None:
+                config = self._replan(replan, seqs, num_layers)
+            layer += 1
+        if config.warmup >= num_layers:
+            return _Ranked(seqs, h, num_layers, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
+        patch_start, h, start_kv = self._probe(config, seqs, h, hooks)
+        if patch_start == num_layers:  # a kv_dev probe that reached the last layer: all full
+            return _Ranked(seqs, h, patch_start, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
+        return _Ranked(seqs, h, patch_start, start_kv)
+
+    def _patch(self, ranked: "_Ranked", hooks: RunnerHooks) -> list[RecomputeOutput]:
+        """Selection at each request's coverage, then the Patch layers."""
+        seqs = ranked.seqs
+        for s in seqs:
+            s.selected = signals.select(s, s.coverage)
+        hooks.after_selection([s.selected for s in seqs])
+        rows = [self._patch_rows(s) for s in seqs]
+        index = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(ranked.h.device)
+        h_sel = ranked.h[index]  # [sum (k_i + n_i), hidden]
+        pre = None
+        if ranked.start_kv is not None:  # kv_dev scored on the first Patch layer's K, V: reuse them
+            x, k, v = ranked.start_kv
+            pre = (self.model.layers[ranked.patch_start].q(x[index]), k[index], v[index])
+        for layer in range(ranked.patch_start, self.model.num_layers):
+            h_sel, rows = self._patch_layer(layer, seqs, rows, h_sel, hooks, pre if layer == ranked.patch_start else None)
+        return self._finish(seqs, h_sel, [r.positions.numel() for r in rows])
 
     @staticmethod
     def _replan(replan: Replan, seqs: list[Sequence], num_layers: int) -> RecomputeConfig:
@@ -105,7 +144,8 @@ class BatchRunner:
     # -- phases --------------------------------------------------------------------------------
     def _probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
                hooks: RunnerHooks):
-        """Score and select. Returns (first Patch layer, hidden rows, projections reusable there)."""
+        """Score and rank. Returns (first Patch layer, hidden rows, kv_dev's (normed rows, K, V) of
+        that layer, all rows)."""
         if config.signal is Signal.KV_DEV:
             return self._kv_dev_probe(config, seqs, h, hooks)
         is_position = config.signal is Signal.POSITION
@@ -119,8 +159,6 @@ class BatchRunner:
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
             s.is_position_signal = is_position
-            s.selected = signals.select(s, s.coverage)
-        hooks.after_selection([s.selected for s in seqs])
         return config.warmup, h, None
 
     def _kv_dev_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
@@ -141,10 +179,7 @@ class BatchRunner:
                                                     config.kv_dev_target, is_rotated=False)
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = sc, signals.rank(sc)
-            s.selected = signals.select(s, s.coverage)
-        hooks.after_selection([s.selected for s in seqs])
-        rows = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(h.device)
-        return start, h, (layer.q(x[rows]), k[rows], v[rows])
+        return start, h, (x, k, v)
 
     def _full_layer(self, index: int, seqs: list[Sequence], h: torch.Tensor, hooks: RunnerHooks,
                     phase: str, want_entropy: bool = False, dev_target: str | None = None):
@@ -322,3 +357,25 @@ class BatchRunner:
             outputs.append(RecomputeOutput(logits[i], s.cache, selected, s.scores, s.qci_entropy,
                                            s.num_context, s.num_suffix))
         return outputs
+
+
+class PatchFork:
+    """A ranked batch (`BatchRunner.fork`) patched at any coverages, as often as asked. Each run
+    patches copies of the ranked state, so runs do not see each other: the first Patch layer's
+    hidden rows and kv_dev's projections are only read, and each copy's cache holds the layers the
+    ranking wrote (later layers are placed from the cached chunks as Patch reaches them)."""
+
+    def __init__(self, runner: BatchRunner, ranked: _Ranked) -> None:
+        self.runner, self.ranked = runner, ranked
+        # [0, patch_start) hold WarmUp and Probe rows; a probe may also have placed later layers
+        self._num_written = max([ranked.patch_start] + [i + 1 for s in ranked.seqs for i in s.placed_layers])
+
+    def run(self, coverages: list[float]) -> list[RecomputeOutput]:
+        """The batch's outputs with request i patched at `coverages[i]`."""
+        if len(coverages) != len(self.ranked.seqs):
+            raise InputError(f"coverages: {len(coverages)} given for {len(self.ranked.seqs)} requests")
+        seqs = [replace(s, coverage=check_coverage(c, f"coverages[{i}]"), selected=None,
+                        placed_layers=set(s.placed_layers), cache=s.cache.clone(self._num_written))
+                for i, (s, c) in enumerate(zip(self.ranked.seqs, coverages))]
+        with torch.inference_mode():
+            return self.runner._patch(replace(self.ranked, seqs=seqs), RunnerHooks())

@@ -6,9 +6,8 @@ import json
 import pytest
 
 from cachesmith.errors import InputError
-from cachesmith.profiler.demand import GRID_STEPS
-from cachesmith.recompute import RecomputeConfig, preset
-from cachesmith.bench.outcomes import Flip, OutcomeMeasurer, OutcomeTable
+from cachesmith.recompute import preset
+from cachesmith.bench.outcomes import Flip, OutcomeTable
 from tests.bench.sim_helpers import NUM_LAYERS, outcome, table
 
 
@@ -45,28 +44,6 @@ def test_tables_round_trip_and_select_tasks(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"model": "x"}))
     with pytest.raises(InputError, match="cannot be read"):
         OutcomeTable.load(tmp_path / "bad.json")
-
-
-class FakeMeasurer(OutcomeMeasurer):
-    """The flip search against a known verdict curve, counting evaluations."""
-
-    def __init__(self, curve):
-        self.curve, self.calls = curve, []
-
-    def _passes(self, inst, plan: RecomputeConfig, tag: str) -> bool:
-        self.calls.append(plan.coverage)
-        return self.curve(plan.coverage)
-
-
-@pytest.mark.parametrize("threshold", [0.05, 0.35, 0.6, 1.0])
-def test_flip_search_finds_the_first_grid_step_with_the_full_prefill_verdict(threshold):
-    m = FakeMeasurer(lambda r: r >= threshold - 1e-9)
-    f = m.flip(None, "kv_dev", 6, high=True)
-    assert f == Flip(False, True, threshold) and len(m.calls) <= 1 + GRID_STEPS.bit_length()
-    m = FakeMeasurer(lambda r: r < threshold - 1e-9)  # passes at reuse, fails as full prefill does
-    assert m.flip(None, "qci", 2, high=False) == Flip(True, False, threshold)
-    m = FakeMeasurer(lambda r: True)
-    assert m.flip(None, "qci", 2, high=True) == Flip(True, True, 1.0) and len(m.calls) == 1
 
 
 def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task():

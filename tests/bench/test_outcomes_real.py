@@ -6,15 +6,18 @@ from dataclasses import replace
 
 import pytest
 
-from cachesmith.bench.outcomes import OutcomeMeasurer, OutcomeTable, extend_table
+from cachesmith.bench.outcomes import OutcomeMeasurer, OutcomeTable, append_table, extend_table
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.profiler.packaged import PACKAGED_DIR
+from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.planner import Profile
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.request import Request
+from cachesmith.workloads.card import answer_instance
+from cachesmith.workloads.scoring import score
 from cachesmith.workloads.tasks import generate
 
 pytestmark = pytest.mark.real_model
@@ -54,3 +57,22 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
         (res,) = engine.run([Request(0, inst, 60.0)])
         plan = engine.method.plan(L)
         assert res.is_passed == o.plans[plan.label()], method
+
+
+def test_forked_batched_verdicts_equal_the_serving_path_and_tables_grow_by_append(tmp_path):
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
+    inst = generate("pr", 20)  # its verdict flips at 55% (qci/6) and 70% (kv_dev/2) in the packaged table
+    plans = [RecomputeConfig("qci", 5, 1, 0.2), RecomputeConfig("qci", 5, 1, 0.55), RecomputeConfig("kv_dev", 1, 0, 0.1),
+             RecomputeConfig("kv_dev", 1, 1, 0.35), RecomputeConfig("kv_dev", 1, 1, 0.7), preset("epic", 0.15, 30)]
+    records = Verdicts(pipe, tmp_path / "v.jsonl").measure(inst, [(p, p.label()) for p in plans])
+    for plan, rec in zip(plans, records):  # one fork per (S, w, p), all six decoded together
+        ans = answer_instance(pipe, inst, plan)  # staged, alone: what serving runs
+        assert (rec["text"], rec["entropy"]) == (ans.text, ans.qci_entropy), plan.label()
+        assert rec["passed"] == score(inst, ans.text).passed
+    assert {r["passed"] for r in records} == {True, False}  # the plans really differ
+    path = tmp_path / "t.json"
+    OutcomeTable("smollm2-135m", 30, pipe.model.config.max_positions, []).save(path)
+    pr = [(8, generate("pr", 8)), (12, generate("pr", 12))]
+    assert append_table(pipe, path, pr[:1], tmp_path / "e.jsonl", show_progress=False) == 1
+    assert append_table(pipe, path, pr, tmp_path / "e.jsonl", show_progress=False) == 1  # skips what it holds
+    assert [(o.task, o.seed) for o in OutcomeTable.load(path).outcomes] == [("pr", 8), ("pr", 12)]

@@ -6,20 +6,22 @@ from types import SimpleNamespace
 import pytest
 
 from cachesmith.planner.profile import NEVER
-from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, task_curves
+from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
 from cachesmith.recompute import RecomputeConfig
 
 
 class FakeProfiler(DemandProfiler):
-    """Verdicts from `curve(coverage)`; full prefill's is `curve(1.0)`. Counts evaluations."""
+    """Verdicts from `curve(coverage)` (or `curve(coverage, signal, depth)`); full prefill's is
+    `curve(1.0)`. Records each measuring call's trials (one call = one round measured together)."""
 
     def __init__(self, curve) -> None:
         self.pipe = SimpleNamespace(model=SimpleNamespace(num_layers=30))
-        self.curve, self.calls = curve, []
+        self.curve, self.calls, self.rounds = curve, [], []
 
-    def evaluate(self, inst, plan: RecomputeConfig, tag: str) -> dict:
-        self.calls.append(plan.coverage)
-        return {"passed": self.curve(plan.coverage)}
+    def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
+        self.rounds.append([tag for _, tag in trials])
+        self.calls += [plan.coverage for plan, _ in trials]
+        return [{"passed": self.curve(plan.coverage)} for plan, _ in trials]
 
 
 @pytest.mark.parametrize("curve, interval", [
@@ -30,8 +32,34 @@ class FakeProfiler(DemandProfiler):
 ])
 def test_pass_interval_finds_where_the_verdict_flips_either_way(curve, interval):
     profiler = FakeProfiler(curve)
-    assert profiler.pass_interval(None, "qci", 6) == pytest.approx(interval)
+    assert profiler.pass_intervals(None, [("qci", 6)])[("qci", 6)] == pytest.approx(interval)
     assert len(profiler.calls) <= 2 + GRID_STEPS.bit_length()  # binary search, not a sweep
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.35, 0.6, 1.0])
+def test_flip_search_finds_the_first_grid_step_with_the_full_prefill_verdict(threshold):
+    m = FakeProfiler(lambda r: r >= threshold - 1e-9)
+    assert m.flips(None, [("kv_dev", 6)], high=True) == {("kv_dev", 6): (False, threshold)}
+    assert len(m.calls) <= 1 + GRID_STEPS.bit_length()
+    m = FakeProfiler(lambda r: r < threshold - 1e-9)  # passes at reuse, fails as full prefill does
+    assert m.flips(None, [("qci", 2)], high=False) == {("qci", 2): (True, threshold)}
+    m = FakeProfiler(lambda r: True)
+    assert m.flips(None, [("qci", 2)], high=True) == {("qci", 2): (True, 1.0)} and m.calls == [0.0]
+
+
+def test_searches_run_in_lockstep_one_round_per_step():
+    # four searches with different flips: every round measures one step of each unfinished search
+    thresholds = {("kv_dev", 1): 0.05, ("kv_dev", 6): 0.35, ("qci", 2): 0.8, ("qci", 15): 0.0}
+    m = FakeProfiler(None)
+    m.measure = lambda inst, trials: (m.rounds.append([t for _, t in trials]) or [
+        {"passed": p.coverage >= thresholds[(t.split("/")[0], int(t.split("/")[1]))] - 1e-9} for p, t in trials])
+    found = m.flips(None, list(thresholds), high=True)
+    assert found == {k: (t == 0.0, 1.0 if t == 0.0 else t) for k, t in thresholds.items()}
+    assert m.rounds[0] == ["kv_dev/1/0", "kv_dev/6/0", "qci/2/0", "qci/15/0"]  # step 0 of all four at once
+    assert len(m.rounds) <= 1 + GRID_STEPS.bit_length()  # rounds, not searches x steps
+    assert all(len(r) == len({t.rsplit("/", 1)[0] for t in r}) for r in m.rounds)  # one step per search a round
+    assert "qci/15/10" not in sum(m.rounds, [])  # a search that passed at 0% stops there
+    assert m.rounds[0][0] == "kv_dev/1/0" and plan_at("kv_dev", 1, 3) == RecomputeConfig("kv_dev", 1, 0, 0.15)
 
 
 def test_task_curves_keep_until_only_where_a_request_fails_again():

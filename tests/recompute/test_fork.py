@@ -1,0 +1,70 @@
+"""A forked batch (ranked once, patched at many coverages) equals separate runs bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachesmith.errors import ConfigError, InputError
+from cachesmith.model import Decoder
+from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
+from tests.recompute.helpers import make_request
+
+PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.3),
+         RecomputeConfig(Signal.QCI, 1, 1, 0.3),
+         RecomputeConfig(Signal.QCI, 2, 1, 0.3), RecomputeConfig(Signal.QCI_LAST, 0, 3, 0.3),
+         RecomputeConfig(Signal.POSITION, 0, 0, 0.3)]
+# run in this order on one fork: a later run must not see an earlier one's patched rows
+COVERAGES = [[0.8, 0.15], [0.0, 1.0], [0.35, 0.35], [0.8, 0.15]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return Decoder(tiny_model_dir[0])
+
+
+def _requests(model):
+    return [make_request(model, seed=50, chunk_lens=(9, 12, 7))[0],
+            make_request(model, seed=51, chunk_lens=(5, 6, 7, 8), prefix_len=0, suffix_len=4)[0]]
+
+
+def _assert_same(got, want, model) -> None:
+    assert torch.equal(got.logits, want.logits)
+    assert torch.equal(got.selected, want.selected)
+    assert got.qci_entropy == want.qci_entropy
+    for layer in range(model.num_layers):
+        for a, b in zip(got.cache.view(layer), want.cache.view(layer)):
+            assert torch.equal(a, b), f"layer {layer}"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.label())
+def test_fork_equals_separate_runs(model, plan):
+    runner = BatchRunner(model)
+    fork = runner.fork(_requests(model), plan)
+    for coverages in COVERAGES:
+        reqs = _requests(model)
+        for req, c in zip(reqs, coverages):
+            req.coverage = c
+        want = runner.run(reqs, plan)
+        got = fork.run(coverages)
+        assert [g.selected.numel() for g in got] == [w.selected.numel() for w in want]
+        for g, w in zip(got, want):
+            _assert_same(g, w, model)
+
+
+def test_fork_runs_differ_by_coverage(model):
+    # the identity above would hold for a fork that ignored the coverage if the runs did too
+    fork = BatchRunner(model).fork(_requests(model), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.3))
+    low, high = fork.run([0.1, 0.1]), fork.run([0.9, 0.9])
+    assert low[0].selected.numel() < high[0].selected.numel()
+    assert not torch.equal(low[0].logits, high[0].logits)
+
+
+def test_fork_refuses_plans_without_patch_and_bad_coverages(model):
+    runner = BatchRunner(model)
+    with pytest.raises(ConfigError, match="no Patch phase"):
+        runner.fork(_requests(model), RecomputeConfig(Signal.KV_DEV, model.num_layers - 1, 1, 0.3))
+    fork = runner.fork(_requests(model), RecomputeConfig(Signal.QCI, 1, 1, 0.3))
+    with pytest.raises(InputError, match="1 given for 2 requests"):
+        fork.run([0.2])
+    with pytest.raises(ConfigError, match=r"coverages\[1\]=1.5"):
+        fork.run([0.2, 1.5])
