@@ -21,7 +21,6 @@ PACKAGED_TABLE = Path("docs/results/outcomes-smollm2-135m-float32-cpu.json")
 def _outcomes(args: argparse.Namespace) -> int:
     from cachesmith.bench.outcomes import default_table_path, measure_table
     from cachesmith.pipeline import RagPipeline
-    from cachesmith.workloads.tasks import generate
 
     if args.num_instances < 1:
         raise CachesmithError(f"--num-instances {args.num_instances} must be >= 1")
@@ -31,8 +30,7 @@ def _outcomes(args: argparse.Namespace) -> int:
     if args.append is not None:
         return _append(pipe, args)
     out = args.out or default_table_path(pipe)
-    insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
-    table = measure_table(pipe, insts, out.with_suffix(".evals.jsonl"), is_flips_only=args.flips_only)
+    table = measure_table(pipe, _instances(args), out.with_suffix(".evals.jsonl"), is_flips_only=args.flips_only)
     table.save(out)
     print(f"{out}: {len(table.outcomes)} instances")
     if args.demand_into is not None:
@@ -40,16 +38,28 @@ def _outcomes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _instances(args: argparse.Namespace) -> list:
+    """(seed, instance) for --num-instances seeds from --seed of --task."""
+    from cachesmith.workloads.tasks import generate
+
+    return [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
+
+
+def _evals_cache(table_path: Path) -> Path:
+    """A saved table's verdict cache: resumable, and not beside a committed table."""
+    from cachesmith.model.assets import cachesmith_home
+
+    return cachesmith_home() / "outcomes" / f"{table_path.stem}.evals.jsonl"
+
+
 def _extend(pipe, args: argparse.Namespace) -> int:
     """Measure the fixed plans a saved table lacks; rewrite its demand where asked."""
     from cachesmith.bench.outcomes import OutcomeTable, extend_table
-    from cachesmith.model.assets import cachesmith_home
 
     if not args.extend.exists():
         raise CachesmithError(f"--extend {args.extend}: no outcome table there")
     table = OutcomeTable.load(args.extend)
-    cache = cachesmith_home() / "outcomes" / f"{args.extend.stem}.evals.jsonl"  # resumable, not beside a committed table
-    added = extend_table(pipe, table, cache)
+    added = extend_table(pipe, table, _evals_cache(args.extend))
     table.save(args.extend)
     print(f"{args.extend}: {added} verdicts added over {len(table.outcomes)} instances")
     if args.demand_into is not None:
@@ -60,14 +70,10 @@ def _extend(pipe, args: argparse.Namespace) -> int:
 def _append(pipe, args: argparse.Namespace) -> int:
     """Measure new instances into a saved table (its own kind: full or flips-only)."""
     from cachesmith.bench.outcomes import OutcomeTable, append_table
-    from cachesmith.model.assets import cachesmith_home
-    from cachesmith.workloads.tasks import generate
 
     if not args.append.exists():
         raise CachesmithError(f"--append {args.append}: no outcome table there")
-    insts = [(args.seed + i, generate(args.task, args.seed + i)) for i in range(args.num_instances)]
-    cache = cachesmith_home() / "outcomes" / f"{args.append.stem}.evals.jsonl"  # resumable, not beside a committed table
-    added = append_table(pipe, args.append, insts, cache)
+    added = append_table(pipe, args.append, _instances(args), _evals_cache(args.append))
     table = OutcomeTable.load(args.append)
     print(f"{args.append}: {added} instances added, {len(table.outcomes)} in all")
     if args.demand_into is not None:

@@ -228,6 +228,11 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
     return task_curves(demands, [o.task for o in outs], until), theta
 
 
+def is_flips_only(o: Outcome, num_layers: int) -> bool:
+    """Whether `o` was measured flips-only (no presets but CacheBlend's)."""
+    return preset("epic", DEFAULT_COVERAGES[0], num_layers).label() not in o.plans
+
+
 def extend_table(pipe: RagPipeline, table: OutcomeTable, cache_path: Path, show_progress: bool = True) -> int:
     """Measure, in place, every fixed plan `table`'s instances lack (the plan list grew since they
     were measured), each instance regenerated from its task and seed and checked against its
@@ -235,8 +240,7 @@ def extend_table(pipe: RagPipeline, table: OutcomeTable, cache_path: Path, show_
     `cache_path`. Returns the number of verdicts added."""
     measurer, added = OutcomeMeasurer(pipe, cache_path), 0
     for o in tqdm(table.outcomes, desc="extending outcome tables", unit="inst", disable=not show_progress):
-        is_flips_only = preset("epic", DEFAULT_COVERAGES[0], table.num_layers).label() not in o.plans
-        missing = [p for p in measurer.plans(is_flips_only) if p.label() not in o.plans]
+        missing = [p for p in measurer.plans(is_flips_only(o, table.num_layers)) if p.label() not in o.plans]
         if not missing:
             continue
         inst = generate(o.task, o.seed)
@@ -261,8 +265,7 @@ def append_table(pipe: RagPipeline, path: Path, instances: list[tuple[int, Workl
     held = {o.digest for o in table.outcomes}
     todo = [(seed, inst) for seed, inst in instances if instance_digest(inst) not in held]
     measurer = OutcomeMeasurer(pipe, cache_path)
-    flips_only = bool(table.outcomes) and all(preset("epic", DEFAULT_COVERAGES[0], table.num_layers).label()
-                                              not in o.plans for o in table.outcomes)
+    flips_only = bool(table.outcomes) and all(is_flips_only(o, table.num_layers) for o in table.outcomes)
     for seed, inst in tqdm(todo, desc="outcome tables", unit="inst", disable=not show_progress):
         table.outcomes.append(measurer.measure(inst, seed, flips_only))
         table.save(path)

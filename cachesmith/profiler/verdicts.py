@@ -68,9 +68,8 @@ class Verdicts:
                                 extra_capacity=max_new)
 
     def _prefill(self, request: RecomputeRequest, plan: RecomputeConfig) -> RecomputeOutput:
-        runner, num_layers = self.pipe.runner, self.pipe.model.num_layers
-        reach = plan.warmup + (plan.probe if plan.signal is Signal.KV_DEV else 0)
-        if reach >= num_layers or plan.coverage >= 1.0:  # nothing to share: full prefill's side
+        runner = self.pipe.runner
+        if not plan.has_patch(self.pipe.model.num_layers):  # all full layers: nothing to share
             return runner.run([request], plan)[0]
         key = (plan.signal, plan.warmup, plan.probe)
         if key not in self._forks:

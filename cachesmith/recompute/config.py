@@ -53,6 +53,11 @@ class RecomputeConfig:
     def is_full_prefill(self, num_layers: int) -> bool:
         return self.warmup >= num_layers
 
+    def has_patch(self, num_layers: int) -> bool:
+        """Whether any layer is left for Patch: KV deviation's probe layers are full layers, the
+        other signals' probes rewind to w."""
+        return self.warmup + (self.probe if self.signal is Signal.KV_DEV else 0) < num_layers
+
     def label(self) -> str:
         return f"({self.signal.value},{self.warmup},{self.probe},{self.coverage:.0%})"
 

@@ -88,7 +88,7 @@ class BatchRunner:
         (`PatchFork.run`), each run equal to `run` at those coverages: the rankings do not depend
         on the coverage, so an offline search over coverages pays for them once."""
         config.validate_for(self.model.num_layers)
-        if config.warmup + (config.probe if config.signal is Signal.KV_DEV else 0) >= self.model.num_layers:
+        if not config.has_patch(self.model.num_layers):
             raise ConfigError(f"{config.label()} has no Patch phase to fork")
         seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
         with torch.inference_mode():

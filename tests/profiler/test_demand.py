@@ -11,8 +11,8 @@ from cachesmith.recompute import RecomputeConfig
 
 
 class FakeProfiler(DemandProfiler):
-    """Verdicts from `curve(coverage)` (or `curve(coverage, signal, depth)`); full prefill's is
-    `curve(1.0)`. Records each measuring call's trials (one call = one round measured together)."""
+    """Verdicts from `curve(coverage, tag)`; full prefill's is `curve(1.0, "full_prefill")`.
+    Records each measuring call's trials (one call = one round measured together)."""
 
     def __init__(self, curve) -> None:
         self.pipe = SimpleNamespace(model=SimpleNamespace(num_layers=30))
@@ -21,14 +21,14 @@ class FakeProfiler(DemandProfiler):
     def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         self.rounds.append([tag for _, tag in trials])
         self.calls += [plan.coverage for plan, _ in trials]
-        return [{"passed": self.curve(plan.coverage)} for plan, _ in trials]
+        return [{"passed": self.curve(plan.coverage, tag)} for plan, tag in trials]
 
 
 @pytest.mark.parametrize("curve, interval", [
-    (lambda r: r >= 0.35 - 1e-9, (0.35, NEVER)),  # the usual flip: from its demand on
-    (lambda r: True, (0.0, NEVER)),  # full reuse passes already
-    (lambda r: False, (NEVER, NEVER)),  # nothing passes
-    (lambda r: r < 0.4 - 1e-9, (0.0, 0.4)),  # full prefill fails it; below 40% it passes
+    (lambda r, _: r >= 0.35 - 1e-9, (0.35, NEVER)),  # the usual flip: from its demand on
+    (lambda r, _: True, (0.0, NEVER)),  # full reuse passes already
+    (lambda r, _: False, (NEVER, NEVER)),  # nothing passes
+    (lambda r, _: r < 0.4 - 1e-9, (0.0, 0.4)),  # full prefill fails it; below 40% it passes
 ])
 def test_pass_interval_finds_where_the_verdict_flips_either_way(curve, interval):
     profiler = FakeProfiler(curve)
@@ -38,28 +38,27 @@ def test_pass_interval_finds_where_the_verdict_flips_either_way(curve, interval)
 
 @pytest.mark.parametrize("threshold", [0.05, 0.35, 0.6, 1.0])
 def test_flip_search_finds_the_first_grid_step_with_the_full_prefill_verdict(threshold):
-    m = FakeProfiler(lambda r: r >= threshold - 1e-9)
+    m = FakeProfiler(lambda r, _: r >= threshold - 1e-9)
     assert m.flips(None, [("kv_dev", 6)], high=True) == {("kv_dev", 6): (False, threshold)}
     assert len(m.calls) <= 1 + GRID_STEPS.bit_length()
-    m = FakeProfiler(lambda r: r < threshold - 1e-9)  # passes at reuse, fails as full prefill does
+    m = FakeProfiler(lambda r, _: r < threshold - 1e-9)  # passes at reuse, fails as full prefill does
     assert m.flips(None, [("qci", 2)], high=False) == {("qci", 2): (True, threshold)}
-    m = FakeProfiler(lambda r: True)
+    m = FakeProfiler(lambda r, _: True)
     assert m.flips(None, [("qci", 2)], high=True) == {("qci", 2): (True, 1.0)} and m.calls == [0.0]
 
 
 def test_searches_run_in_lockstep_one_round_per_step():
     # four searches with different flips: every round measures one step of each unfinished search
     thresholds = {("kv_dev", 1): 0.05, ("kv_dev", 6): 0.35, ("qci", 2): 0.8, ("qci", 15): 0.0}
-    m = FakeProfiler(None)
-    m.measure = lambda inst, trials: (m.rounds.append([t for _, t in trials]) or [
-        {"passed": p.coverage >= thresholds[(t.split("/")[0], int(t.split("/")[1]))] - 1e-9} for p, t in trials])
+    m = FakeProfiler(lambda r, tag: r >= thresholds[(tag.split("/")[0], int(tag.split("/")[1]))] - 1e-9)
     found = m.flips(None, list(thresholds), high=True)
     assert found == {k: (t == 0.0, 1.0 if t == 0.0 else t) for k, t in thresholds.items()}
     assert m.rounds[0] == ["kv_dev/1/0", "kv_dev/6/0", "qci/2/0", "qci/15/0"]  # step 0 of all four at once
     assert len(m.rounds) <= 1 + GRID_STEPS.bit_length()  # rounds, not searches x steps
     assert all(len(r) == len({t.rsplit("/", 1)[0] for t in r}) for r in m.rounds)  # one step per search a round
-    assert "qci/15/10" not in sum(m.rounds, [])  # a search that passed at 0% stops there
-    assert m.rounds[0][0] == "kv_dev/1/0" and plan_at("kv_dev", 1, 3) == RecomputeConfig("kv_dev", 1, 0, 0.15)
+    assert [t for r in m.rounds for t in r if t.startswith("qci/15/")] == ["qci/15/0"]  # passed at 0%: done
+    assert plan_at("kv_dev", 1, 3) == RecomputeConfig("kv_dev", 1, 0, 0.15)  # depth 1: CacheBlend's (1, 0)
+    assert plan_at("qci", 6, 4) == RecomputeConfig("qci", 5, 1, 0.2)
 
 
 def test_task_curves_keep_until_only_where_a_request_fails_again():

@@ -61,8 +61,11 @@ def test_fork_runs_differ_by_coverage(model):
 
 def test_fork_refuses_plans_without_patch_and_bad_coverages(model):
     runner = BatchRunner(model)
-    with pytest.raises(ConfigError, match="no Patch phase"):
-        runner.fork(_requests(model), RecomputeConfig(Signal.KV_DEV, model.num_layers - 1, 1, 0.3))
+    L = model.num_layers
+    with pytest.raises(ConfigError, match="no Patch phase"):  # kv_dev's probe layer is a full layer
+        runner.fork(_requests(model), RecomputeConfig(Signal.KV_DEV, L - 1, 1, 0.3))
+    qci = RecomputeConfig(Signal.QCI, L - 1, 1, 0.3)  # its probe rewinds: the last layer is Patch
+    assert qci.has_patch(L) and len(runner.fork(_requests(model), qci).run([0.3, 0.3])) == 2
     fork = runner.fork(_requests(model), RecomputeConfig(Signal.QCI, 1, 1, 0.3))
     with pytest.raises(InputError, match="1 given for 2 requests"):
         fork.run([0.2])
