@@ -3,8 +3,7 @@ KV staged by the transfer engine): held-out batch shapes within 15% on average, 
 monitor keeping a batch inside its budget when layers run late."""
 from __future__ import annotations
 
-import time
-
+import numpy as np
 import pytest
 import torch
 
@@ -45,15 +44,29 @@ def test_held_out_batch_shapes_within_15_percent(profile):
     assert sum(errors) / len(errors) < 0.15 and max(errors) < 0.25, rows
 
 
-class Slowdown(RunnerHooks):
-    """Injected lateness: every Patch layer from `start` on waits `delay_s` first (a slow link)."""
+class VirtualTime(RunnerHooks):
+    """The batch's clock as the cost model prices each pass at the coverages the runner is using
+    (the monitor's, lowered as it cuts), plus `delay_s` on every Patch layer from `start` on (a
+    slow link). Wall time on a shared 2-core machine moves by more than the overrun under test, so
+    the runner and monitor run for real while the clock they read is this one."""
 
-    def __init__(self, start: int, delay_s: float) -> None:
-        self.start, self.delay_s = start, delay_s
+    def __init__(self, cost, plan, shape, start: int, delay_s: float, monitor=None) -> None:
+        self.cost, self.plan, self.shape = cost, plan, shape
+        self.start, self.delay_s, self.monitor = start, delay_s, monitor
+        self.now, self._step = 0.0, 0
 
-    def before_layer(self, layer: int, phase: str) -> None:
-        if phase == "patch" and layer >= self.start:
-            time.sleep(self.delay_s)
+    def __call__(self) -> float:
+        return self.now
+
+    def after_layer(self, info):
+        coverages = self.monitor.coverages if self.monitor else np.array(self.plan.coverages, float)
+        _, ends = self.cost.schedule(self.shape, self.plan.signal, self.plan.warmup, self.plan.probe, coverages)
+        ends = ends[:, 0]  # [num_steps]
+        j, self._step = self._step, self._step + 1
+        self.now += float(ends[j] - (ends[j - 1] if j else 0.0))
+        if info.phase == "patch" and info.layer >= self.start:
+            self.now += self.delay_s
+        return None
 
 
 def _run(model, plan, reqs, hooks):
@@ -61,14 +74,14 @@ def _run(model, plan, reqs, hooks):
     config = RecomputeConfig(plan.signal, plan.warmup, plan.probe, max(plan.coverages))
     for req, cov in zip(reqs, plan.coverages):
         req.coverage = cov
-    start = time.perf_counter()
-    outs = runner.run(reqs, config, hooks)
-    outs[-1].first_token
-    return time.perf_counter() - start, outs
+    return runner.run(reqs, config, hooks)
 
 
 def test_replanning_keeps_the_batch_within_budget_under_a_slowdown(profile):
-    model, prof, bench = profile
+    """The real runner under the monitor: a slow link on the second half of the layers would end
+    the batch past its budget; the monitor cuts coverage, the runner recomputes fewer rows, and the
+    batch ends within the budget's tolerance."""
+    model, prof, _ = profile
     planner = Planner(prof, PlannerConfig(signal="qci"))  # the band below is QCI's
     contexts = (768, 512)
     plan_reqs = [PlanRequest(c, 32, 0, 0.2) for c in contexts]
@@ -78,18 +91,19 @@ def test_replanning_keeps_the_batch_within_budget_under_a_slowdown(profile):
     assert plan.status == "planned"
     rng = __import__("random").Random(5)
     reqs = lambda: [random_request(model, [], c, rng)[0] for c in contexts]  # noqa: E731
-    bench.time_run((256,), ("qci", 1, 1, 0.1), 0)  # warm-up
-    # the slowdown eats 20% of the budget over the second half of the layers: more than the plan
-    # leaves over, less than the coverage those layers recompute
-    delay = 0.2 * budget / (model.num_layers // 2)
-    late, _ = _run(model, plan, reqs(), Slowdown(model.num_layers // 2, delay))
     shape = BatchShape(contexts, (32, 32), (0, 0))
-    monitor = RuntimeMonitor(plan, planner.cost, shape)
-    batch = reqs()
+    # the slowdown adds 20% of the budget over the second half of the layers: more than the plan
+    # leaves over, less than the coverage those layers recompute
+    half, delay = model.num_layers // 2, 0.2 * budget / (model.num_layers // 2)
+    late = VirtualTime(planner.cost, plan, shape, half, delay)
+    full = _run(model, plan, reqs(), late)
+    clock = VirtualTime(planner.cost, plan, shape, half, delay)
+    monitor = RuntimeMonitor(plan, planner.cost, shape, clock=clock)
+    clock.monitor = monitor
     monitor.start()
-    rescued, outs = _run(model, plan, batch, HookChain(Slowdown(model.num_layers // 2, delay), monitor))
-    assert late > budget  # without the monitor the batch misses its budget
-    # it wins back at least half the overrun (the lowered coverage only pays from the replan on,
-    # and a shared machine's noise moves both runs by several percent)
-    assert monitor.num_replans >= 1 and rescued <= budget + 0.5 * (late - budget), (late, rescued, budget)
+    outs = _run(model, plan, reqs(), HookChain(clock, monitor))
+    assert late.now > budget * 1.1  # without the monitor the batch misses its budget
+    assert monitor.num_replans >= 1 and clock.now <= budget * (1 + monitor.tolerance), (late.now, clock.now, budget)
+    # the runner applied the cuts: fewer rows recomputed than the plan, and fewer than unmonitored
     assert all(o.selected.numel() < c * p for o, c, p in zip(outs, contexts, plan.coverages))
+    assert sum(o.selected.numel() for o in outs) < sum(o.selected.numel() for o in full)
