@@ -16,12 +16,12 @@ WORDS = ("river glacier lantern harbor meadow falcon copper amber silent frozen 
          "orchard beacon summit").split()
 
 
-def save_tiny_chat_model(path: Path, num_layers: int = 4, seed: int = 0) -> Path:
+def save_tiny_chat_model(path: Path, num_layers: int = 4, seed: int = 0, max_positions: int = 1024) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = LlamaForCausalLM(config).float().eval()
     model.save_pretrained(str(path))

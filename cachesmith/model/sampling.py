@@ -103,7 +103,9 @@ class Sampler:
         probs = torch.softmax(kept.float(), dim=-1).cpu()
         if p.top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p (at least one token)
             before = torch.cumsum(probs, dim=-1) - probs
-            probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+            is_kept = before < p.top_p
+            is_kept[0] = True  # a top_p below float32's smallest number compares as 0 < 0
+            probs = torch.where(is_kept, probs, torch.zeros_like(probs))
         choice = int(torch.multinomial(probs, 1, generator=self._generator))
         return int(idx[choice])
 

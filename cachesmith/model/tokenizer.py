@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from cachesmith.errors import InputError, ModelAssetError
 
 _SLOT = "\u2063CACHESMITH_DOCUMENTS\u2063"
@@ -57,8 +59,11 @@ class Tokenizer:
     def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template():
             return "\n".join(m["content"] for m in messages) + "\n"
-        return self.hf.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:  # a template's own rule (roles that must alternate, ...)
+            raise InputError(f"messages: the model's chat template refuses this conversation: {exc}") from exc
 
     def rag_prompt_parts(self, documents: Sequence[str], question: str,
                          system: str | None = None, separator: str = "\n\n",

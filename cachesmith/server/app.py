@@ -45,7 +45,7 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     install_error_handlers(app)
-    describe(app, service.config.name)
+    describe(app, service.config)
     auth = [Depends(_bearer(config.api_key))]
 
     @app.get("/health")
@@ -162,6 +162,11 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
+    limit = service.config.max_tokens_limit
+    for name in ("max_tokens", "max_completion_tokens"):  # chat may give both; the tighter one is used
+        value = getattr(body, name, None)
+        if value is not None and value > limit:
+            raise ApiError(400, f"{name}={value}: must be between 1 and {limit}", name)
     spec = body.to_spec()
     max_tokens = spec.max_tokens or service.config.default_max_tokens
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
@@ -181,7 +186,8 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
         return completion_body(shape, head, result, max_tokens, body.stops, service.pipeline.tokenizer.token_text)
     stream.watch(future)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_cancel_if_abandoned(sse(shape, head, stream, max_tokens, include_usage),
+    return StreamingResponse(_cancel_if_abandoned(sse(shape, head, stream, max_tokens, include_usage,
+                                                      service.pipeline.tokenizer.token_text),
                                                   request, service, future),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

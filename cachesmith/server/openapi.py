@@ -4,13 +4,15 @@ In: the FastAPI app with its routes. Out: `describe(app)`, which replaces FastAP
 schema with one whose responses are the real ones: every error status a route can give, with
 OpenAI's error body (FastAPI documents a 422 we never send, since validation errors are 400s
 here), `/metrics` as Prometheus text, the headers that come with 429 (`Retry-After`) and 401, and
-the one model name the server serves.
+the one model name the server serves, and the service's limits (max_tokens, slo_ms, documents).
 """
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from cachesmith.server.service import ServiceConfig
 
 
 class ErrorDetail(BaseModel):
@@ -37,6 +39,10 @@ _ROUTES = {  # (path, method) -> error statuses besides 400/401/413, which any a
     ("/v1/chunks/{chunk_id}", "delete"): (404, 409), ("/v1/models", "get"): (), ("/metrics", "get"): (),
     ("/health", "get"): (503,),
 }
+_EVENT = {  # one server-sent event (OpenAPI 3.2's reading of an event stream's schema)
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk's JSON, or `[DONE]` last"},
+                   "event": {"type": "string"}}}
 _OPEN = {("/health", "get")}  # no key needed, no body
 
 
@@ -48,7 +54,30 @@ def _error(status: int) -> dict:
     return out
 
 
-def describe(app: FastAPI, model_name: str) -> None:
+def _limits(body: dict, config: ServiceConfig) -> None:
+    """The service's configured limits, which the request models cannot know."""
+    props = body["properties"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in props:
+            props[name]["anyOf"][0]["maximum"] = config.max_tokens_limit
+    props["slo_ms"]["anyOf"][0]["maximum"] = config.max_slo_s * 1e3
+    props["documents"]["maxItems"] = config.max_documents
+
+
+def _chunk_links(spec: dict) -> None:
+    """OpenAPI links from storing chunks to reading and deleting the first of them, so a client
+    generator (or a stateful fuzzer) knows where a chunk id comes from."""
+    item = spec["paths"].get("/v1/chunks/{chunk_id}", {})
+    stored = spec["paths"].get("/v1/chunks", {}).get("post")
+    if stored is None:
+        return
+    stored["responses"]["200"]["links"] = {
+        f"{method.capitalize()}Chunk": {"operationId": item[method]["operationId"],
+                                        "parameters": {"chunk_id": "$response.body#/data/0/id"}}
+        for method in ("get", "delete") if method in item}
+
+
+def describe(app: FastAPI, config: ServiceConfig) -> None:
     def schema() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
@@ -65,14 +94,18 @@ def describe(app: FastAPI, model_name: str) -> None:
             statuses = extra if (path, method) in _OPEN else (400, 401, 413, *extra)
             for status in statuses:
                 responses[str(status)] = _error(status)
+            if method == "post" and path.endswith("completions"):  # stream=true answers as server-sent events
+                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": _EVENT}
             if path == "/metrics":
                 responses["200"] = {"description": "Prometheus text exposition",
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}
+        _chunk_links(spec)
         for name in ("ValidationError", "HTTPValidationError"):
             components.pop(name, None)
         for name in ("CompletionRequest", "ChatCompletionRequest"):  # any other name is a 404
             if name in components:
-                components[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+                components[name]["properties"]["model"] = {"type": "string", "enum": [config.name]}
+                _limits(components[name], config)
         app.openapi_schema = spec
         return spec
 

@@ -53,10 +53,7 @@ def completion_body(shape: Shape, head: dict, result: RequestResult, max_tokens:
                     stop: Sequence[str], token_text: Callable[[int], str] | None = None) -> dict:
     text, _ = answer_text(result, stop)
     reason = finish_reason(result, max_tokens, stop)
-    logprobs = None
-    if result.logprobs is not None and token_text is not None:
-        records = result.logprobs[:num_answer_tokens(result, text, token_text)]
-        logprobs = chat_logprobs(records, token_text) if shape is Shape.CHAT else text_logprobs(records, token_text)
+    logprobs = _logprobs(shape, result, text, token_text)
     if shape is Shape.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": reason}
@@ -66,10 +63,18 @@ def completion_body(shape: Shape, head: dict, result: RequestResult, max_tokens:
             "cachesmith": served(result)}
 
 
+def _logprobs(shape: Shape, result: RequestResult, text: str, token_text: Callable[[int], str] | None) -> dict | None:
+    """The log-probabilities of the tokens `text` spans, when the request asked for them."""
+    if result.logprobs is None or token_text is None:
+        return None
+    records = result.logprobs[:num_answer_tokens(result, text, token_text)]
+    return chat_logprobs(records, token_text) if shape is Shape.CHAT else text_logprobs(records, token_text)
+
+
 def _chunk(shape: Shape, head: dict, text: str | None, reason: str | None, role: bool = False) -> dict:
     if shape is Shape.CHAT:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
     return {**head, "object": shape.value.chunk_object, "choices": [choice]}
@@ -79,8 +84,11 @@ def _event(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def sse(shape: Shape, head: dict, stream: TokenStream, max_tokens: int,
-              include_usage: bool) -> AsyncIterator[str]:
+async def sse(shape: Shape, head: dict, stream: TokenStream, max_tokens: int, include_usage: bool,
+              token_text: Callable[[int], str] | None = None) -> AsyncIterator[str]:
+    """The chunks of a streamed answer. Asked-for log-probabilities come with the final chunk, all
+    of them (the engine hands them over when the request ends): the streamed lists, joined, equal
+    the non-streamed response's."""
     is_first = True
     async for piece in stream.deltas():
         yield _event(_chunk(shape, head, piece, None, role=is_first))
@@ -93,6 +101,7 @@ async def sse(shape: Shape, head: dict, stream: TokenStream, max_tokens: int,
         return
     final = _chunk(shape, head, "" if is_first else None, finish_reason(result, max_tokens, stream.stop),
                    role=is_first)
+    final["choices"][0]["logprobs"] = _logprobs(shape, result, answer_text(result, stream.stop)[0], token_text)
     final["cachesmith"] = served(result)
     yield _event(final)
     if include_usage:

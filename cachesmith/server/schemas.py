@@ -3,7 +3,7 @@
 
 In: JSON bodies. Out: validated pydantic models and, from them, the service's `CompletionSpec`.
 Unknown fields are refused by name; OpenAI fields cachesmith cannot honour (n > 1, echo, suffix,
-best_of > 1, logprobs with streaming) are refused with the reason rather than ignored. Decoding is
+best_of > 1) are refused with the reason rather than ignored. Decoding is
 greedy unless `temperature` > 0 (then `top_p`, `top_k`, `seed` and the penalties apply).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -19,8 +19,43 @@ from cachesmith.server.service import CompletionSpec, DocumentRef
 
 MAX_STOP = 4
 CHUNK_ID_PATTERN = "^[0-9a-f]{64}$"
-NON_BLANK = r"\S"  # at least one character that is not whitespace
+# at least one character that is not whitespace, whitespace being what str.strip() removes (the
+# service's check): a bare \S means another set in the ECMA regexes schema validators use
+NON_BLANK = r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 SAFE_INT = 2**53  # larger integers do not survive a JSON number in every client
+
+
+def _json_integer(value):
+    """JSON Schema's integer: any number with no fraction (2.0 too), never a boolean (pydantic's lax
+    mode reads true as 1, its strict mode refuses 2.0; both disagree with the published schema)."""
+    if isinstance(value, bool):
+        raise ValueError("must be an integer, not a boolean")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _json_boolean(value):
+    if not isinstance(value, bool):  # lax mode would take 0, 1, "yes"
+        raise ValueError("must be true or false")
+    return value
+
+
+def _json_number(value):
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+def json_int(**limits):
+    """An integer field with `limits` (Field's ge, le, ...): the limits come first, or the schema
+    would publish pydantic's names for them instead of minimum / maximum."""
+    return Annotated[int, Field(**limits), BeforeValidator(_json_integer)]
+
+
+def json_float(**limits):
+    return Annotated[float, Field(**limits), BeforeValidator(_json_number)]
+Bool = Annotated[bool, BeforeValidator(_json_boolean)]
 
 
 def _schema_pattern(pattern: str):
@@ -73,9 +108,9 @@ class CohereData(BaseModel):
     def _has_passage(self):
         if self.snippet is None and self.text is None:
             raise ValueError('needs "snippet" or "text" (the passage)')
-        name = "snippet" if self.snippet is not None else "text"
-        if not getattr(self, name).strip():
-            raise ValueError(f"{name} must not be empty")
+        for name in ("snippet", "text"):  # both as the schema says, though only one is the passage
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"{name} must not be empty")
         return self
 
 
@@ -114,7 +149,7 @@ Document = Annotated[
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Generation(_Body):
@@ -122,20 +157,20 @@ class _Generation(_Body):
     model: str
     documents: list[Document] = Field(min_length=1)
     # the service's default limit (ServiceConfig.max_slo_s) is 3600 s; below 1 ms no batch can run
-    slo_ms: float | None = Field(default=None, ge=1, le=3_600_000, allow_inf_nan=False)
-    max_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    slo_ms: json_float(ge=1, le=3_600_000, allow_inf_nan=False) | None = None
+    max_tokens: json_int(ge=1) | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)  # None or 0: greedy
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)  # an extension, as in vLLM (0: off)
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
-    seed: int | None = Field(default=None, ge=-SAFE_INT, le=SAFE_INT)  # same seed and request -> same text
+    temperature: json_float(ge=0, le=2) | None = None  # None or 0: greedy
+    top_p: json_float(gt=0, le=1) | None = None
+    top_k: json_int(ge=0) | None = None  # an extension, as in vLLM (0: off)
+    n: json_int(ge=1, le=1) = 1  # one choice per request
+    seed: json_int(ge=-SAFE_INT, le=SAFE_INT) | None = None  # same seed and request -> same text
     user: str | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: json_float(ge=-2, le=2) | None = None
+    frequency_penalty: json_float(ge=-2, le=2) | None = None
     answer_prefix: str = ""  # cachesmith: text that opens the answer (the model continues it)
     gold: list[str] | None = None  # cachesmith: reference answers; gates the answer for QSA metrics
     task: str = "custom"  # cachesmith: how `gold` is scored (a workload task name)
@@ -158,8 +193,6 @@ class _Generation(_Body):
 
     def spec(self, question: str, system: str = "", answer_prefix: str | None = None,
              max_tokens: int | None = None, num_logprobs: int | None = None) -> CompletionSpec:
-        if num_logprobs is not None and self.stream:
-            raise InputError("logprobs: not available with stream=true; ask without streaming")
         return CompletionSpec(tuple(_document(d) for d in self.documents), question, system,
                               max_tokens or self.max_tokens, None if self.slo_ms is None else self.slo_ms / 1e3,
                               tuple(self.gold or ()), self.task,
@@ -176,9 +209,9 @@ def _document(doc: Document) -> DocumentRef:
 class CompletionRequest(_Generation):
     prompt: Annotated[str, _schema_pattern(NON_BLANK)] | Annotated[
         list[Annotated[str, _schema_pattern(NON_BLANK)]], Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
-    logprobs: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy: 0-5
-    best_of: Literal[1] | None = None
+    echo: Annotated[Literal[False], BeforeValidator(_json_boolean)] = False
+    logprobs: json_int(ge=0, le=5) | None = None  # OpenAI's legacy: 0-5
+    best_of: Annotated[Literal[1], BeforeValidator(_json_integer)] | None = None
     suffix: None = None
 
     def to_spec(self) -> CompletionSpec:
@@ -206,33 +239,34 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Generation):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # the rule a schema can state; the question is the last of them
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": {
+        "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}})
+    max_completion_tokens: json_int(ge=1) | None = None
+    logprobs: Bool = False
+    top_logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
 
 
     def to_spec(self) -> CompletionSpec:
-        """System (or developer) messages, then turns alternating user / assistant. The last
-        user message is the question; the documents go into that turn, before it. Earlier turns are
-        the exact prefix (their KV is stored and reused by the next turn). A last assistant message
-        opens the answer, which the model continues (as `answer_prefix`)."""
+        """System (or developer) messages join the system prompt. The last user message is the
+        question; the documents go into that turn, before it. The turns before it are the exact
+        prefix (their KV is stored and reused by the next turn), in any order the model's chat
+        template renders. Assistant messages after the question open the answer, which the model
+        continues (as `answer_prefix`)."""
         # system (or developer) messages anywhere join the system prompt, in order, as one
         system = [m for m in self.messages if m.role in ("system", "developer")]
         rest = [m for m in self.messages if m.role not in ("system", "developer")]
-        prefix = rest[-1].text if rest and rest[-1].role == "assistant" else None
-        turns = rest[:-1] if prefix is not None else rest
-        roles = [m.role for m in turns]
-        if not turns or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)) \
-                or roles[-1] != "user":
-            raise InputError("messages: after the system messages, turns must alternate user / assistant, start "
-                             "with a user message and end with the user's question (optionally followed by an "
-                             f"assistant message to continue); got roles {[m.role for m in rest]}")
-        if prefix is not None and self.answer_prefix:
-            raise InputError("answer_prefix: give it or a last assistant message, not both")
-        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise InputError("max_tokens and max_completion_tokens disagree; give one")
-        spec = self.spec(turns[-1].text, "\n\n".join(m.text for m in system), prefix, self.max_completion_tokens,
+        users = [i for i, m in enumerate(rest) if m.role == "user"]
+        if not users:
+            raise InputError("messages: a user message (the question) is required; got roles "
+                             f"{[m.role for m in self.messages]}")
+        turns, after = rest[:users[-1] + 1], rest[users[-1] + 1:]  # after: assistant messages only
+        prefix = "\n\n".join(m.text for m in after) if after else None
+        if prefix is not None:  # cachesmith's answer_prefix goes on where the assistant messages stop
+            prefix += self.answer_prefix
+        # both are limits on the answer (max_tokens is OpenAI's older name): the tighter one holds
+        limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]
+        spec = self.spec(turns[-1].text, "\n\n".join(m.text for m in system), prefix, min(limits, default=None),
                          # asking for top alternatives asks for log-probabilities (a rule a schema can state)
                          (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None)
         return replace(spec, history=tuple((m.role, m.text) for m in turns[:-1]), is_chat=True,

@@ -38,6 +38,8 @@ def test_top_k_and_top_p_keep_only_the_likeliest():
     best = int(logits.argmax())
     assert set(_draws(SamplingParams(temperature=2.0, top_k=1, seed=1), logits, 50)) == {best}
     assert set(_draws(SamplingParams(temperature=2.0, top_p=1e-6, seed=1), logits, 50)) == {best}
+    # the smallest positive double is 0 in float32: the likeliest token still stays (the fuzzer's find)
+    assert set(_draws(SamplingParams(temperature=2.0, top_p=5e-324, seed=1), logits, 5)) == {best}
     top3 = set(torch.topk(logits, 3).indices.tolist())
     assert set(_draws(SamplingParams(temperature=2.0, top_k=3, seed=2), logits, 300)) <= top3
     probs = torch.softmax(logits, -1)

@@ -80,6 +80,11 @@ def test_seeded_sampling_repeats_and_logprobs_agree_with_greedy(served):
                                      extra_body={"documents": DOCS}).choices[0]
     assert len(text.logprobs.tokens) == len(text.logprobs.token_logprobs) == len(text.logprobs.top_logprobs) > 0
     assert all(lp <= 0 for lp in text.logprobs.token_logprobs)
+    streamed = [e for ch in client.chat.completions.create(
+        model="smollm2-135m", messages=hot["messages"], max_tokens=16, logprobs=True, top_logprobs=3, stream=True,
+        extra_body={"documents": DOCS}) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]  # joined, the same
 
 
 def test_a_three_turn_chat_reuses_the_stored_earlier_turns(served):
