@@ -58,6 +58,22 @@ class ChunkStore:
         self.config = config or StoreConfig()
         self.tiers = list(tiers) if tiers is not None else self._build(self.config)
         self.stats = StoreStats()
+        for tier in self._shared():  # a chunk deleted through another server leaves this one too
+            tier.watch_deletes(self._forget_locally)
+
+    def _shared(self) -> list[RedisTier]:
+        return [t for t in self.tiers if isinstance(t, RedisTier)]
+
+    def _forget_locally(self, key: str) -> None:
+        validate_key(key)
+        for tier in self.tiers:
+            if not isinstance(tier, RedisTier):
+                tier.delete(key)
+
+    def close(self) -> None:
+        """Stop watching for deletes announced by other stores."""
+        for tier in self._shared():
+            tier.close()
 
     @staticmethod
     def _build(cfg: StoreConfig) -> list[Tier]:
@@ -146,6 +162,8 @@ class ChunkStore:
         validate_key(key)
         for tier in self.tiers:
             tier.delete(key)
+        for tier in self._shared():
+            tier.announce_delete(key)
 
     def describe(self, key: str) -> tuple[EntryHeader, tuple[str, ...]] | None:
         """(header, names of the tiers holding it) without counting a hit or filling tiers; None if

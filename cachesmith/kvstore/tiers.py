@@ -246,6 +246,7 @@ class RedisTier(Tier):
 
     name = "redis"
     PREFIX = "cachesmith:kv:"
+    DELETED = "cachesmith:kv-deleted"  # pub/sub channel: keys deleted through any server
 
     def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0) -> None:
         import redis
@@ -256,6 +257,8 @@ class RedisTier(Tier):
         self._down_until = 0.0
         self._unreachable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._refused = redis.exceptions.RedisError
+        self._closed = threading.Event()
+        self._listener: threading.Thread | None = None
 
     @property
     def is_available(self) -> bool:
@@ -295,6 +298,41 @@ class RedisTier(Tier):
 
     def contains(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.exists(self.PREFIX + validate_key(key)), 0))
+
+    def announce_delete(self, key: str) -> None:
+        """Tell every store on this redis that a client deleted `key`, so they drop their local
+        copies (a corrupt entry's eviction is not announced: other copies may be sound)."""
+        self._call(lambda: self.client.publish(self.DELETED, validate_key(key)), 0)
+
+    def watch_deletes(self, forget) -> None:
+        """Call `forget(key)` for every key announced deleted, on a daemon thread, until `close()`.
+        Deletes announced while this store was cut off from redis are missed (pub/sub keeps nothing)."""
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, args=(forget,), daemon=True,
+                                              name="cachesmith-redis-deletes")
+            self._listener.start()
+
+    def _listen(self, forget) -> None:
+        while not self._closed.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.DELETED)
+                while not self._closed.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message and message["type"] == "message":
+                        data = message["data"]
+                        forget(data.decode() if isinstance(data, bytes) else data)
+            except self._unreachable:
+                self._closed.wait(self.retry_after_s)  # the outage itself is logged by the tier's calls
+            except Exception:  # a bad message must not end the watch
+                log.exception("redis tier %s: a delete announcement failed", self.url)
+            finally:
+                pubsub.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
 
     def keys(self) -> list[str]:
         names = self._call(lambda: list(self.client.scan_iter(match=self.PREFIX + "*", count=1000)), [])

@@ -349,6 +349,7 @@ class Service:
         """Stop taking requests and serve what is queued. True if it drained within `timeout`."""
         drained = self.loop.close(timeout)
         self._turn_stores.close()
+        self.store.close()
         return drained
 
 

@@ -1,6 +1,8 @@
 """The redis tier against a real redis-server: sharing across stores, partial reads, outage."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cachesmith.kvstore import ChunkStore, StoreConfig
@@ -75,3 +77,46 @@ def test_a_redis_that_refuses_writes_is_skipped_but_up(model, redis_server, capl
     key = store.put(prefill_chunk(model, _ids(8)))
     assert "refused" in caplog.text and store.describe(key)[1] == ("memory",)
     assert store.tiers[1].is_up  # reachable: only the write was refused
+
+
+def _until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_delete_through_one_store_drops_every_stores_local_copy(model, redis_url, tmp_path):
+    one = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_url))
+    other = ChunkStore(StoreConfig(tiers=("memory", "disk", "redis"), root=tmp_path, redis_url=redis_url))
+    try:
+        key = one.put(prefill_chunk(model, _ids(5)))
+        assert other.get(key, model) is not None and other.tiers[0].contains(key) and other.tiers[1].contains(key)
+        one.delete(key)
+        assert _until(lambda: not other.contains(key))  # memory and disk copies announced away
+        assert other.get(key, model) is None
+    finally:
+        one.close(), other.close()
+
+
+def test_evicting_a_corrupt_redis_entry_leaves_other_stores_copies(model, redis_url):
+    one = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_url))
+    other = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_url))
+    try:
+        key = one.put(prefill_chunk(model, _ids(6)))
+        assert other.get(key, model) is not None  # other's memory holds a sound copy
+        redis_tier = one.tiers[1]
+        redis_tier.client.setrange(redis_tier.PREFIX + key, 0, b"garbage!")
+        one.tiers[0].delete(key)
+        assert one.get(key, model) is None and not redis_tier.contains(key)  # evicted from redis
+        marker = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_url))
+        marker_key = marker.put(prefill_chunk(model, _ids(7)))
+        assert other.get(marker_key, model) is not None and other.tiers[0].contains(marker_key)
+        marker.delete(marker_key)  # announced after the eviction: once other drops it, it saw both
+        assert _until(lambda: not other.tiers[0].contains(marker_key))
+        assert other.tiers[0].contains(key)
+        marker.close()
+    finally:
+        one.close(), other.close()

@@ -139,6 +139,11 @@ def test_two_servers_on_one_redis_share_chunks(setup, redis_url):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert redis_hits(b) > 0
         assert httpx.get(f"{b}/v1/chunks/{cid}", timeout=60).json()["tiers"] == ["memory", "redis"]  # filled
+        assert httpx.delete(f"{a}/v1/chunks/{cid}", timeout=60).status_code == 200  # deleted through A ...
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{b}/v1/chunks/{cid}", timeout=60).status_code != 404 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{b}/v1/chunks/{cid}", timeout=60).status_code == 404  # ... is gone from B's memory too
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGINT)
