@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,7 +41,6 @@ from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.profiler.quiet import QuietRun  # noqa: E402
-from cachesmith.recompute import full_prefill  # noqa: E402
 
 SETTINGS = (("poisson", 1.0, 21), ("gamma", 2.0, 22), ("gamma", 3.0, 23))  # (pattern, CV, trace seed)
 METHODS = ("cachesmith", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15", "full_prefill",
