@@ -55,6 +55,8 @@ def json_int(**limits):
 
 def json_float(**limits):
     return Annotated[float, Field(**limits), BeforeValidator(_json_number)]
+
+
 Bool = Annotated[bool, BeforeValidator(_json_boolean)]
 
 

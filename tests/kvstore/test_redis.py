@@ -98,7 +98,8 @@ def test_a_delete_through_one_store_drops_every_stores_local_copy(model, redis_u
         assert _until(lambda: not other.contains(key))  # memory and disk copies announced away
         assert other.get(key, model) is None
     finally:
-        one.close(), other.close()
+        for store in (one, other):
+            store.close()
 
 
 def test_evicting_a_corrupt_redis_entry_leaves_other_stores_copies(model, redis_url):
@@ -119,4 +120,5 @@ def test_evicting_a_corrupt_redis_entry_leaves_other_stores_copies(model, redis_
         assert other.tiers[0].contains(key)
         marker.close()
     finally:
-        one.close(), other.close()
+        for store in (one, other):
+            store.close()

@@ -3,7 +3,6 @@ KV staged by the transfer engine): held-out batch shapes within 15% on average, 
 monitor keeping a batch inside its budget when layers run late."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from cachesmith.profiler.costs import PLANNER_PLANS, PRESET_PLANS, RunSpec, Timi
 from cachesmith.profiler.synthetic import random_request
 from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RunnerHooks
 from tests.planner.synthetic_profile import make_profile
+from tests.planner.test_monitor import durations
 
 pytestmark = pytest.mark.real_model
 SHAPES = [(256,), (512,), (1024,), (256, 256), (512, 512)]
@@ -50,8 +50,8 @@ class VirtualTime(RunnerHooks):
     slow link). Wall time on a shared 2-core machine moves by more than the overrun under test, so
     the runner and monitor run for real while the clock they read is this one."""
 
-    def __init__(self, cost, plan, shape, start: int, delay_s: float, monitor=None) -> None:
-        self.cost, self.plan, self.shape = cost, plan, shape
+    def __init__(self, planner, plan, shape, start: int, delay_s: float, monitor=None) -> None:
+        self.planner, self.plan, self.shape = planner, plan, shape
         self.start, self.delay_s, self.monitor = start, delay_s, monitor
         self.now, self._step = 0.0, 0
 
@@ -59,11 +59,9 @@ class VirtualTime(RunnerHooks):
         return self.now
 
     def after_layer(self, info):
-        coverages = self.monitor.coverages if self.monitor else np.array(self.plan.coverages, float)
-        _, ends = self.cost.schedule(self.shape, self.plan.signal, self.plan.warmup, self.plan.probe, coverages)
-        ends = ends[:, 0]  # [num_steps]
+        coverages = self.monitor.coverages if self.monitor else self.plan.coverages
         j, self._step = self._step, self._step + 1
-        self.now += float(ends[j] - (ends[j - 1] if j else 0.0))
+        self.now += float(durations(self.planner, self.plan, self.shape, coverages)[j])
         if info.phase == "patch" and info.layer >= self.start:
             self.now += self.delay_s
         return None
@@ -95,9 +93,9 @@ def test_replanning_keeps_the_batch_within_budget_under_a_slowdown(profile):
     # the slowdown adds 20% of the budget over the second half of the layers: more than the plan
     # leaves over, less than the coverage those layers recompute
     half, delay = model.num_layers // 2, 0.2 * budget / (model.num_layers // 2)
-    late = VirtualTime(planner.cost, plan, shape, half, delay)
+    late = VirtualTime(planner, plan, shape, half, delay)
     full = _run(model, plan, reqs(), late)
-    clock = VirtualTime(planner.cost, plan, shape, half, delay)
+    clock = VirtualTime(planner, plan, shape, half, delay)
     monitor = RuntimeMonitor(plan, planner.cost, shape, clock=clock)
     clock.monitor = monitor
     monitor.start()

@@ -78,3 +78,15 @@ def test_bad_documents_name_their_field(server_for):
             r = c.post("/v1/completions", json=completion([TEXT, doc]))
             err = r.json()["error"]
             assert (r.status_code, err["param"]) == (400, param) and words in err["message"], (doc, err)
+
+
+def test_the_published_non_blank_pattern_is_the_services_strip():
+    # the schema's pattern and the service's `str.strip()` must call the same characters blank, or a
+    # schema-valid document is refused (or an invalid one served): the fuzzer found "\x1f"
+    import re
+
+    from cachesmith.server.schemas import NON_BLANK
+
+    blank = [c for c in map(chr, range(0x110000)) if not c.strip()]
+    assert blank and not any(re.search(NON_BLANK, c) for c in blank)
+    assert all(re.search(NON_BLANK, c) for c in ("a", "\u200b", "\ufeff", "\x00", "\x1b"))
