@@ -131,7 +131,8 @@ class BatchExecutor:
         outs, seconds, stall = self._timed_run(batch, PROVISIONAL, self._replanner(decision, batch, decided))
         plan, monitor = decided["plan"], decided["monitor"]
         if monitor.pace is not None:  # pace is relative to the corrected schedule
-            self.planner.observe(plan.signal, monitor.time_scale * monitor.pace)
+            self.planner.observe(plan.signal, monitor.time_scale * monitor.pace, plan.probe,
+                                 batch_shape([a.queued for a in batch]).num_tokens)
         return BatchExecution(outs, list(plan.coverages), seconds, stall, plan.recompute_config().label(), plan,
                               monitor.num_replans)
 
@@ -161,7 +162,8 @@ class BatchExecutor:
             config = plan.recompute_config()
             staged.set_plan(config)
             monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1,
-                                     time_scale=planner.correction.get(plan.signal, 1.0), limit_s=decision.limit_s)
+                                     time_scale=planner.pace(plan.signal, plan.probe, shape.num_tokens),
+                                     limit_s=decision.limit_s)
             monitor.start(at=start)
             hooks.hooks.append(monitor)
             decided.update(plan=plan, monitor=monitor)

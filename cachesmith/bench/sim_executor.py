@@ -94,7 +94,7 @@ class SimExecutor:
         machines = self.machine(signal, w, p, int(shape.arrays()[3].sum()))
         now = [0.0]
         monitor = RuntimeMonitor(plan, self.planner.cost, shape, steps_done=1, clock=lambda: now[0],
-                                 time_scale=self.planner.correction.get(signal, 1.0), limit_s=limit_s)
+                                 time_scale=self.planner.pace(signal, p, shape.num_tokens), limit_s=limit_s)
         monitor.start(at=0.0)
         cov = np.array(plan.coverages, float)  # [R]
         steps, durations = self._durations(machines, shape, plan, cov)  # [2, num_steps]
@@ -109,7 +109,7 @@ class SimExecutor:
                 cov = np.array([lowered.get(i, c) for i, c in enumerate(cov)])
                 durations[:, j + 1:] = self._durations(machines, shape, plan, cov)[1][:, j + 1:]
         if monitor.pace is not None:
-            self.planner.observe(signal, monitor.time_scale * monitor.pace)
+            self.planner.observe(signal, monitor.time_scale * monitor.pace, p, shape.num_tokens)
         return float(t[0]), max(0.0, float(t[0] - t[1])), cov.tolist(), monitor.num_replans
 
     @staticmethod

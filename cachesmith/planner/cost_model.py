@@ -41,6 +41,11 @@ class BatchShape:
     def num_requests(self) -> int:
         return len(self.context_tokens)
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens of the whole batch (prefix, context and suffix)."""
+        return sum(self.context_tokens) + sum(self.suffix_tokens) + sum(self.prefix_tokens)
+
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         c = np.asarray(self.context_tokens, float)

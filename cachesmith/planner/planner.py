@@ -5,6 +5,9 @@ first WarmUp layer, and the task it names, if any) and a budget in seconds. Out:
 signal S, rank depth split (w, p) maximizing feasible coverage under the transfer-aware cost model,
 per-request coverages from the greedy marginal-gain allocation, predicted TTFT and expected passes.
 Outside the budget band [TTFT(S,1,1,r_min), TTFT(S,1,1,r_max)] a static plan is returned.
+Every TTFT is the cost model's times the pace learned for that kind of batch (signal, whether the
+plan probes, batch size class: `planner/pace.py`), so a deep probe plan in a burst is sized for the
+pace such batches really ran at, not for the signal's average.
 
 The signal: by default each signal's best plan is searched and the one expecting the most passes
 under the demand of the served mix (or of the batch's task, when every request names the same one
@@ -25,6 +28,7 @@ from cachesmith.planner.allocate import allocate, concave_envelope, expected_pas
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.demand import DemandModel
 from cachesmith.planner.grid import ttft_grid, ttft_rows
+from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
 from cachesmith.recompute import RecomputeConfig
 
@@ -105,9 +109,9 @@ class Planner:
         self.depths = sorted({int(d) for d in [*range(2, 7), *np.geomspace(6, deepest, 6).round()]
                               if 2 <= d <= deepest})
         self._envelopes: dict[tuple[str, int], tuple] = {}
-        # measured / predicted TTFT per signal, learned from executed batches (`observe`): the
-        # offline cost fit is biased per signal (QCI plans ran 6-20% over it on held-out shapes)
-        self.correction: dict[str, float] = {}
+        # measured / predicted TTFT per kind of batch, learned from executed batches (`observe`):
+        # the offline cost fit is biased per signal, plan family and batch size (planner/pace.py)
+        self.paces = PaceBook()
         self._pairs = {d: self._splits(d) for d in (1, *self.depths)}
 
     def warm_up(self) -> None:
@@ -117,13 +121,19 @@ class Planner:
                 for depth in self.signal_depths(signal):
                     self._envelope(signal, depth, task)
 
-    def observe(self, signal: str, pace: float, alpha: float = 0.3) -> None:
-        """A batch of `signal` ran at `pace` x its predicted time: update that signal's correction."""
-        if not pace > 0:
-            return
-        pace = min(max(pace, 0.5), 2.0)  # one wild batch (a page fault storm) must not swing it
-        prev = self.correction.get(signal)
-        self.correction[signal] = pace if prev is None else (1 - alpha) * prev + alpha * pace
+    def observe(self, signal: str, pace: float, probe: int = 1, num_tokens: int | None = None) -> None:
+        """A batch of `signal` (probing `probe` layers, `num_tokens` prompt tokens) ran at `pace` x
+        the uncorrected cost model's time: every level of the pace book learns it."""
+        self.paces.observe(signal, pace, probe, num_tokens)
+
+    def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
+        """The learned measured / predicted factor for this kind of batch (1.0 before any)."""
+        return self.paces.pace(signal, probe, num_tokens)
+
+    @property
+    def correction(self) -> dict[str, float]:
+        """Each observed signal's overall learned pace."""
+        return self.paces.by_signal()
 
     def set_bandwidth(self, gbps: float) -> None:
         """The runtime monitor's measured link bandwidth replaces the profiled one."""
@@ -197,7 +207,7 @@ class Planner:
         return replace(best, decision_s=time.perf_counter() - start)
 
     def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
-        k = self.correction.get(signal, 1.0)  # plans are sized for budget / k; predictions are x k
+        k = self.pace(signal, 1, shape.num_tokens)  # the band's (S, 1, 1): sized for budget / k
         floor, saturation = (k * t for t in self.band(shape, signal))
         R = shape.num_requests
         if budget_s < floor or budget_s > saturation:
@@ -209,8 +219,8 @@ class Planner:
             passes = float(self.demand.pass_probability(signal, 2, [r] * R, task).sum())  # static (S,1,1,r)
             return BatchPlan(signal, 1, 1, (r,) * R, ttft, passes, budget_s, floor, saturation,
                              "below_floor" if budget_s < floor else "above_saturation", task=task)
-        (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s / k, task)
-        return BatchPlan(signal, w, p, tuple(coverages), ttft * k, passes, budget_s, floor, saturation,
+        (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s, task)
+        return BatchPlan(signal, w, p, tuple(coverages), ttft, passes, budget_s, floor, saturation,
                          "planned", task=task)
 
     def _static_fill(self, shape: BatchShape, signal: str, budget_s: float) -> tuple[float, float]:
@@ -225,10 +235,11 @@ class Planner:
     def best_splits(self, shape: BatchShape, signal: str, budget_s: float,
                     depths: list[int] | None = None) -> dict[int, tuple[tuple[int, int], float, float]]:
         """Per rank depth: the (w, p) split with the highest feasible uniform coverage, that
-        coverage (-1 where none fits) and its TTFT. Ties go to the shallower WarmUp."""
+        coverage (-1 where none fits) and its TTFT at the learned pace of its family and batch
+        size. Ties go to the shallower WarmUp."""
         depths = depths or self.signal_depths(signal)
         pairs = tuple(pair for d in depths for pair in (self._pairs.get(d) or self._splits(d)))
-        ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID)  # [J, K]
+        ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID) * self._paces(signal, pairs, shape)  # [J, K]
         feasible = ttft <= budget_s
         # the highest feasible coverage per pair: monotone in the budget even where a slow link
         # makes TTFT fall with coverage (fewer reused rows to load)
@@ -241,6 +252,10 @@ class Planner:
             out[int(depth)] = ((int(pairs[j][0]), int(pairs[j][1])), float(COVERAGE_GRID[k]) if k >= 0 else -1.0,
                                float(ttft[j, k]) if k >= 0 else float("inf"))
         return out
+
+    def _paces(self, signal: str, pairs: tuple[tuple[int, int], ...], shape: BatchShape) -> np.ndarray:
+        """The learned pace of each (w, p) pair's family at this batch size [J, 1]."""
+        return np.array([[self.pace(signal, p, shape.num_tokens)] for _, p in pairs])
 
     def _search(self, shape: BatchShape, signal: str, budget_s: float, task: str | None = None):
         """Candidates per rank depth: its best split's uniform plan (known to fit) and the
@@ -258,9 +273,10 @@ class Planner:
             candidates.append((expected_passes(alloc, cdf), -depth, 0, (w, p), alloc, None))
         for passes, _, _, pair, coverages, t in sorted(candidates, key=lambda c: c[:3], reverse=True):
             if t is None:
-                t = float(ttft_rows(self.cost, shape, signal, (pair,), np.array([coverages]))[0, 0])
+                t = float(ttft_rows(self.cost, shape, signal, (pair,), np.array([coverages]))[0, 0]
+                          * self._paces(signal, (pair,), shape)[0, 0])
             if t <= budget_s:
                 return pair, coverages, t, passes
         cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%
-        t = float(self.cost.ttft(shape, signal, 1, 1, np.array(cov))[0])
+        t = float(self.cost.ttft(shape, signal, 1, 1, np.array(cov))[0]) * self.pace(signal, 1, shape.num_tokens)
         return (1, 1), cov, t, float(self.demand.pass_probability(signal, 2, cov, task).sum())

@@ -188,8 +188,9 @@ class SloAwareScheduler:
     def _bands_of(self, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Budget bands [M] of M batches given by their summed request terms [M, 8], in one walk."""
         cfg, cost, signal = self.planner.config, self.planner.cost, self.config.band_signal
-        k = self.planner.correction.get(signal, 1.0)  # measured / predicted, learned while serving
         M = totals.shape[0]
+        # measured / predicted of (S, 1, 1) batches of each candidate's size, learned while serving
+        k = self.planner.paces.paces(signal, 1, totals[:, 0])  # [M]
         t = ttft_totals(cost, signal, ((1, 1),), np.repeat([cfg.r_min, cfg.r_max], M), np.vstack([totals, totals]))[0]
         return k * t[:M], k * t[M:]
 

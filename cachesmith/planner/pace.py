@@ -1,0 +1,98 @@
+"""The planner's learned pace of the engine: measured / predicted TTFT per plan kind, learned from
+executed batches, with what little is known about a specific kind shrunk toward its parent's.
+
+In: `observe(signal, pace, probe=, num_tokens=)` after each monitored batch. Out: `pace(signal,
+probe=, num_tokens=)`, the factor the cost model's TTFT is multiplied by for that kind of batch.
+
+Why per kind and not per signal: the offline cost fit's bias is not one number per signal. Plans
+that probe (the score needs extra layers over every token, or query-only probe passes) run other
+kernels than CacheBlend's shallow family (kv_dev, 1, 0), and the fit's error grows with the batch
+(the largest batches a burst forms are the fit's extrapolation; the simulator's replay-fitted
+machine had a probe family at 1.19x over 4K tokens a batch and 1.9x over 8K while the shallow one
+stayed at 1.01-1.14x). One factor per signal averages the two, so a deep probe plan in a burst was
+planned at the shallow batches' pace and ran past its budget, where the runtime monitor cannot
+cut the probe layers it has already paid for.
+The levels are signal -> (signal, family) -> (signal, family, size class); a level's estimate is
+its own running mean shrunk toward its parent's by `prior` pseudo-observations, so one odd batch of
+a rare kind moves it part of the way, and a kind never seen reads its parent's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MIN_PACE, MAX_PACE = 0.5, 2.0  # one wild batch (a page-fault storm) must not swing the planner
+SIZE_UNIT_TOKENS = 2048  # size classes double from here: <2K, 2-4K, 4-8K, 8-16K, ...
+
+
+def family(probe: int) -> str:
+    """A plan's kernel family: "probe" when it runs probe layers, "shallow" for (S, w, 0)."""
+    return "probe" if probe > 0 else "shallow"
+
+
+def size_class(num_tokens: int | None) -> int | None:
+    """0 below SIZE_UNIT_TOKENS prompt tokens a batch, then one class per doubling."""
+    if num_tokens is None:
+        return None
+    return max(0, int(math.floor(math.log2(max(num_tokens, 1) / SIZE_UNIT_TOKENS))) + 1)
+
+
+@dataclass
+class _Level:
+    mean: float = 1.0
+    count: int = 0
+
+
+@dataclass
+class PaceBook:
+    alpha: float = 0.3  # weight of the newest batch in a level's running mean
+    prior: float = 2.0  # pseudo-observations of the parent level behind each level's estimate
+    _levels: dict[tuple, _Level] = field(default_factory=dict)
+
+    def observe(self, signal: str, pace: float, probe: int = 1, num_tokens: int | None = None) -> None:
+        """A batch of this kind ran at `pace` x its predicted time (relative to the uncorrected
+        cost model); every level it belongs to learns it."""
+        if not pace > 0:
+            return
+        pace = min(max(pace, MIN_PACE), MAX_PACE)
+        for key in self._keys(signal, probe, num_tokens):
+            level = self._levels.setdefault(key, _Level())
+            level.mean = pace if level.count == 0 else (1 - self.alpha) * level.mean + self.alpha * pace
+            level.count += 1
+
+    def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
+        """The factor for this kind of batch: the most specific level, shrunk toward its parents."""
+        estimate = 1.0
+        for i, key in enumerate(self._keys(signal, probe, num_tokens)):
+            level = self._levels.get(key)
+            if level is None or level.count == 0:
+                break
+            if i == 0:  # the signal's own mean: no parent to shrink toward but the raw model
+                estimate = level.mean
+                continue
+            weight = level.count / (level.count + self.prior)
+            estimate = weight * level.mean + (1 - weight) * estimate
+        return estimate
+
+    def paces(self, signal: str, probe: int, num_tokens: np.ndarray) -> np.ndarray:
+        """`pace` for many batch sizes [M] at once (the scheduler's candidate batches)."""
+        sizes = np.asarray(num_tokens, float)
+        classes = np.maximum(0, np.floor(np.log2(np.maximum(sizes, 1) / SIZE_UNIT_TOKENS)) + 1).astype(int)
+        out = np.ones(sizes.shape)
+        for c in np.unique(classes):
+            out[classes == c] = self.pace(signal, probe, SIZE_UNIT_TOKENS * 2 ** int(c) // 2 or 1)
+        return out
+
+    def by_signal(self) -> dict[str, float]:
+        """Each observed signal's overall pace (reports, tests)."""
+        return {key[0]: lv.mean for key, lv in self._levels.items() if len(key) == 1 and lv.count}
+
+    @staticmethod
+    def _keys(signal: str, probe: int, num_tokens: int | None) -> list[tuple]:
+        keys: list[tuple] = [(signal,), (signal, family(probe))]
+        size = size_class(num_tokens)
+        if size is not None:
+            keys.append((signal, family(probe), size))
+        return keys
