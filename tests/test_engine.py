@@ -152,3 +152,11 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     lowered = [r for r in results if r.num_recomputed < math.floor(r.coverage * r.num_context_tokens)]
     assert lowered, [(r.coverage, r.num_recomputed, r.num_context_tokens) for r in results]
     assert eng.planner.correction["kv_dev"] > 1.0  # learned: this machine is slower than promised
+    # ... for the kind of batch that ran (its plan family and size class), which the next plan of
+    # that kind reads; a kind never run reads the signal's pace
+    plans = {(r.plan, r.num_prompt_tokens) for r in results}
+    assert len(plans) >= 1
+    for plan_label, num_tokens in plans:
+        probe = int(plan_label.strip("()").split(",")[2])
+        assert eng.planner.pace("kv_dev", probe, num_tokens) > 1.0
+    assert eng.planner.pace("qci", 1, 1000) == 1.0  # nothing of QCI ran
