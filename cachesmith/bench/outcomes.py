@@ -34,6 +34,15 @@ SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (s
 # CacheBlend's family also below its presets' coverages: a burst's budgets often fit only 5-10%,
 # and unmeasured coverages read as full reuse's verdict, so rank depth 1 would never be planned there
 SHALLOW_COVERAGES = (0.05, 0.10)
+# FusionRAG's ranking as a plan the planner can switch to after layer 0: WarmUp layer 0, the query
+# alone through layers 1..L-1, scored by its last layer's attention over the cached context. On
+# multi-hop questions it matched full prefill's gate where KV deviation and QCI did not
+LAST_COVERAGES = (0.05, 0.10, 0.15, 0.30)
+
+
+def last_family(num_layers: int) -> tuple[str, int, int]:
+    """(qci_last, 1, L - 1): the last-layer family's (S, w, p) on a model of `num_layers`."""
+    return ("qci_last", 1, num_layers - 1)
 
 
 @dataclass(frozen=True)
@@ -85,10 +94,11 @@ class Outcome:
 
 def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeConfig]:
     """Full prefill, full reuse, every selective preset at each baseline coverage and CacheBlend's
-    family at the shallow coverages below them."""
+    family at the shallow coverages below them, and the last-layer family (`last_family`)."""
     plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
     shallow = [RecomputeConfig(*SHALLOW, c) for c in SHALLOW_COVERAGES if c not in coverages]
-    return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages] + shallow
+    last = [RecomputeConfig(*last_family(num_layers), c) for c in LAST_COVERAGES]
+    return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages] + shallow + last
 
 
 class OutcomeMeasurer:
@@ -108,11 +118,13 @@ class OutcomeMeasurer:
 
     def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
         """The fixed plans an instance is measured under; `is_flips_only`: full prefill, full reuse
-        and CacheBlend's family (the planner's rank depth 1), not the other presets: enough for
-        demand curves, not for the simulator's static methods."""
+        and the planner's preset-measured families (CacheBlend's rank depth 1, the last-layer
+        family), not the other presets: enough for demand curves, not for the simulator's static
+        methods."""
         plans = fixed_plans(self.num_layers)
         if is_flips_only:
-            plans = [p for p in plans if p.coverage in (0.0, 1.0) or (p.signal.value, p.warmup, p.probe) == SHALLOW]
+            planned = (SHALLOW, last_family(self.num_layers))
+            plans = [p for p in plans if p.coverage in (0.0, 1.0) or (p.signal.value, p.warmup, p.probe) in planned]
         return plans
 
     def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
@@ -191,14 +203,14 @@ def demand(o: Outcome, key: str) -> tuple[float, float]:
     return flip_interval(flip.low, flip.high, flip.at)
 
 
-def shallow_demand(o: Outcome, num_layers: int) -> tuple[float, float] | None:
-    """`o`'s passing interval under (kv_dev, 1, 0) from its measured preset coverages, as the
-    simulator judges that plan (`OutcomeTable.passes`: the closest measured coverage at or below,
-    full reuse's verdict below them all, full prefill's at 100%): from the first coverage that
-    passes to the first after it that fails (NEVER where none does). Where the verdicts flip more
-    than once, the first passing stretch stands for them. None where the presets were not
-    measured (a flips-only instance)."""
-    points = o.static.get(SHALLOW)
+def shallow_demand(o: Outcome, num_layers: int, family: tuple[str, int, int] = SHALLOW) -> tuple[float, float] | None:
+    """`o`'s passing interval under `family` (default CacheBlend's (kv_dev, 1, 0)) from its
+    measured coverages, as the simulator judges that plan (`OutcomeTable.passes`: the closest
+    measured coverage at or below, full reuse's verdict below them all, full prefill's at 100%):
+    from the first coverage that passes to the first after it that fails (NEVER where none does).
+    Where the verdicts flip more than once, the first passing stretch stands for them. None where
+    that family was not measured."""
+    points = o.static.get(family)
     if not points:
         return None
     full = o.plans[preset("full_prefill", 1.0, num_layers).label()]
@@ -220,6 +232,9 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
         raise InputError("the outcome table holds no instance to take demand from")
     outs, depths = table.outcomes, anchor_depths(table.num_layers)
     intervals = {(SHALLOW[0], 1): [shallow_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
+    last = last_family(table.num_layers)
+    if any(o.static.get(last) for o in outs):  # the last-layer family, at rank depth L
+        intervals[(last[0], table.num_layers)] = [shallow_demand(o, table.num_layers, last) for o in outs]
     intervals.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
     demands = {k: [None if x is None else x[0] for x in v] for k, v in intervals.items()}
     until = {k: [None if x is None else x[1] for x in v] for k, v in intervals.items()}

@@ -33,7 +33,9 @@ from cachesmith.planner.profile import Profile
 from cachesmith.recompute import RecomputeConfig
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
-SIGNALS = ("kv_dev", "qci")  # the planner's signals; ties between their plans go to the first
+# the planner's signals; ties between their plans go to the first. qci_last is FusionRAG's ranking
+# after WarmUp layer 0: one family (1, L - 1), planned where the profile holds its demand
+SIGNALS = ("kv_dev", "qci", "qci_last")
 SIGNAL_RULES = ("passes", "entropy")
 
 
@@ -50,8 +52,8 @@ class PlannerConfig:
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
 
     def __post_init__(self) -> None:
-        if self.signal not in (None, "kv_dev", "qci"):
-            raise ConfigError(f"signal={self.signal!r}: must be 'kv_dev', 'qci' or None (chosen per batch)")
+        if self.signal not in (None, *SIGNALS):
+            raise ConfigError(f"signal={self.signal!r}: must be one of {', '.join(SIGNALS)} or None (chosen per batch)")
         if self.signal_rule not in SIGNAL_RULES:
             raise ConfigError(f"signal_rule={self.signal_rule!r}: must be one of {', '.join(SIGNAL_RULES)}")
         if not 0 < self.r_min < self.r_max <= 1:
@@ -156,8 +158,13 @@ class Planner:
                           tuple(r.prefix_tokens for r in requests))
 
     def band(self, shape: BatchShape, signal: str) -> tuple[float, float]:
-        t = ttft_grid(self.cost, shape, signal, ((1, 1),), np.array([self.config.r_min, self.config.r_max]))
+        t = ttft_grid(self.cost, shape, signal, (self.band_pair(signal),), np.array([self.config.r_min, self.config.r_max]))
         return float(t[0, 0]), float(t[0, 1])
+
+    def band_pair(self, signal: str) -> tuple[int, int]:
+        """The (w, p) of `signal`'s static plans and budget band: (1, 1), or the last-layer family's
+        own (1, L - 1) (its probe always runs to the last layer)."""
+        return (1, self.profile.num_layers - 1) if signal == "qci_last" else (1, 1)
 
     def candidate_signals(self, requests: list[PlanRequest]) -> list[str]:
         if self.config.signal is not None:
@@ -186,8 +193,16 @@ class Planner:
         """Rank depths searched for `signal`: depth 1 is kv_dev's (1, 0) (CacheBlend's family: the
         score taken at layer 1 from the fresh K/V projection), searched where the profile measured
         its demand; every other depth splits into w >= 1 WarmUp and p >= 1 probe layers."""
+        if signal == "qci_last":
+            return [self.profile.num_layers]
         shallow = [1] if signal == "kv_dev" and 1 in self.demand.anchors(signal) else []
         return shallow + self.depths
+
+    def signal_pairs(self, signal: str, depth: int) -> tuple[tuple[int, int], ...]:
+        """The (w, p) splits of `depth` searched for `signal`."""
+        if signal == "qci_last":
+            return ((1, depth - 1),)
+        return self._pairs.get(depth) or self._splits(depth)
 
     def _splits(self, depth: int) -> tuple[tuple[int, int], ...]:
         if depth == 1:
@@ -207,7 +222,8 @@ class Planner:
         return replace(best, decision_s=time.perf_counter() - start)
 
     def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
-        k = self.pace(signal, 1, shape.num_tokens)  # the band's (S, 1, 1): sized for budget / k
+        w, p = self.band_pair(signal)
+        k = self.pace(signal, p, shape.num_tokens)  # the band's (S, w, p): sized for budget / k
         floor, saturation = (k * t for t in self.band(shape, signal))
         R = shape.num_requests
         if budget_s < floor or budget_s > saturation:
@@ -216,8 +232,8 @@ class Planner:
             else:
                 r, ttft = self._static_fill(shape, signal, budget_s / k)
                 ttft *= k
-            passes = float(self.demand.pass_probability(signal, 2, [r] * R, task).sum())  # static (S,1,1,r)
-            return BatchPlan(signal, 1, 1, (r,) * R, ttft, passes, budget_s, floor, saturation,
+            passes = float(self.demand.pass_probability(signal, w + p, [r] * R, task).sum())  # static (S, w, p, r)
+            return BatchPlan(signal, w, p, (r,) * R, ttft, passes, budget_s, floor, saturation,
                              "below_floor" if budget_s < floor else "above_saturation", task=task)
         (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s, task)
         return BatchPlan(signal, w, p, tuple(coverages), ttft, passes, budget_s, floor, saturation,
@@ -227,7 +243,7 @@ class Planner:
         """Above saturation: the static (S, 1, 1, r) plan with the most coverage that fits. Accuracy
         converges toward full prefill there under any split (paper §5.1), so ranking deeper buys
         nothing; but budget the scheduler grants past saturation still buys coverage."""
-        t = ttft_grid(self.cost, shape, signal, ((1, 1),), COVERAGE_GRID)[0]  # [K]
+        t = ttft_grid(self.cost, shape, signal, (self.band_pair(signal),), COVERAGE_GRID)[0]  # [K]
         fits = np.nonzero((t <= budget_s) & (COVERAGE_GRID >= self.config.r_max))[0]
         k = int(fits.max()) if fits.size else int(np.searchsorted(COVERAGE_GRID, self.config.r_max))
         return float(COVERAGE_GRID[k]), float(t[k])
@@ -238,7 +254,7 @@ class Planner:
         coverage (-1 where none fits) and its TTFT at the learned pace of its family and batch
         size. Ties go to the shallower WarmUp."""
         depths = depths or self.signal_depths(signal)
-        pairs = tuple(pair for d in depths for pair in (self._pairs.get(d) or self._splits(d)))
+        pairs = tuple(pair for d in depths for pair in self.signal_pairs(signal, d))
         ttft = ttft_grid(self.cost, shape, signal, pairs, COVERAGE_GRID) * self._paces(signal, pairs, shape)  # [J, K]
         feasible = ttft <= budget_s
         # the highest feasible coverage per pair: monotone in the budget even where a slow link
@@ -278,5 +294,6 @@ class Planner:
             if t <= budget_s:
                 return pair, coverages, t, passes
         cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%
-        t = float(self.cost.ttft(shape, signal, 1, 1, np.array(cov))[0]) * self.pace(signal, 1, shape.num_tokens)
-        return (1, 1), cov, t, float(self.demand.pass_probability(signal, 2, cov, task).sum())
+        w, p = self.band_pair(signal)
+        t = float(self.cost.ttft(shape, signal, w, p, np.array(cov))[0]) * self.pace(signal, p, shape.num_tokens)
+        return (w, p), cov, t, float(self.demand.pass_probability(signal, w + p, cov, task).sum())
