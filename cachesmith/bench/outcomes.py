@@ -24,7 +24,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
-from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.recompute import RecomputeConfig, last_layer, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
@@ -34,15 +34,15 @@ SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (s
 # CacheBlend's family also below its presets' coverages: a burst's budgets often fit only 5-10%,
 # and unmeasured coverages read as full reuse's verdict, so rank depth 1 would never be planned there
 SHALLOW_COVERAGES = (0.05, 0.10)
-# FusionRAG's ranking as a plan the planner can switch to after layer 0: WarmUp layer 0, the query
-# alone through layers 1..L-1, scored by its last layer's attention over the cached context. On
-# multi-hop questions it matched full prefill's gate where KV deviation and QCI did not
+# the last-layer family (`recompute.last_layer`): on multi-hop questions it matched full prefill's
+# gate where KV deviation and QCI did not
 LAST_COVERAGES = (0.05, 0.10, 0.15, 0.30)
 
 
 def last_family(num_layers: int) -> tuple[str, int, int]:
-    """(qci_last, 1, L - 1): the last-layer family's (S, w, p) on a model of `num_layers`."""
-    return ("qci_last", 1, num_layers - 1)
+    """The last-layer family's (S, w, p) on a model of `num_layers`."""
+    c = last_layer(0.0, num_layers)
+    return (c.signal.value, c.warmup, c.probe)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeC
     family at the shallow coverages below them, and the last-layer family (`last_family`)."""
     plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
     shallow = [RecomputeConfig(*SHALLOW, c) for c in SHALLOW_COVERAGES if c not in coverages]
-    last = [RecomputeConfig(*last_family(num_layers), c) for c in LAST_COVERAGES]
+    last = [last_layer(c, num_layers) for c in LAST_COVERAGES]
     return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages] + shallow + last
 
 
@@ -203,7 +203,7 @@ def demand(o: Outcome, key: str) -> tuple[float, float]:
     return flip_interval(flip.low, flip.high, flip.at)
 
 
-def shallow_demand(o: Outcome, num_layers: int, family: tuple[str, int, int] = SHALLOW) -> tuple[float, float] | None:
+def preset_demand(o: Outcome, num_layers: int, family: tuple[str, int, int] = SHALLOW) -> tuple[float, float] | None:
     """`o`'s passing interval under `family` (default CacheBlend's (kv_dev, 1, 0)) from its
     measured coverages, as the simulator judges that plan (`OutcomeTable.passes`: the closest
     measured coverage at or below, full reuse's verdict below them all, full prefill's at 100%):
@@ -231,10 +231,10 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
     if not table.outcomes:
         raise InputError("the outcome table holds no instance to take demand from")
     outs, depths = table.outcomes, anchor_depths(table.num_layers)
-    intervals = {(SHALLOW[0], 1): [shallow_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
+    intervals = {(SHALLOW[0], 1): [preset_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
     last = last_family(table.num_layers)
     if any(o.static.get(last) for o in outs):  # the last-layer family, at rank depth L
-        intervals[(last[0], table.num_layers)] = [shallow_demand(o, table.num_layers, last) for o in outs]
+        intervals[(last[0], table.num_layers)] = [preset_demand(o, table.num_layers, last) for o in outs]
     intervals.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
     demands = {k: [None if x is None else x[0] for x in v] for k, v in intervals.items()}
     until = {k: [None if x is None else x[1] for x in v] for k, v in intervals.items()}

@@ -18,7 +18,6 @@ a rare kind moves it part of the way, and a kind never seen reads its parent's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,11 +31,14 @@ def family(probe: int) -> str:
     return "probe" if probe > 0 else "shallow"
 
 
+def size_classes(num_tokens) -> np.ndarray:
+    """0 below SIZE_UNIT_TOKENS prompt tokens a batch, then one class per doubling [M]."""
+    sizes = np.maximum(np.asarray(num_tokens, float), 1.0)
+    return np.maximum(0, np.floor(np.log2(sizes / SIZE_UNIT_TOKENS)) + 1).astype(int)
+
+
 def size_class(num_tokens: int | None) -> int | None:
-    """0 below SIZE_UNIT_TOKENS prompt tokens a batch, then one class per doubling."""
-    if num_tokens is None:
-        return None
-    return max(0, int(math.floor(math.log2(max(num_tokens, 1) / SIZE_UNIT_TOKENS))) + 1)
+    return None if num_tokens is None else int(size_classes(num_tokens))
 
 
 @dataclass
@@ -57,15 +59,18 @@ class PaceBook:
         if not pace > 0:
             return
         pace = min(max(pace, MIN_PACE), MAX_PACE)
-        for key in self._keys(signal, probe, num_tokens):
+        for key in self._keys(signal, probe, size_class(num_tokens)):
             level = self._levels.setdefault(key, _Level())
             level.mean = pace if level.count == 0 else (1 - self.alpha) * level.mean + self.alpha * pace
             level.count += 1
 
     def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
         """The factor for this kind of batch: the most specific level, shrunk toward its parents."""
+        return self._pace(signal, probe, size_class(num_tokens))
+
+    def _pace(self, signal: str, probe: int, size: int | None) -> float:
         estimate = 1.0
-        for i, key in enumerate(self._keys(signal, probe, num_tokens)):
+        for i, key in enumerate(self._keys(signal, probe, size)):
             level = self._levels.get(key)
             if level is None or level.count == 0:
                 break
@@ -78,11 +83,10 @@ class PaceBook:
 
     def paces(self, signal: str, probe: int, num_tokens: np.ndarray) -> np.ndarray:
         """`pace` for many batch sizes [M] at once (the scheduler's candidate batches)."""
-        sizes = np.asarray(num_tokens, float)
-        classes = np.maximum(0, np.floor(np.log2(np.maximum(sizes, 1) / SIZE_UNIT_TOKENS)) + 1).astype(int)
-        out = np.ones(sizes.shape)
+        classes = size_classes(num_tokens)
+        out = np.ones(classes.shape)
         for c in np.unique(classes):
-            out[classes == c] = self.pace(signal, probe, SIZE_UNIT_TOKENS * 2 ** int(c) // 2 or 1)
+            out[classes == c] = self._pace(signal, probe, int(c))
         return out
 
     def by_signal(self) -> dict[str, float]:
@@ -90,9 +94,8 @@ class PaceBook:
         return {key[0]: lv.mean for key, lv in self._levels.items() if len(key) == 1 and lv.count}
 
     @staticmethod
-    def _keys(signal: str, probe: int, num_tokens: int | None) -> list[tuple]:
+    def _keys(signal: str, probe: int, size: int | None) -> list[tuple]:
         keys: list[tuple] = [(signal,), (signal, family(probe))]
-        size = size_class(num_tokens)
         if size is not None:
             keys.append((signal, family(probe), size))
         return keys

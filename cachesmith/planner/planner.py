@@ -30,7 +30,7 @@ from cachesmith.planner.demand import DemandModel
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
-from cachesmith.recompute import RecomputeConfig
+from cachesmith.recompute import RecomputeConfig, last_layer
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
 # the planner's signals; ties between their plans go to the first. qci_last is FusionRAG's ranking
@@ -115,6 +115,9 @@ class Planner:
         # the offline cost fit is biased per signal, plan family and batch size (planner/pace.py)
         self.paces = PaceBook()
         self._pairs = {d: self._splits(d) for d in (1, *self.depths)}
+        # signals with one (w, p) of their own: the last-layer family's probe always runs to L
+        last = last_layer(0.0, L)
+        self._fixed_pairs = {last.signal.value: (last.warmup, last.probe)}
 
     def warm_up(self) -> None:
         """Build every (signal, depth) coverage envelope now, not inside the first decisions."""
@@ -162,9 +165,8 @@ class Planner:
         return float(t[0, 0]), float(t[0, 1])
 
     def band_pair(self, signal: str) -> tuple[int, int]:
-        """The (w, p) of `signal`'s static plans and budget band: (1, 1), or the last-layer family's
-        own (1, L - 1) (its probe always runs to the last layer)."""
-        return (1, self.profile.num_layers - 1) if signal == "qci_last" else (1, 1)
+        """The (w, p) of `signal`'s static plans and budget band: (1, 1), or its own fixed split."""
+        return self._fixed_pairs.get(signal, (1, 1))
 
     def candidate_signals(self, requests: list[PlanRequest]) -> list[str]:
         if self.config.signal is not None:
@@ -193,15 +195,15 @@ class Planner:
         """Rank depths searched for `signal`: depth 1 is kv_dev's (1, 0) (CacheBlend's family: the
         score taken at layer 1 from the fresh K/V projection), searched where the profile measured
         its demand; every other depth splits into w >= 1 WarmUp and p >= 1 probe layers."""
-        if signal == "qci_last":
-            return [self.profile.num_layers]
+        if signal in self._fixed_pairs:
+            return [sum(self._fixed_pairs[signal])]
         shallow = [1] if signal == "kv_dev" and 1 in self.demand.anchors(signal) else []
         return shallow + self.depths
 
     def signal_pairs(self, signal: str, depth: int) -> tuple[tuple[int, int], ...]:
         """The (w, p) splits of `depth` searched for `signal`."""
-        if signal == "qci_last":
-            return ((1, depth - 1),)
+        if signal in self._fixed_pairs:
+            return (self._fixed_pairs[signal],)
         return self._pairs.get(depth) or self._splits(depth)
 
     def _splits(self, depth: int) -> tuple[tuple[int, int], ...]:
@@ -270,8 +272,10 @@ class Planner:
         return out
 
     def _paces(self, signal: str, pairs: tuple[tuple[int, int], ...], shape: BatchShape) -> np.ndarray:
-        """The learned pace of each (w, p) pair's family at this batch size [J, 1]."""
-        return np.array([[self.pace(signal, p, shape.num_tokens)] for _, p in pairs])
+        """The learned pace of each (w, p) pair's family at this batch size [J, 1]: two lookups, as
+        a pair's family is only whether it probes."""
+        by_family = {is_probe: self.pace(signal, int(is_probe), shape.num_tokens) for is_probe in (False, True)}
+        return np.array([[by_family[p > 0]] for _, p in pairs])
 
     def _search(self, shape: BatchShape, signal: str, budget_s: float, task: str | None = None):
         """Candidates per rank depth: its best split's uniform plan (known to fit) and the

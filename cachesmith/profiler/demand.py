@@ -1,8 +1,9 @@
 """Demand profiling (paper §5.1, Fig. 2/7): for each profiling request, the minimum sufficient
 coverage (5% grid, binary search) per signal at the anchor rank depths (5%, 20%, 50% of the layers,
 p = 1, so w = depth - 1), at rank depth 1 for KV deviation (CacheBlend's (1, 0): the planner's
-cheapest ranking) and for the last-layer family (qci_last, 1, L - 1) at rank depth L, plus its layer-0 QCI entropy; and the entropy threshold that best routes
-requests to the signal that needs less coverage.
+cheapest ranking) and for the last-layer family (qci_last, 1, L - 1) at rank depth L, plus its
+layer-0 QCI entropy; and the entropy threshold that best routes requests to the signal that needs
+less coverage.
 
 In: a `RagPipeline` and workload instances (default: the served mix, MIX). Out: `DemandCurve`s (over
 all instances and, where they hold several tasks, per task) and theta. The gate reads the whole
@@ -23,13 +24,12 @@ from tqdm import tqdm
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
-from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.recompute import RecomputeConfig, Signal, last_layer, preset
 from cachesmith.workloads.instance import WorkloadInstance
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
 GRID_STEPS = 20  # 5% steps
 SIGNALS = ("kv_dev", "qci")
-LAST = "qci_last"  # FusionRAG's ranking after WarmUp layer 0: the planner's family (1, L - 1), rank depth L
 
 
 def anchor_depths(num_layers: int, fractions=ANCHOR_FRACTIONS) -> list[int]:
@@ -87,7 +87,7 @@ class DemandProfiler:
         keys = [(s, d) for s in signals for d in depths]
         if "kv_dev" in signals:  # the planner's rank depth 1: CacheBlend's (1, 0), bursts' workhorse
             keys.insert(0, ("kv_dev", 1))
-        keys.append((LAST, self.pipe.model.num_layers))  # the last-layer family: one depth, L
+        keys.append((Signal.QCI_LAST.value, self.pipe.model.num_layers))  # the last-layer family: rank depth L
         demands, until = {k: [] for k in keys}, {k: [] for k in keys}
         entropies = []
         for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
@@ -103,8 +103,11 @@ class DemandProfiler:
 
 def plan_at(signal: str, depth: int, step: int) -> RecomputeConfig:
     """The plan of rank depth `depth` at grid step `step`: (kv_dev, 1, 0) at depth 1 (CacheBlend's
-    family), (qci_last, 1, depth - 1) for the last-layer family, (S, depth - 1, 1) otherwise."""
-    warmup, probe = (1, 0) if depth == 1 else (1, depth - 1) if signal == LAST else (depth - 1, 1)
+    family), the last-layer family for qci_last (`recompute.last_layer`, depth = L), (S, depth - 1, 1)
+    otherwise."""
+    if signal == Signal.QCI_LAST.value:
+        return last_layer(step / GRID_STEPS, depth)
+    warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
     return RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
 
 

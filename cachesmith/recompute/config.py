@@ -92,6 +92,13 @@ def fusionrag(coverage: float, num_layers: int) -> RecomputeConfig:
     return RecomputeConfig(Signal.QCI_LAST, 0, num_layers, coverage)
 
 
+def last_layer(coverage: float, num_layers: int) -> RecomputeConfig:
+    """FusionRAG's ranking as a plan decided after WarmUp layer 0: layer 0 exact, the query alone
+    through layers 1..L-1, scored by the last layer (its probe always runs to the last layer, so
+    its rank depth is L). The planner's last-layer family."""
+    return RecomputeConfig(Signal.QCI_LAST, 1, num_layers - 1, coverage)
+
+
 PRESET_NAMES = ("full_prefill", "full_reuse", "cacheblend", "epic", "prophetkv", "fusionrag")
 
 
