@@ -24,7 +24,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
-from cachesmith.recompute import RecomputeConfig, last_layer, preset
+from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
@@ -34,15 +34,18 @@ SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (s
 # CacheBlend's family also below its presets' coverages: a burst's budgets often fit only 5-10%,
 # and unmeasured coverages read as full reuse's verdict, so rank depth 1 would never be planned there
 SHALLOW_COVERAGES = (0.05, 0.10)
-# the last-layer family (`recompute.last_layer`): on multi-hop questions it matched full prefill's
-# gate where KV deviation and QCI did not
+# the fixed-split families (`recompute.FIXED_FAMILIES`: the last-layer family, which on multi-hop
+# questions matched full prefill's gate where KV deviation and QCI did not, and the fused family)
 LAST_COVERAGES = (0.05, 0.10, 0.15, 0.30)
 
 
-def last_family(num_layers: int) -> tuple[str, int, int]:
-    """The last-layer family's (S, w, p) on a model of `num_layers`."""
-    c = last_layer(0.0, num_layers)
-    return (c.signal.value, c.warmup, c.probe)
+def fixed_families(num_layers: int) -> list[tuple[str, int, int]]:
+    """The (S, w, p) of each fixed-split family on a model of `num_layers`."""
+    out = []
+    for make in FIXED_FAMILIES.values():
+        c = make(0.0, num_layers)
+        out.append((c.signal.value, c.warmup, c.probe))
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,10 @@ class Outcome:
 
 def fixed_plans(num_layers: int, coverages=DEFAULT_COVERAGES) -> list[RecomputeConfig]:
     """Full prefill, full reuse, every selective preset at each baseline coverage and CacheBlend's
-    family at the shallow coverages below them, and the last-layer family (`last_family`)."""
+    family at the shallow coverages below them, and the fixed-split families (`fixed_families`)."""
     plans = [preset("full_prefill", 1.0, num_layers), preset("full_reuse", 0.0, num_layers)]
     shallow = [RecomputeConfig(*SHALLOW, c) for c in SHALLOW_COVERAGES if c not in coverages]
-    last = [last_layer(c, num_layers) for c in LAST_COVERAGES]
+    last = [make(c, num_layers) for make in FIXED_FAMILIES.values() for c in LAST_COVERAGES]
     return plans + [preset(p, c, num_layers) for p in SELECTIVE for c in coverages] + shallow + last
 
 
@@ -118,12 +121,12 @@ class OutcomeMeasurer:
 
     def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
         """The fixed plans an instance is measured under; `is_flips_only`: full prefill, full reuse
-        and the planner's preset-measured families (CacheBlend's rank depth 1, the last-layer
-        family), not the other presets: enough for demand curves, not for the simulator's static
+        and the planner's preset-measured families (CacheBlend's rank depth 1, the fixed-split
+        families), not the other presets: enough for demand curves, not for the simulator's static
         methods."""
         plans = fixed_plans(self.num_layers)
         if is_flips_only:
-            planned = (SHALLOW, last_family(self.num_layers))
+            planned = (SHALLOW, *fixed_families(self.num_layers))
             plans = [p for p in plans if p.coverage in (0.0, 1.0) or (p.signal.value, p.warmup, p.probe) in planned]
         return plans
 
@@ -232,9 +235,9 @@ def demand_curves(table: OutcomeTable) -> tuple[tuple[DemandCurve, ...], float]:
         raise InputError("the outcome table holds no instance to take demand from")
     outs, depths = table.outcomes, anchor_depths(table.num_layers)
     intervals = {(SHALLOW[0], 1): [preset_demand(o, table.num_layers) for o in outs]}  # CacheBlend's (1, 0)
-    last = last_family(table.num_layers)
-    if any(o.static.get(last) for o in outs):  # the last-layer family, at rank depth L
-        intervals[(last[0], table.num_layers)] = [preset_demand(o, table.num_layers, last) for o in outs]
+    for family in fixed_families(table.num_layers):  # at rank depth L, where measured
+        if any(o.static.get(family) for o in outs):
+            intervals[(family[0], table.num_layers)] = [preset_demand(o, table.num_layers, family) for o in outs]
     intervals.update({(s, d): [demand(o, f"{s}/{d}") for o in outs] for s in SIGNALS for d in depths})
     demands = {k: [None if x is None else x[0] for x in v] for k, v in intervals.items()}
     until = {k: [None if x is None else x[1] for x in v] for k, v in intervals.items()}

@@ -82,6 +82,8 @@ def layer_needs(plan: RecomputeConfig, num_layers: int) -> tuple[set[int], range
         return set(range(w, w + p)), range(w, num_layers)
     if plan.signal is Signal.QCI_LAST:
         return {num_layers - 1}, range(w, num_layers)
+    if plan.signal is Signal.FUSED:  # the query's last layer, and layer w scored like kv_dev's
+        return {w, num_layers - 1}, range(w + 1, num_layers)
     return set(), range(w, num_layers)
 
 

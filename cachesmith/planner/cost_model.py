@@ -72,7 +72,8 @@ def execution_steps(signal: str, warmup: int, probe: int, num_layers: int) -> li
     inside its scoring pass (`score_patch`); the other signals select between passes, just before
     the first Patch pass (`selects`). A layer's cached rows are placed (`places`) by the first pass
     of that layer that reads them: a probe layer's, so QCI's Patch passes over its probe layers
-    (and FusionRAG's over its last layer) place nothing."""
+    (and FusionRAG's and the fused family's over their last layer) place nothing. The fused family
+    runs qci_last's probe, then scores layer w as kv_dev does and selects inside that pass."""
     L, w, p = num_layers, min(warmup, num_layers), probe
     steps = [Step(i, "full", "none") for i in range(w)]
     if w >= L:
@@ -93,6 +94,11 @@ def execution_steps(signal: str, warmup: int, probe: int, num_layers: int) -> li
             Step(L - 1, "qci_probe", "full", places=True)]
         return steps + [Step(i, "patch", "none" if i == L - 1 else "reused", places=i < L - 1, selects=i == w)
                         for i in range(w, L)]
+    if signal == "fused":  # qci_last's probe, then kv_dev's scoring pass at w (it selects there)
+        steps += [Step(i, "query_only", "prefix") for i in range(w, L - 1)] + [
+            Step(L - 1, "qci_probe", "full", places=True), Step(w, "score_patch", "full", places=True)]
+        return steps + [Step(i, "patch", "none" if i == L - 1 else "reused", places=i < L - 1)
+                        for i in range(w + 1, L)]
     return steps + [Step(i, "patch", "reused", places=True, selects=i == w) for i in range(w, L)]  # position
 
 

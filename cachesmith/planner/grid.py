@@ -113,6 +113,12 @@ def _walk(L: int, signal: str, pairs: tuple[tuple[int, int], ...], compute, load
         selection, t = t, t + select
         t, link = _run(t, link, L - 1 - w, patch, reused, selection)
         t, link = _run(t, link, np.ones_like(w), compute("patch", places=False))
+    elif signal == "fused":  # qci_last's probe, then kv_dev's scoring pass at w selects
+        t, link = _run(t, link, L - 1 - w, compute("query_only"), load("prefix"))
+        t, link = _run(t, link, np.ones_like(w), compute("qci_probe"), load("full"))
+        t, link = _run(t, link, np.ones_like(w), compute("score_patch"), load("full"))
+        t, link = _run(t, link, np.maximum(L - 2 - w, 0), patch, reused, t)
+        t, link = _run(t, link, np.ones_like(w), compute("patch", places=False))
     else:  # position: Patch from w, selection known at once
         selection, t = t, t + select * (L - w > 0)
         t, link = _run(t, link, L - w, patch, reused, selection)

@@ -30,12 +30,16 @@ from cachesmith.planner.demand import DemandModel
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
-from cachesmith.recompute import RecomputeConfig, last_layer
+from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
-# the planner's signals; ties between their plans go to the first. qci_last is FusionRAG's ranking
-# after WarmUp layer 0: one family (1, L - 1), planned where the profile holds its demand
+# the signals the planner searches; ties between their plans go to the first. qci_last is
+# FusionRAG's ranking after WarmUp layer 0: one family (1, L - 1) (`recompute.FIXED_FAMILIES`),
+# planned where the profile holds its demand. fused (that ranking interleaved with KV deviation's)
+# is planned only when fixed (`PlannerConfig.signal`): searched by default it lost grid wins
+# (docs/decisions.md, session 15)
 SIGNALS = ("kv_dev", "qci", "qci_last")
+FIXABLE_SIGNALS = (*SIGNALS, "fused")
 SIGNAL_RULES = ("passes", "entropy")
 
 
@@ -52,8 +56,9 @@ class PlannerConfig:
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
 
     def __post_init__(self) -> None:
-        if self.signal not in (None, *SIGNALS):
-            raise ConfigError(f"signal={self.signal!r}: must be one of {', '.join(SIGNALS)} or None (chosen per batch)")
+        if self.signal not in (None, *FIXABLE_SIGNALS):
+            raise ConfigError(f"signal={self.signal!r}: must be one of {', '.join(FIXABLE_SIGNALS)} or None "
+                              f"(chosen per batch)")
         if self.signal_rule not in SIGNAL_RULES:
             raise ConfigError(f"signal_rule={self.signal_rule!r}: must be one of {', '.join(SIGNAL_RULES)}")
         if not 0 < self.r_min < self.r_max <= 1:
@@ -115,9 +120,9 @@ class Planner:
         # the offline cost fit is biased per signal, plan family and batch size (planner/pace.py)
         self.paces = PaceBook()
         self._pairs = {d: self._splits(d) for d in (1, *self.depths)}
-        # signals with one (w, p) of their own: the last-layer family's probe always runs to L
-        last = last_layer(0.0, L)
-        self._fixed_pairs = {last.signal.value: (last.warmup, last.probe)}
+        # signals with one (w, p) of their own: their probes always run to L
+        self._fixed_pairs = {s: (c.warmup, c.probe) for s, c in
+                             ((s, make(0.0, L)) for s, make in FIXED_FAMILIES.items())}
 
     def warm_up(self) -> None:
         """Build every (signal, depth) coverage envelope now, not inside the first decisions."""

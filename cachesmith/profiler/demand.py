@@ -1,7 +1,7 @@
 """Demand profiling (paper §5.1, Fig. 2/7): for each profiling request, the minimum sufficient
 coverage (5% grid, binary search) per signal at the anchor rank depths (5%, 20%, 50% of the layers,
 p = 1, so w = depth - 1), at rank depth 1 for KV deviation (CacheBlend's (1, 0): the planner's
-cheapest ranking) and for the last-layer family (qci_last, 1, L - 1) at rank depth L, plus its
+cheapest ranking) and for the fixed-split families (qci_last and fused, (1, L - 1)) at rank depth L, plus its
 layer-0 QCI entropy; and the entropy threshold that best routes requests to the signal that needs
 less coverage.
 
@@ -24,7 +24,7 @@ from tqdm import tqdm
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
-from cachesmith.recompute import RecomputeConfig, Signal, last_layer, preset
+from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
 from cachesmith.workloads.instance import WorkloadInstance
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
@@ -87,7 +87,7 @@ class DemandProfiler:
         keys = [(s, d) for s in signals for d in depths]
         if "kv_dev" in signals:  # the planner's rank depth 1: CacheBlend's (1, 0), bursts' workhorse
             keys.insert(0, ("kv_dev", 1))
-        keys.append((Signal.QCI_LAST.value, self.pipe.model.num_layers))  # the last-layer family: rank depth L
+        keys += [(s, self.pipe.model.num_layers) for s in FIXED_FAMILIES]  # fixed-split families: rank depth L
         demands, until = {k: [] for k in keys}, {k: [] for k in keys}
         entropies = []
         for inst in tqdm(instances, desc="profile demand", unit="req", disable=not show_progress):
@@ -103,10 +103,10 @@ class DemandProfiler:
 
 def plan_at(signal: str, depth: int, step: int) -> RecomputeConfig:
     """The plan of rank depth `depth` at grid step `step`: (kv_dev, 1, 0) at depth 1 (CacheBlend's
-    family), the last-layer family for qci_last (`recompute.last_layer`, depth = L), (S, depth - 1, 1)
-    otherwise."""
-    if signal == Signal.QCI_LAST.value:
-        return last_layer(step / GRID_STEPS, depth)
+    family), a fixed-split family's own plan for qci_last and fused (`recompute.FIXED_FAMILIES`,
+    depth = L), (S, depth - 1, 1) otherwise."""
+    if signal in FIXED_FAMILIES:
+        return FIXED_FAMILIES[signal](step / GRID_STEPS, depth)
     warmup, probe = (1, 0) if depth == 1 else (depth - 1, 1)
     return RecomputeConfig(signal, warmup, probe, step / GRID_STEPS)
 

@@ -16,6 +16,7 @@ class Signal(str, Enum):
     KV_DEV = "kv_dev"
     QCI = "qci"
     QCI_LAST = "qci_last"
+    FUSED = "fused"  # KV deviation at layer w and the last layer's query attention, ranks fused
     POSITION = "position"
 
 
@@ -42,6 +43,9 @@ class RecomputeConfig:
         check_coverage(self.coverage, "coverage")
         if self.signal is Signal.POSITION and self.probe:
             raise ConfigError(f"probe={self.probe} must be 0 for signal 'position' (it needs no probe)")
+        if self.signal is Signal.FUSED and self.warmup < 1:
+            raise ConfigError(f"warmup={self.warmup} must be >= 1 for signal 'fused' (its KV deviation "
+                              f"at layer 0 would compare each token's K/V with itself)")
         if self.kv_dev_target not in KV_DEV_TARGETS:
             raise ConfigError(f"kv_dev_target={self.kv_dev_target!r} is not one of {KV_DEV_TARGETS}")
 
@@ -97,6 +101,18 @@ def last_layer(coverage: float, num_layers: int) -> RecomputeConfig:
     through layers 1..L-1, scored by the last layer (its probe always runs to the last layer, so
     its rank depth is L). The planner's last-layer family."""
     return RecomputeConfig(Signal.QCI_LAST, 1, num_layers - 1, coverage)
+
+
+def fused_family(coverage: float, num_layers: int) -> RecomputeConfig:
+    """Both rankings at once, decided after WarmUp layer 0: the query alone through layers
+    1..L-1 scores by the last layer (as `last_layer`), layer 1's KV deviation scores as
+    CacheBlend's, and the two rankings are fused (`signals.fuse`)."""
+    return RecomputeConfig(Signal.FUSED, 1, num_layers - 1, coverage)
+
+
+# signals whose planner family is one fixed split decided after WarmUp layer 0 (their probes run to
+# the last layer, so their rank depth is L): signal -> its plan at (coverage, num_layers)
+FIXED_FAMILIES = {Signal.QCI_LAST.value: last_layer, Signal.FUSED.value: fused_family}
 
 
 PRESET_NAMES = ("full_prefill", "full_reuse", "cacheblend", "epic", "prophetkv", "fusionrag")

@@ -7,7 +7,8 @@ greedy decoding), the recomputed context indices, scores and the layer-0 QCI ent
 Linear parts run batched over every computed row of the batch; attention runs per request over
 its mixed KV, causal by true position. Phases (DESIGN.md §2): WarmUp [0, w) computes everything;
 Probe builds scores (qci / qci_last rewind to w afterwards; kv_dev probe layers are full layers, so
-its Patch starts at w + p, see docs/decisions.md); Patch recomputes selected rows + the suffix.
+its Patch starts at w + p, see docs/decisions.md; fused ranks by both qci_last and layer w's KV
+deviation, and rewinds to w); Patch recomputes selected rows + the suffix.
 """
 from __future__ import annotations
 
@@ -148,6 +149,8 @@ class BatchRunner:
         that layer, all rows)."""
         if config.signal is Signal.KV_DEV:
             return self._kv_dev_probe(config, seqs, h, hooks)
+        if config.signal is Signal.FUSED:
+            return self._fused_probe(config, seqs, h, hooks)
         is_position = config.signal is Signal.POSITION
         if is_position:
             scores = [signals.position_scores(s) for s in seqs]
@@ -180,6 +183,16 @@ class BatchRunner:
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = sc, signals.rank(sc)
         return start, h, (x, k, v)
+
+    def _fused_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
+                     hooks: RunnerHooks):
+        """The query's last-layer attention (rewinds to w), then KV deviation on layer w's
+        projections (reused by Patch, as CacheBlend's), the two rankings fused (`signals.fuse`)."""
+        qci = self._qci_last_probe(seqs, h, config.warmup, hooks)
+        start, h, start_kv = self._kv_dev_probe(replace(config, probe=0), seqs, h, hooks)
+        for s, q in zip(seqs, qci):
+            s.scores, s.ranking = signals.fuse(s.scores.cpu(), q.cpu())
+        return start, h, start_kv
 
     def _full_layer(self, index: int, seqs: list[Sequence], h: torch.Tensor, hooks: RunnerHooks,
                     phase: str, want_entropy: bool = False, dev_target: str | None = None):

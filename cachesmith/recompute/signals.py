@@ -58,6 +58,23 @@ def position_scores(seq: Sequence) -> torch.Tensor:
     return scores
 
 
+def fuse(kv_scores: torch.Tensor, qci_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank fusion of two rankings of the same N tokens: the rankings interleaved, KV deviation's
+    k-th token then the query's k-th (a token already taken is skipped), so the top k are the
+    union of both signals' top ~k/2: a token either signal flags is recomputed, which hedges
+    between KV deviation (what isolation changed) and the query's attention (what the answer
+    reads). Each token sorts by its better rank, the KV side first on a tie, so the order reads
+    nothing below a token's better rank.
+    Returns (scores [N] float32: 1 - better rank / N, ranking [N])."""
+    n = kv_scores.numel()
+    ranks = torch.empty(2, n, dtype=torch.long)  # [signal, token] -> rank
+    for row, sc in enumerate((kv_scores, qci_scores)):
+        ranks[row, rank(sc)] = torch.arange(n)
+    best = ranks.min(dim=0).values  # [N]
+    order = torch.sort(2 * best + (ranks[0] > ranks[1]).long()).indices  # unique keys
+    return 1.0 - best.float() / max(n, 1), order
+
+
 def rank(scores: torch.Tensor) -> torch.Tensor:
     """Context indices, best first; ties keep position order (stable sort)."""
     return torch.sort(scores.float().cpu(), descending=True, stable=True).indices

@@ -68,7 +68,7 @@ def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task()
     curve = next(c for c in curves if (c.task, c.signal, c.rank_depth) == (None, "kv_dev", 2))
     # at 10% two pass (one from 0%, one below its 20% flip); at 25% one; at 30% two again
     assert curve.pass_rate([0.1, 0.25, 0.3, 1.0]).tolist() == [0.5, 0.25, 0.5, 0.5]
-    assert {t for t, _, _ in by} == {None, "pr", "vt"} and len(curves) == 3 * 8  # + the last-layer family
+    assert {t for t, _, _ in by} == {None, "pr", "vt"} and len(curves) == 3 * 9  # + the fixed-split families
     assert 0.0 <= theta <= 1.0
     flips_only = outcome(4, "pr", full=True, reuse=False, at=0.1)
     flips_only.plans = {k: v for k, v in flips_only.plans.items() if not k.startswith("(kv_dev,1,0,")}
@@ -82,28 +82,30 @@ def test_demand_curves_from_outcomes_count_never_zero_and_flip_points_per_task()
         demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, []))
 
 
-def test_the_last_layer_family_is_measured_judged_and_given_demand_where_measured():
-    """(qci_last, 1, L - 1): among every table's fixed plans and a flips-only instance's, judged at
-    the closest measured coverage at or below, and a demand curve at rank depth L from the
-    instances that have it (left out elsewhere)."""
-    from cachesmith.bench.outcomes import LAST_COVERAGES, demand_curves, fixed_plans, last_family
+@pytest.mark.parametrize("signal", ["qci_last", "fused"])
+def test_each_fixed_family_is_measured_judged_and_given_demand_where_measured(signal):
+    """(qci_last, 1, L - 1) and (fused, 1, L - 1): among every table's fixed plans and a flips-only
+    instance's, judged at the closest measured coverage at or below, and a demand curve at rank
+    depth L from the instances that have it (left out elsewhere)."""
+    from cachesmith.bench.outcomes import LAST_COVERAGES, demand_curves, fixed_families, fixed_plans
     from cachesmith.planner.profile import NEVER
 
-    family = last_family(NUM_LAYERS)
-    assert family == ("qci_last", 1, NUM_LAYERS - 1)
+    family = next(f for f in fixed_families(NUM_LAYERS) if f[0] == signal)
+    assert family == (signal, 1, NUM_LAYERS - 1)
+    label = f"({signal},1,{NUM_LAYERS - 1},{{}}%)"
     labels = [p.label() for p in fixed_plans(NUM_LAYERS)]
-    assert all(f"(qci_last,1,{NUM_LAYERS - 1},{round(100 * c)}%)" in labels for c in LAST_COVERAGES)
+    assert all(label.format(round(100 * c)) in labels for c in LAST_COVERAGES)
     t = table()
     o = outcome(5, "msq", full=True, reuse=False, at=0.3)
-    o.plans.update({f"(qci_last,1,{NUM_LAYERS - 1},{round(100 * c)}%)": c >= 0.10 for c in LAST_COVERAGES})
+    o.plans.update({label.format(round(100 * c)): c >= 0.10 for c in LAST_COVERAGES})
     assert t.passes(o, *family, 0.05) is False and t.passes(o, *family, 0.12) is True
     assert t.passes(o, *family, 1.0) is True  # full prefill's verdict at 100%
     never = outcome(6, "msq", full=False, reuse=False)
-    never.plans.update({f"(qci_last,1,{NUM_LAYERS - 1},{round(100 * c)}%)": False for c in LAST_COVERAGES})
+    never.plans.update({label.format(round(100 * c)): False for c in LAST_COVERAGES})
     unmeasured = outcome(7, "msq", full=True, reuse=False, at=0.2)
-    unmeasured.plans = {k: v for k, v in unmeasured.plans.items() if not k.startswith("(qci_last,1,")}
+    unmeasured.plans = {k: v for k, v in unmeasured.plans.items() if not k.startswith(f"({signal},1,")}
     curves, _ = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, [o, never, unmeasured]))
-    last = next(c for c in curves if c.task is None and c.signal == "qci_last")
-    assert last.rank_depth == NUM_LAYERS and last.demands == (0.10, NEVER)  # the unmeasured one left out
+    curve = next(c for c in curves if c.task is None and c.signal == signal)
+    assert curve.rank_depth == NUM_LAYERS and curve.demands == (0.10, NEVER)  # the unmeasured one left out
     without = demand_curves(OutcomeTable("synthetic", NUM_LAYERS, 8192, [unmeasured]))[0]
-    assert not any(c.signal == "qci_last" for c in without)  # no table measured it: no curve at all
+    assert not any(c.signal == signal for c in without)  # no table measured it: no curve at all

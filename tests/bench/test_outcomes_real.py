@@ -40,7 +40,8 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     assert flips_only.flips == o.flips and set(flips_only.plans) == {
         preset("full_prefill", 1.0, L).label(), preset("full_reuse", 0.0, L).label(),
         preset("cacheblend", 0.15, L).label(), preset("cacheblend", 0.3, L).label()} | shallow | {
-        RecomputeConfig("qci_last", 1, L - 1, c).label() for c in (0.05, 0.10, 0.15, 0.30)}  # the last-layer family
+        RecomputeConfig(s, 1, L - 1, c).label() for s in ("qci_last", "fused")
+        for c in (0.05, 0.10, 0.15, 0.30)}  # the fixed-split families
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == num_evals
     # a table measured before the plan list grew: extending it measures exactly what it lacks
     older = replace(o, plans={k: v for k, v in o.plans.items() if k not in shallow})

@@ -20,7 +20,7 @@ def test_every_plan_family_gets_a_positive_pace_and_the_result_is_cached(tmp_pat
     plans = calibration_plans(pipe.model.num_layers)
     assert set(paces) == {family(p.signal.value, p.warmup, p.probe) for p in plans}
     assert {"position/1/0", "position/0/0", "kv_dev/1/0", "kv_dev/1/1", "qci/1/1", "qci/0/1", "qci_last/0/1",
-            "qci_last/1/1"} == set(paces)
+            "qci_last/1/1", "fused/1/1"} == set(paces)
     assert all(v > 0 for v in paces.values())
     saved = json.loads(out.read_text())
     assert all(len(v) == 2 * sum(family(p.signal.value, p.warmup, p.probe) == k for p in plans)

@@ -14,7 +14,8 @@ from tests.recompute.helpers import make_request, max_diff
 
 PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 0, 1, 0.3),
          RecomputeConfig(Signal.QCI, 1, 1, 0.3), RecomputeConfig(Signal.QCI_LAST, 0, 3, 0.3),
-         RecomputeConfig(Signal.POSITION, 0, 0, 0.3), RecomputeConfig(Signal.QCI, 3, 0, 0.3)]
+         RecomputeConfig(Signal.POSITION, 0, 0, 0.3), RecomputeConfig(Signal.QCI, 3, 0, 0.3),
+         RecomputeConfig(Signal.FUSED, 1, 2, 0.3)]
 
 
 def _stored(model, store, seeds=(1, 2)):
@@ -64,6 +65,7 @@ def test_layer_needs_follow_the_phases():
     assert layer_needs(RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1), L) == ({1}, range(2, 30))
     assert layer_needs(RecomputeConfig(Signal.QCI, 2, 3, 0.1), L) == ({2, 3, 4}, range(2, 30))
     assert layer_needs(RecomputeConfig(Signal.QCI_LAST, 0, 30, 0.1), L) == ({29}, range(0, 30))
+    assert layer_needs(RecomputeConfig(Signal.FUSED, 1, 29, 0.1), L) == ({1, 29}, range(2, 30))
     assert layer_needs(RecomputeConfig(Signal.POSITION, 30, 0, 1.0), L) == (set(), range(0))
 
 

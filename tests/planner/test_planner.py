@@ -21,11 +21,11 @@ def planner():
     return Planner(make_profile())
 
 
-@pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "position"])
+@pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "fused", "position"])
 def test_vectorized_grid_equals_the_layer_walk(signal):
     model = CostModel(make_profile(gbps=0.05))  # slow link: stalls shape the result
     shape = BatchShape((700, 1500), (24, 40), (16, 16))
-    pairs = ((1, 1), (2, 3), (4, 1)) if signal not in ("position", "qci_last") else ((1, 0), (3, 0))
+    pairs = ((1, 1), (2, 3), (4, 1)) if signal not in ("position", "qci_last", "fused") else ((1, 0), (3, 0))
     grid = np.array([0.0, 0.05, 0.3, 1.0])
     fast = ttft_grid(model, shape, signal, pairs, grid)
     for j, (w, p) in enumerate(pairs):
@@ -154,7 +154,7 @@ def test_stalls_on_a_slow_link_are_spent_on_coverage():
             assert coverage < 0.1  # compute-bound: no free lunch
 
 
-@pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "position"])
+@pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "fused", "position"])
 def test_summed_request_terms_price_a_batch_like_its_per_request_walk(signal):
     """Uniform-coverage pricing from summed terms (the grid, the scheduler's candidates) equals the
     walk over the batch's per-request coverage rows (the allocation check)."""
@@ -189,7 +189,8 @@ def test_a_learned_correction_sizes_plans_for_the_measured_pace(planner):
     assert fresh.correction["qci"] <= 0.7 * 1.25 + 0.3 * 2.0 + 1e-9
 
 
-@pytest.mark.parametrize("signal,w,p", [("position", 0, 0), ("qci", 1, 1), ("kv_dev", 1, 1), ("qci_last", 2, 0)])
+@pytest.mark.parametrize("signal,w,p", [("position", 0, 0), ("qci", 1, 1), ("kv_dev", 1, 1), ("qci_last", 2, 0),
+                                        ("fused", 2, 0)])
 def test_patch_passes_price_every_placed_cached_row_in_the_walk_and_the_grid(signal, w, p):
     """A Patch pass rotates and copies every cached row (prefix and context) into place, whatever
     the coverage: its aux feature. The closed-form grid prices it as the walk does."""
@@ -217,6 +218,7 @@ def test_patch_passes_price_every_placed_cached_row_in_the_walk_and_the_grid(sig
     ("position", 0, 0, True, {"patch": 30}), ("qci", 1, 1, True, {"qci_probe": 1, "patch": 28}),
     ("kv_dev", 1, 1, False, {"full": 1, "score_patch": 1, "patch": 27}),
     ("qci_last", 2, 0, True, {"qci_probe": 1, "patch": 27}),
+    ("fused", 2, 0, False, {"qci_probe": 1, "score_patch": 1, "patch": 26}),
     ("position", 30, 0, False, {})])
 def test_selection_and_placement_are_priced_where_the_runner_does_them(signal, w, p, selects, placing):
     """Every plan but kv_dev's (which selects inside its scoring pass) and full prefill pays one

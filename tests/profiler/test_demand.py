@@ -60,6 +60,7 @@ def test_searches_run_in_lockstep_one_round_per_step():
     assert plan_at("kv_dev", 1, 3) == RecomputeConfig("kv_dev", 1, 0, 0.15)  # depth 1: CacheBlend's (1, 0)
     assert plan_at("qci", 6, 4) == RecomputeConfig("qci", 5, 1, 0.2)
     assert plan_at("qci_last", 30, 4) == RecomputeConfig("qci_last", 1, 29, 0.2)  # the last-layer family
+    assert plan_at("fused", 30, 4) == RecomputeConfig("fused", 1, 29, 0.2)  # the fused family
 
 
 def test_task_curves_keep_until_only_where_a_request_fails_again():

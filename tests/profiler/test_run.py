@@ -25,8 +25,8 @@ def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
     assert loaded.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
     assert loaded.tier_gbps["memory"] > 0 and "ttft_rel_err_mean" in loaded.fit_error
     assert {(c.signal, c.rank_depth) for c in loaded.demand} == {
-        (s, d) for s in ("kv_dev", "qci") for d in (2, 6, 15)} | {("kv_dev", 1), ("qci_last", 30)}  # + CacheBlend's
-    # (1, 0) and the last-layer family (1, L - 1)
+        (s, d) for s in ("kv_dev", "qci") for d in (2, 6, 15)} | {("kv_dev", 1), ("qci_last", 30), ("fused", 30)}
+    # + CacheBlend's (1, 0) and the fixed-split families (1, L - 1)
     assert 1 in Planner(loaded).signal_depths("kv_dev")
     # the served mix (seeds cycle the tasks: one PR, one MSQ request) and each task's own curves
     assert all(len(c.demands) == (2 if c.task is None else 1) for c in loaded.demand)

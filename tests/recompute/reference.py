@@ -18,6 +18,8 @@ docs/decisions.md "Recompute semantics"), layout [prefix P | chunks (context, N)
 - kv_dev: [w, w+p) are full layers; score = per-token L2 norm (all heads and dims) of fresh - cached
   pre-RoPE K and/or V, summed over layers w..w+p, layer w+p from the fresh projections of every
   row; Patch starts at w+p (no Patch at all when w+p = L).
+- fused (w >= 1): qci_last's scores and kv_dev's at layer w (p = 0), each ranked, the rankings
+  interleaved (kv_dev's k-th, then qci_last's k-th, skipping taken tokens); rewind to w.
 - position: the first ceil(r*|c|) tokens of every chunk but the first.
 - Selection (non-position): the top ceil(r*N) scores, ties in position order.
 - Patch [start, L): selected context rows + suffix rows get Q/K/V from their hidden states, their
@@ -27,7 +29,7 @@ Attention is an explicit masked softmax in float64 with K/V heads repeated for G
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -69,6 +71,7 @@ class Reference:
     scores: torch.Tensor | None  # [N] float64
     keys: list[torch.Tensor]  # per layer [S, Hkv, D], rotated
     values: list[torch.Tensor]  # per layer [S, Hkv, D]
+    parts: tuple[torch.Tensor, ...] = ()  # fused: the kv_dev and qci_last scores it fused [N] each
 
 
 def layout_of(req) -> Layout:
@@ -229,6 +232,20 @@ def ranking(scores: torch.Tensor) -> list[int]:
     return sorted(range(scores.numel()), key=lambda j: (-float(scores[j]), j))
 
 
+def fused_ranking(kv_scores: torch.Tensor, qci_scores: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The two rankings interleaved, KV deviation's k-th token before the query's k-th, a token
+    already taken skipped. -> (scores [N] float64: 1 - the first rank a token was taken at / N,
+    the order)."""
+    n = kv_scores.numel()
+    order, taken_at = [], {}
+    for k, pair in enumerate(zip(ranking(kv_scores), ranking(qci_scores))):
+        for j in pair:
+            if j not in taken_at:
+                taken_at[j] = k
+                order.append(j)
+    return torch.tensor([1.0 - taken_at[j] / n for j in range(n)], dtype=torch.float64), order
+
+
 def select_top(scores: torch.Tensor, coverage: float) -> list[int]:
     return sorted(ranking(scores)[:coverage_count(coverage, scores.numel())])
 
@@ -279,19 +296,27 @@ def run_reference(model: Decoder, req, config: RecomputeConfig,
             scores = qci_scores(model, lay, hq, range(w, w + config.probe))
         elif config.signal is Signal.QCI_LAST:
             scores = qci_last_scores(model, lay, hq, w)
-        selected = select_position(lay, coverage) if scores is None else select_top(scores, coverage)
+        parts, order = (), None
+        if config.signal is Signal.FUSED:
+            parts = (kv_dev_probe(model, lay, h, replace(config, probe=0), keys, values)[1],
+                     qci_last_scores(model, lay, hq, w))
+            scores, order = fused_ranking(*parts)
+        if order is not None:
+            selected = sorted(order[:coverage_count(coverage, lay.num_context)])
+        else:
+            selected = select_position(lay, coverage) if scores is None else select_top(scores, coverage)
         rows = torch.cat([lay.num_prefix + torch.tensor(selected, dtype=torch.long),
                           lay.suffix_positions()])  # [R] sorted positions
         h_rows = h[rows]  # [R, hidden] entering the first Patch layer
         for index in range(start, num_layers):
             h_rows, (keys[index], values[index]) = patch_layer(model, lay, index, h_rows, rows,
                                                                overwrite_selected)
-        return _finish(model, h_rows, selected, scores, keys, values)
+        return _finish(model, h_rows, selected, scores, keys, values, parts)
 
 
 def _finish(model: Decoder, h: torch.Tensor, selected: list[int], scores, keys: dict,
-            values: dict) -> Reference:
+            values: dict, parts: tuple = ()) -> Reference:
     logits = model.head(model.norm(h[-1:]))[0]  # [vocab]
     num_layers = model.num_layers
     return Reference(logits, selected, scores, [keys[i] for i in range(num_layers)],
-                     [values[i] for i in range(num_layers)])
+                     [values[i] for i in range(num_layers)], parts)

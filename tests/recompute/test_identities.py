@@ -52,7 +52,8 @@ def test_warmup_through_all_layers_equals_full_prefill(model, probe):
         assert max_diff(out.logits, ref_logits) < TOL
 
 
-@pytest.mark.parametrize("signal", list(Signal))
+# fused needs a WarmUp layer (its KV deviation at layer 0 would be empty), so it cannot be full reuse
+@pytest.mark.parametrize("signal", [s for s in Signal if s is not Signal.FUSED])
 def test_zero_coverage_equals_full_reuse(model, signal):
     req, _ = make_request(model, seed=3)
     probe = 0 if signal in (Signal.POSITION, Signal.KV_DEV) else 1

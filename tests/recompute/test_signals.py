@@ -8,7 +8,8 @@ import torch
 
 from cachesmith.model import Decoder
 from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
-from cachesmith.recompute.signals import normalized_entropy
+from cachesmith.errors import ConfigError
+from cachesmith.recompute.signals import fuse, normalized_entropy
 from tests.recompute.helpers import make_request, max_diff
 
 
@@ -85,3 +86,19 @@ def test_coverage_per_request_sets_selection_size(model):
     reqs = [make_request(model, seed=30 + i, coverage=c)[0] for i, c in enumerate([0.0, 0.5, 1.0])]
     outs = BatchRunner(model).run(reqs, RecomputeConfig(Signal.QCI, 0, 2, 0.1))
     assert [o.selected.numel() for o in outs] == [0, math.ceil(0.5 * 28), 28]
+
+
+def test_fuse_takes_the_union_of_both_heads_kv_side_first():
+    kv = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])  # ranks 0, 1, 2, 3, 4, 5
+    qci = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.9, 0.8])  # ranks 4, 5, 3, 2, 0, 1
+    scores, order = fuse(kv, qci)
+    assert order.tolist() == [0, 4, 1, 5, 2, 3]  # kv#0, q#0, kv#1, q#1, kv#2, q#2
+    assert set(order[:4].tolist()) == {0, 1} | {4, 5}  # each signal's top 2
+    assert scores.tolist() == pytest.approx([1.0, 5 / 6, 4 / 6, 4 / 6, 1.0, 5 / 6])
+    _, same = fuse(kv, kv)  # one signal twice: its own ranking
+    assert same.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_fused_config_needs_a_warmup_layer():
+    with pytest.raises(ConfigError, match="warmup=0 must be >= 1 for signal 'fused'"):
+        RecomputeConfig(Signal.FUSED, 0, 3, 0.3)
