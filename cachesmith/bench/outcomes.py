@@ -24,7 +24,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
-from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
+from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
@@ -41,11 +41,7 @@ LAST_COVERAGES = (0.05, 0.10, 0.15, 0.30)
 
 def fixed_families(num_layers: int) -> list[tuple[str, int, int]]:
     """The (S, w, p) of each fixed-split family on a model of `num_layers`."""
-    out = []
-    for make in FIXED_FAMILIES.values():
-        c = make(0.0, num_layers)
-        out.append((c.signal.value, c.warmup, c.probe))
-    return out
+    return [(s, w, p) for s, (w, p) in fixed_splits(num_layers).items()]
 
 
 @dataclass(frozen=True)

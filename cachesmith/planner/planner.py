@@ -30,7 +30,7 @@ from cachesmith.planner.demand import DemandModel
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
-from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig
+from cachesmith.recompute import RecomputeConfig, fixed_splits
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
 # the signals the planner searches; ties between their plans go to the first. qci_last is
@@ -121,8 +121,7 @@ class Planner:
         self.paces = PaceBook()
         self._pairs = {d: self._splits(d) for d in (1, *self.depths)}
         # signals with one (w, p) of their own: their probes always run to L
-        self._fixed_pairs = {s: (c.warmup, c.probe) for s, c in
-                             ((s, make(0.0, L)) for s, make in FIXED_FAMILIES.items())}
+        self._fixed_pairs = fixed_splits(L)
 
     def warm_up(self) -> None:
         """Build every (signal, depth) coverage envelope now, not inside the first decisions."""
