@@ -13,9 +13,16 @@ Replays are cached per (setting, method) under --runs (a stopped run resumes; ca
 replayed). On a machine shared with other jobs, `--quiet BUSY` makes each batch wait (off the
 replay clock, which is virtual) until at most that fraction of the cores is busy; a batch that
 waited the longest and ran anyway is marked contended, and the table also gives the errors over
-the quiet batches alone. `--machine` refits the simulator's `MachinePace` (per-family paces, reuse
-per placed row, per-batch overhead) on these batches against the new profile: what is left of it
-is the residual the profile does not describe.
+the quiet batches alone. `--machine` refits the simulator's `MachinePace` (a pace per plan family
+and batch class, as `benchmarks/machine_refit.py` does: the format-2 profile prices placed rows and
+the batch overhead itself) on these batches against the profile: what is left of it is the
+residual the profile does not describe. `--machine-out FILE` writes that fit in the form
+`cachesmith report --machine` reads (the grid's simulated machine).
+
+Each replay's speed factor is computed here for the profile being judged: the replay's measured
+mean single-request full-prefill TTFT (its base SLO) over that profile's mean prediction for the
+same instances. So a refit profile re-prices the cached replays without running them again (the
+factor in base.json belongs to the profile the replay ran with).
 `--json` prints the payload; `--out FILE` writes it (per-batch rows go to <runs>/batches.json).
 `--quick`: a small smoke run (12 requests a trace, three methods) under <runs>/quick.
 """
@@ -34,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.pace import family, fit_machine, residuals, trace_batches  # noqa: E402
+from cachesmith.bench.pace import MachinePace, calibration_plans, family, fit_machine, residuals, trace_batches  # noqa: E402
 from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel  # noqa: E402
+from cachesmith.planner import Profile  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.profiler.quiet import QuietRun  # noqa: E402
 
@@ -66,6 +74,33 @@ def token_counts(pipe: RagPipeline, config: BenchConfig) -> dict[int, tuple[int,
         parts = pipe.instance_prompt(inst)
         out[rid] = (sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), len(parts.prefix_ids))
     return out
+
+
+def replay_factor(pipe: RagPipeline, config: BenchConfig, base_slo_s: float, profile: Profile) -> float:
+    """Measured/predicted full-prefill TTFT of a replay for `profile`: its base SLO (the mean of the
+    single-request full prefills it measured) over the profile's mean prediction for the same
+    instances. The mean, not run_bench's median of ratios: base.json keeps only the mean."""
+    cost = CostModel(profile)
+    sample = [i for i in instances(config) if not isinstance(i, str)][: config.num_base_samples]
+    predicted = []
+    for inst in sample:
+        parts = pipe.instance_prompt(inst)
+        shape = BatchShape((sum(len(c) for c in parts.chunk_ids),), (len(parts.suffix_ids),), (len(parts.prefix_ids),))
+        predicted.append(cost.full_prefill_ttft(shape))
+    return base_slo_s / float(np.mean(predicted))
+
+
+def machine_payload(batches: list, profile: Profile, source: str, factors: list[float], num_replays: int) -> dict:
+    """The simulator's machine fit on these batches (paces only), in `docs/bench/machine.json`'s form."""
+    families = {family(p.signal.value, p.warmup, p.probe) for p in calibration_plans(profile.num_layers)}
+    machine = fit_machine(batches, {f: 1.0 for f in families}, is_paces_only=True)
+    before, after = residuals(batches, MachinePace()), residuals(batches, machine)
+    rows = [{"key": k, "batches": v["num_batches"], "before": v["median"], "after": after[k]["median"]}
+            for k, v in before.items()]
+    name = f"{source} {profile.model_name}-{profile.dtype}-{profile.device}"
+    return {"profile": name, "speed_factor": float(np.median(factors)), "num_replays": num_replays,
+            "num_batches": len(batches), "machine": machine.to_dict(), "rows": rows,
+            "source": "benchmarks/cost_model.py replays"}
 
 
 def batch_rows(records: list[dict], tokens: dict[int, tuple[int, int, int]], cost: CostModel,
@@ -167,6 +202,8 @@ def main() -> None:
                     help="each batch first waits until at most this fraction of the cores is busy (shared machine)")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest quiet wait per batch, seconds")
     ap.add_argument("--machine", action="store_true", help="refit the simulator's MachinePace on these batches")
+    ap.add_argument("--machine-out", type=Path, default=None,
+                    help="with --machine: write the fit where `cachesmith report --machine` reads it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON payload here")
     args = ap.parse_args()
@@ -208,11 +245,12 @@ def main() -> None:
                 for i, w in enumerate(fresh):
                     done[f"{method}/{i}"] = {"key": f"{method}/{i}", **w}
                     f.write(json.dumps(done[f"{method}/{i}"]) + "\n")
-        profile = rescaled(packaged, result.speed_factor) if result.profile_source == "packaged" else packaged
+        factor = replay_factor(pipe, config, result.base_slo_s, packaged)
+        profile = rescaled(packaged, factor) if result.profile_source == "packaged" else packaged
         tokens = token_counts(pipe, config)
         rows += batch_rows(records, tokens, CostModel(profile), config.name, done)
         if method == methods[0]:
-            settings.append({"setting": config.name, "speed_factor": result.speed_factor,
+            settings.append({"setting": config.name, "speed_factor": factor,
                              "base_slo_s": result.base_slo_s, "profile_source": result.profile_source})
         if args.machine:
             counts = [SimpleNamespace(context_tokens=c, suffix_tokens=q, prefix_tokens=p)
@@ -226,8 +264,11 @@ def main() -> None:
                "targets": {"min_batches": MIN_BATCHES, "median_abs_rel_err": TARGET_MEDIAN,
                            "p90_abs_rel_err": TARGET_P90}}
     if args.machine and machine_batches:
-        fitted = fit_machine(machine_batches)
-        payload["machine"] = {**fitted.to_dict(), "residuals": residuals(machine_batches, fitted)}
+        fit = machine_payload(machine_batches, packaged, source, [s["speed_factor"] for s in settings],
+                              len(configs))
+        payload["machine"] = {**fit["machine"], "residuals": fit["rows"]}
+        if args.machine_out is not None:
+            Path(args.machine_out).write_text(json.dumps(fit, indent=1), encoding="utf-8")
     (runs_dir / "batches.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
 
     def table() -> None:
