@@ -33,12 +33,14 @@ from cachesmith.planner.profile import Profile
 from cachesmith.recompute import RecomputeConfig, fixed_splits
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
-# the signals the planner searches, each where the profile holds its demand; ties between their
-# plans go to the first. qci_last is FusionRAG's ranking after WarmUp layer 0, fused that ranking
-# interleaved with KV deviation's: one family (1, L - 1) each (`recompute.FIXED_FAMILIES`). fused is
-# how a hint-free planner buys both rankings where it cannot tell which one a request needs
-# (docs/decisions.md: searched by default since the cost refit of session 16)
-SIGNALS = ("kv_dev", "qci", "qci_last", "fused")
+# the signals the planner searches; ties between their plans go to the first. qci_last is
+# FusionRAG's ranking after WarmUp layer 0: one family (1, L - 1) (`recompute.FIXED_FAMILIES`),
+# planned where the profile holds its demand. fused (that ranking interleaved with KV deviation's)
+# is planned only when fixed (`PlannerConfig.signal`): searched by default it lost grid wins
+# against the old costs and, against the refit ones, won them but lost replays of fresh instances
+# on the real model (docs/decisions.md, sessions 15 and 16)
+SIGNALS = ("kv_dev", "qci", "qci_last")
+FIXABLE_SIGNALS = (*SIGNALS, "fused")
 SIGNAL_RULES = ("passes", "entropy")
 
 
@@ -55,8 +57,8 @@ class PlannerConfig:
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
 
     def __post_init__(self) -> None:
-        if self.signal not in (None, *SIGNALS):
-            raise ConfigError(f"signal={self.signal!r}: must be one of {', '.join(SIGNALS)} or None "
+        if self.signal not in (None, *FIXABLE_SIGNALS):
+            raise ConfigError(f"signal={self.signal!r}: must be one of {', '.join(FIXABLE_SIGNALS)} or None "
                               f"(chosen per batch)")
         if self.signal_rule not in SIGNAL_RULES:
             raise ConfigError(f"signal_rule={self.signal_rule!r}: must be one of {', '.join(SIGNAL_RULES)}")

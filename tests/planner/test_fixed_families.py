@@ -1,6 +1,7 @@
 """The fixed-split families (qci_last, 1, L - 1), FusionRAG's ranking after WarmUp layer 0, and
 (fused, 1, L - 1), that ranking interleaved with KV deviation's: planned only where the profile
-holds their demand, always as (1, L - 1), priced as they run."""
+holds their demand (fused only when the planner's signal is fixed to it), always as (1, L - 1),
+priced as they run."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -36,15 +37,16 @@ def test_without_its_demand_the_family_is_never_a_candidate(signal):
         assert planner.plan(reqs(), floor + frac * (saturation - floor)).signal != signal
 
 
-def test_the_fused_family_is_searched_by_default_and_can_be_fixed():
-    assert "fused" in Planner(with_fixed("fused", 0.02)).candidate_signals(reqs())
+def test_the_fused_family_is_searched_only_when_fixed():
+    planner = Planner(with_fixed("fused", 0.02))
+    assert "fused" not in planner.candidate_signals(reqs())
     assert Planner(with_fixed("fused", 0.02), PlannerConfig(signal="fused")).candidate_signals(reqs()) == ["fused"]
 
 
 @FIXED
 def test_where_it_needs_the_least_coverage_it_is_planned_as_1_and_L_minus_1(signal):
-    # passes at far less coverage than either other signal: the hint-free search picks it
-    planner = Planner(with_fixed(signal, 0.02))
+    # passes at far less coverage than either other signal (fused is searched only when fixed)
+    planner = Planner(with_fixed(signal, 0.02), PlannerConfig(signal="fused" if signal == "fused" else None))
     assert signal in planner.candidate_signals(reqs())
     assert planner.signal_depths(signal) == [L] and planner.signal_pairs(signal, L) == ((1, L - 1),)
     shape = planner.shape(reqs())
