@@ -41,12 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.pace import MachinePace, calibration_plans, family, fit_machine, residuals, trace_batches  # noqa: E402
+from cachesmith.bench.pace import family, fit_paces, trace_batches  # noqa: E402
 from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.planner import BatchShape, CostModel  # noqa: E402
-from cachesmith.planner import Profile  # noqa: E402
+from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.profiler.quiet import QuietRun  # noqa: E402
 
@@ -76,27 +75,21 @@ def token_counts(pipe: RagPipeline, config: BenchConfig) -> dict[int, tuple[int,
     return out
 
 
-def replay_factor(pipe: RagPipeline, config: BenchConfig, base_slo_s: float, profile: Profile) -> float:
+def replay_factor(tokens: dict[int, tuple[int, int, int]], config: BenchConfig, base_slo_s: float,
+                  profile: Profile) -> float:
     """Measured/predicted full-prefill TTFT of a replay for `profile`: its base SLO (the mean of the
-    single-request full prefills it measured) over the profile's mean prediction for the same
-    instances. The mean, not run_bench's median of ratios: base.json keeps only the mean."""
+    single-request full prefills it measured, on its first `num_base_samples` instances, whose
+    token counts `tokens` holds in request order) over the profile's mean prediction for them.
+    The mean, not run_bench's median of ratios: base.json keeps only the mean."""
     cost = CostModel(profile)
-    sample = [i for i in instances(config) if not isinstance(i, str)][: config.num_base_samples]
-    predicted = []
-    for inst in sample:
-        parts = pipe.instance_prompt(inst)
-        shape = BatchShape((sum(len(c) for c in parts.chunk_ids),), (len(parts.suffix_ids),), (len(parts.prefix_ids),))
-        predicted.append(cost.full_prefill_ttft(shape))
-    return base_slo_s / float(np.mean(predicted))
+    sample = [tokens[rid] for rid in sorted(tokens)][: config.num_base_samples]
+    return base_slo_s / float(np.mean([cost.full_prefill_ttft(BatchShape((c,), (q,), (p,))) for c, q, p in sample]))
 
 
 def machine_payload(batches: list, profile: Profile, source: str, factors: list[float], num_replays: int) -> dict:
-    """The simulator's machine fit on these batches (paces only), in `docs/bench/machine.json`'s form."""
-    families = {family(p.signal.value, p.warmup, p.probe) for p in calibration_plans(profile.num_layers)}
-    machine = fit_machine(batches, {f: 1.0 for f in families}, is_paces_only=True)
-    before, after = residuals(batches, MachinePace()), residuals(batches, machine)
-    rows = [{"key": k, "batches": v["num_batches"], "before": v["median"], "after": after[k]["median"]}
-            for k, v in before.items()]
+    """The simulator's machine fit on these batches (`bench.pace.fit_paces`), in
+    `docs/bench/machine.json`'s form."""
+    machine, rows = fit_paces(batches, profile.num_layers)
     name = f"{source} {profile.model_name}-{profile.dtype}-{profile.device}"
     return {"profile": name, "speed_factor": float(np.median(factors)), "num_replays": num_replays,
             "num_batches": len(batches), "machine": machine.to_dict(), "rows": rows,
@@ -245,9 +238,9 @@ def main() -> None:
                 for i, w in enumerate(fresh):
                     done[f"{method}/{i}"] = {"key": f"{method}/{i}", **w}
                     f.write(json.dumps(done[f"{method}/{i}"]) + "\n")
-        factor = replay_factor(pipe, config, result.base_slo_s, packaged)
-        profile = rescaled(packaged, factor) if result.profile_source == "packaged" else packaged
         tokens = token_counts(pipe, config)
+        factor = replay_factor(tokens, config, result.base_slo_s, packaged)
+        profile = rescaled(packaged, factor) if result.profile_source == "packaged" else packaged
         rows += batch_rows(records, tokens, CostModel(profile), config.name, done)
         if method == methods[0]:
             settings.append({"setting": config.name, "speed_factor": factor,

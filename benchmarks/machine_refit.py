@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench.outcomes import OutcomeTable  # noqa: E402
-from cachesmith.bench.pace import MachinePace, calibration_plans, family, fit_machine, residuals, trace_batches  # noqa: E402
+from cachesmith.bench.pace import fit_paces, trace_batches  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
 from cachesmith.profiler.packaged import PACKAGED_DIR, rescaled  # noqa: E402
 
@@ -74,11 +74,7 @@ def main() -> None:
     factor = statistics.median(base["base_slo_s"] / predicted_base for _, base, _ in runs)
     reference = rescaled(profile, factor)
     batches = [b for _, _, records in runs for b in trace_batches(records, table.outcomes, reference)]
-    families = {family(p.signal.value, p.warmup, p.probe) for p in calibration_plans(profile.num_layers)}
-    machine = fit_machine(batches, {f: 1.0 for f in families}, is_paces_only=True)
-    before, after = residuals(batches, MachinePace()), residuals(batches, machine)
-    rows = [{"key": k, "batches": v["num_batches"], "before": v["median"], "after": after[k]["median"]}
-            for k, v in before.items()]
+    machine, rows = fit_paces(batches, profile.num_layers)
     emit({"profile": str(args.profile), "speed_factor": factor, "num_replays": len(runs),
           "num_batches": len(batches), "machine": machine.to_dict(), "rows": rows},
          args.json, args.out, lambda: (print(f"speed factor {factor:.3f} over {len(runs)} replays, "

@@ -41,7 +41,7 @@ LAST_COVERAGES = (0.05, 0.10, 0.15, 0.30)
 
 def fixed_families(num_layers: int) -> list[tuple[str, int, int]]:
     """The (S, w, p) of each fixed-split family on a model of `num_layers`."""
-    return [(s, w, p) for s, (w, p) in fixed_splits(num_layers).items()]
+    return [(s, *split) for s, split in fixed_splits(num_layers).items()]
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,17 @@ def residuals(batches: list[TraceBatch], machine: MachinePace) -> dict[str, dict
         key = b.family + ("@1" if b.num_requests == 1 else "@2+") + b.key.removeprefix(b.family)
         ratios.setdefault(key, []).append(b.measured_s / b.machine_s(machine))
     return {k: {"median": statistics.median(v), "num_batches": len(v)} for k, v in sorted(ratios.items())}
+
+
+def fit_paces(batches: list[TraceBatch], num_layers: int) -> tuple[MachinePace, list[dict]]:
+    """The paces-only machine for a format-2 profile (which prices placed rows and the batch
+    overhead itself; fitting those again only trades them against the paces): a pace per family
+    and size class the batches ran, the median level for the calibration families they did not.
+    Also the rows {key, batches, before, after}: median measured / machine time before (paces 1)
+    and after the fit."""
+    families = {family(p.signal.value, p.warmup, p.probe) for p in calibration_plans(num_layers)}
+    machine = fit_machine(batches, {f: 1.0 for f in families}, is_paces_only=True)
+    before, after = residuals(batches, MachinePace()), residuals(batches, machine)
+    rows = [{"key": k, "batches": v["num_batches"], "before": v["median"], "after": after[k]["median"]}
+            for k, v in before.items()]
+    return machine, rows

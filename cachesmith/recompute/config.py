@@ -117,7 +117,8 @@ FIXED_FAMILIES = {Signal.QCI_LAST.value: last_layer, Signal.FUSED.value: fused_f
 
 def fixed_splits(num_layers: int) -> dict[str, tuple[int, int]]:
     """signal -> (w, p) of each fixed-split family on a model of `num_layers`."""
-    return {s: (c.warmup, c.probe) for s, c in ((s, make(0.0, num_layers)) for s, make in FIXED_FAMILIES.items())}
+    plans = {s: make(0.0, num_layers) for s, make in FIXED_FAMILIES.items()}
+    return {s: (c.warmup, c.probe) for s, c in plans.items()}
 
 
 PRESET_NAMES = ("full_prefill", "full_reuse", "cacheblend", "epic", "prophetkv", "fusionrag")

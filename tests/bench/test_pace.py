@@ -51,6 +51,26 @@ def test_the_fit_recovers_paces_and_reuse_and_batch_costs_and_scales_untraced_fa
     assert fit.paces["position/1/0"] == pytest.approx(0.5 * 0.8 / 0.4, rel=1e-2)  # at the trace's level
 
 
+def test_the_paces_only_fit_leaves_placed_rows_and_batch_overhead_to_the_profile():
+    from cachesmith.bench.pace import TraceBatch, fit_machine, fit_paces
+
+    # measured = 1.5x the profile's compute for kv_dev/1/1 and 0.9x for full prefill, plus 0.1 s a
+    # batch that a full fit would book as 2x the batch overhead (0.05 s): the paces-only fit must not
+    batches = [TraceBatch("m", fam, 1, 1000, pred, 0.0, pace * pred + 0.1, 0.05)
+               for fam, pace in (("kv_dev/1/1", 1.5), ("position/1/0", 0.9)) for pred in (0.5, 1.0, 2.0, 3.0)]
+    assert fit_machine(batches).per_batch == pytest.approx(2.0, rel=1e-2)
+    machine, rows = fit_paces(batches, num_layers=4)
+    assert machine.reuse_per_row == 0.0 and machine.per_batch == 0.0
+    kv, full = machine.paces["kv_dev/1/1"], machine.paces["position/1/0"]
+    assert 1.5 < kv < 1.65 and 0.9 < full < 1.05  # the 0.1 s lands in the paces
+    plans = calibration_plans(4)
+    untraced = {family(p.signal.value, p.warmup, p.probe) for p in plans} - {"kv_dev/1/1", "position/1/0"}
+    assert untraced and all(machine.paces[f] == pytest.approx((kv + full) / 2) for f in untraced)  # median level
+    by_key = {r["key"]: r for r in rows}
+    assert by_key["kv_dev/1/1@1"]["before"] > 1.5 and abs(by_key["kv_dev/1/1@1"]["after"] - 1) < 0.05
+    assert by_key["position/1/0@1"]["batches"] == 4 and abs(by_key["position/1/0@1"]["after"] - 1) < 0.05
+
+
 def test_trace_batches_time_each_batch_from_its_start_at_the_coverage_it_ended_with():
     from cachesmith.bench.pace import trace_batches
     from cachesmith.planner import BatchShape, CostModel
