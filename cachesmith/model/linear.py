@@ -9,13 +9,18 @@ Why: a decode step (and a recompute slice of a few rows) multiplies a handful of
 weight, so its cost is reading the weights. MKL's and oneDNN's prepacked layouts read them faster
 than the plain call. On one of our 2-core machines, a 1536x576 weight took, through `F.linear` /
 prepacked (the mean over 90 distinct weights, so they come from memory, not from cache):
-float32 8 rows 337 / 278 us, 16 rows 406 / 330 us, 1 row 167 / 198 us (so one float32 row stays
-on `F.linear`'s gemv); bfloat16 1 row 173 / 132 us, 8 rows 177 / 121 us. MKL's own packed sgemm
-was a little faster in float32 but its buffer takes four times the weight's memory. Large row
+float32 8 rows 337 / 278 us, 16 rows 406 / 330 us, 1 row 167 / 198 us; bfloat16 1 row 173 / 132 us,
+8 rows 177 / 121 us. On another (an AMD EPYC with AVX-512) one float32 row took 354 / 175 us. So
+which kernel one float32 row goes to is measured on the model's own weights when it loads
+(`tune_one_row`), not fixed. MKL's own packed sgemm was a little faster in float32 but its buffer
+takes four times the weight's memory. Large row
 counts, such as prefill, keep `F.linear`: its kernels are tuned there and the profile was
 measured through them. The packed copy is a second copy of the weights in memory.
 """
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +58,34 @@ class Linear:
                 or x.dtype != packed.dtype):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [None], "")
+
+
+def _one_pass_s(linears: Sequence[Linear], rows: dict[int, torch.Tensor], is_packed: bool) -> float:
+    start = time.perf_counter()
+    for lin in linears:
+        x = rows[lin.weight.shape[1]]
+        if is_packed:
+            torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [None], "")
+        else:
+            F.linear(x, lin.weight, lin.bias)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def tune_one_row(linears: Sequence[Linear], repeats: int = 3) -> bool:
+    """Send one-row calls of `linears` to the packed kernel if, on these weights, it reads them
+    clearly faster than `F.linear` (best of `repeats` passes over all of them, alternating, so both
+    read from memory as a decode step does). Returns whether one row now goes packed."""
+    packed = [lin for lin in linears if lin.packed is not None and lin._min_rows > 1]
+    if not packed:
+        return False
+    rows = {lin.weight.shape[1]: torch.zeros(1, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in packed}
+    plain_s, packed_s = float("inf"), float("inf")
+    for _ in range(repeats):
+        plain_s = min(plain_s, _one_pass_s(packed, rows, is_packed=False))
+        packed_s = min(packed_s, _one_pass_s(packed, rows, is_packed=True))
+    is_faster = packed_s < 0.9 * plain_s  # a clear margin: the timing shares the machine
+    if is_faster:
+        for lin in packed:
+            lin._min_rows = 1
+    return is_faster

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from cachesmith.errors import InputError
 from cachesmith.model import Decoder, Decoding, greedy_decode
+from cachesmith.model import decode as decode_mod
 from cachesmith.model.decode import decode_step
-from cachesmith.model.linear import MAX_PACKED_ROWS, Linear
+from cachesmith.model import linear as linear_mod
+from cachesmith.model.linear import MAX_PACKED_ROWS, Linear, tune_one_row
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -29,6 +31,33 @@ def test_linear_agrees_with_f_linear_at_every_row_count(dtype, tol):
         assert (lin(x).float() - F.linear(x, weight, bias).float()).abs().max().item() <= tol
     strided = torch.randn(5, 80, generator=g).to(dtype)[:, ::2]  # a non-contiguous input
     assert (lin(strided).float() - F.linear(strided, weight, bias).float()).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN packed kernel in this torch build")
+@pytest.mark.parametrize("packed_s, is_chosen", [(0.5, True), (0.95, False), (2.0, False)])
+def test_one_row_goes_packed_only_when_measured_clearly_faster(monkeypatch, packed_s, is_chosen):
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(64, 24, generator=g), torch.randn(64, generator=g)
+    lins = [Linear(weight, bias), Linear(weight.clone())]
+    calls = []
+
+    def fake_pass(linears, rows, is_packed):  # plain 1.0 s, packed `packed_s`: the decision, not the clock
+        calls.append(is_packed)
+        assert list(linears) == lins and set(rows) == {24}
+        return packed_s if is_packed else 1.0
+    monkeypatch.setattr(linear_mod, "_one_pass_s", fake_pass)
+    assert tune_one_row(lins, repeats=2) is is_chosen
+    assert sorted(calls) == [False, False, True, True]
+    assert all((lin._min_rows == 1) is is_chosen for lin in lins)
+    x = torch.randn(1, 24, generator=g)  # either kernel: the same map
+    assert (lins[0](x) - F.linear(x, weight, bias)).abs().max().item() <= 1e-5
+    if is_chosen:  # linears already sent to the packed kernel are not timed again
+        calls.clear()
+        assert tune_one_row(lins) is False and calls == []
+
+
+def test_tiny_models_skip_the_one_row_timing(tiny_llama_dir):
+    assert Decoder(tiny_llama_dir[0]).is_one_row_packed is False  # weights fit in cache: nothing to learn
 
 
 def test_batched_step_equals_each_sequence_alone(tiny_model_dir):
@@ -83,3 +112,29 @@ def test_generation_stops_at_the_models_last_position(tiny_llama_dir):
     ids = greedy_decode(model, logits, cache, 50, eos_token_ids=())
     # prompt and answer fill the positions; the last token is never fed back, so takes no row
     assert len(ids) == 3 and cache.num_tokens == limit - 1
+
+
+@pytest.mark.skipif(decode_mod._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
+@pytest.mark.parametrize("num_keys, splits", [(1024, 2), (1027, 2), (1031, 3), (2053, 4), (600, 5)])
+def test_split_key_attention_equals_one_call(num_keys, splits):
+    g = torch.Generator().manual_seed(num_keys)
+    num_heads, num_kv_heads, head_dim = 6, 3, 16
+    q = torch.randn(num_heads, head_dim, generator=g)
+    slab = torch.randn(2, num_keys + 7, num_kv_heads, head_dim, generator=g)  # a cache with spare rows
+    keys, values = slab[0, :num_keys], slab[1, :num_keys]
+    grouped = q.view(1, num_kv_heads, 2, head_dim)
+    ref = F.scaled_dot_product_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None]).reshape(-1)
+    out = decode_mod._attend_split(grouped, keys, values, splits)
+    # where num_keys % splits > 0 the ranges overlap: equality shows the overlap counted once
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_key_splits_follow_threads_and_heads(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert decode_mod.num_key_splits(4096, 3, cpu) == 2  # 3 heads on 2 threads: halve the keys
+    assert decode_mod.num_key_splits(1023, 3, cpu) == 1  # too few keys for two ranges
+    assert decode_mod.num_key_splits(4096, 2, cpu) == 1  # 2 heads already share 2 threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert decode_mod.num_key_splits(4096, 3, cpu) == 8  # 16 / gcd(16, 3) = 16, capped at 4096 / 512
+    assert decode_mod.num_key_splits(4096, 3, torch.device("meta")) == 1
