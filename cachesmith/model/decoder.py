@@ -15,13 +15,14 @@ from cachesmith.errors import InputError
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
-from cachesmith.model.linear import Linear, tune_one_row
+from cachesmith.model.linear import Linear, send_one_row_packed, tune_one_row
 from cachesmith.model.rope import RotaryEmbedding
 from cachesmith.model.weights import fingerprint, load_weights
 
 # weights this large do not fit a CPU's caches, so a decode step reads them from memory: only then is
 # the one-row kernel worth timing (a tiny model's would be timed from cache, and its load kept fast)
 MIN_TUNED_WEIGHT_BYTES = 64 << 20
+_ONE_ROW_PACKED: dict[torch.dtype, bool] = {}  # the first load's measurement, per dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,11 +64,18 @@ class Decoder:
         self.is_one_row_packed = self._tune_linears()
 
     def _tune_linears(self) -> bool:
-        """Measure which kernel one decode row goes to (`model.linear.tune_one_row`)."""
+        """Measure which kernel one decode row goes to (`model.linear.tune_one_row`), once per
+        process and dtype: two models loaded by one process then round alike."""
         linears = [self.head_proj] + [lin for layer in self.layers for lin in
                                       (layer.qkv_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)]
         num_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
-        return self.device.type == "cpu" and num_bytes >= MIN_TUNED_WEIGHT_BYTES and tune_one_row(linears)
+        if self.device.type != "cpu" or num_bytes < MIN_TUNED_WEIGHT_BYTES:
+            return False
+        if self.dtype not in _ONE_ROW_PACKED:
+            _ONE_ROW_PACKED[self.dtype] = tune_one_row(linears)
+        elif _ONE_ROW_PACKED[self.dtype]:
+            send_one_row_packed(linears)
+        return _ONE_ROW_PACKED[self.dtype]
 
     @property
     def num_layers(self) -> int:

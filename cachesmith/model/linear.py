@@ -86,6 +86,12 @@ def tune_one_row(linears: Sequence[Linear], repeats: int = 3) -> bool:
         packed_s = min(packed_s, _one_pass_s(packed, rows, is_packed=True))
     is_faster = packed_s < 0.9 * plain_s  # a clear margin: the timing shares the machine
     if is_faster:
-        for lin in packed:
-            lin._min_rows = 1
+        send_one_row_packed(packed)
     return is_faster
+
+
+def send_one_row_packed(linears: Sequence[Linear]) -> None:
+    """One-row calls of `linears` go to the packed kernel (where they have one)."""
+    for lin in linears:
+        if lin.packed is not None:
+            lin._min_rows = 1
