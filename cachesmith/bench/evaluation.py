@@ -110,9 +110,10 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         f"{len(table.outcomes)} instances measured once with the real engine (`cachesmith outcomes`), "
         "verdicts of full prefill, full reuse, every baseline preset at 15% and 30%, and per signal "
         "(KV deviation, query-context) and anchor rank depth the coverage at which the verdict flips.",
-        f"- Simulator: the real `Engine` loop, schedulers, planner and runtime monitor; a batch takes the cost model's TTFT "
-        f"(profile rescaled by this machine's speed factor {inputs.speed_factor:.2f}, each plan family's compute "
-        f"at its measured pace: {_machine(inputs.machine)}); verdicts come from the table. Base SLO {base_s:.2f} s = mean single-request full-prefill TTFT over the table's instances; "
+        "- Simulator: the real `Engine` loop, schedulers, planner and runtime monitor; a batch takes the "
+        f"cost model's TTFT (profile rescaled by this machine's speed factor {inputs.speed_factor:.2f}, each "
+        f"plan family's compute at its measured pace: {_machine(inputs.machine)}); verdicts come from the "
+        f"table. Base SLO {base_s:.2f} s = mean single-request full-prefill TTFT over the table's instances; "
         f"arrival rate = utilization / base. {g.num_requests} requests per run, drawn from each task's "
         "measured instances.", "",
         table_summary(table),
@@ -122,9 +123,10 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         "difference| <= 3 points, P99 TTFT within 10%. The simulator's machine (pace per plan family, single "
         "and multi-request batches, and the reuse time per placed cached row) was fit to replays of traces "
         "of their own" + _calibration(validation) + ", so every trace below is held out. These rows were "
-        "measured with the format-1 profile; the grid below runs the format-2 profile with paces refit on "
-        "the same replays (`benchmarks/machine_refit.py`), and these bars have not been re-measured for it "
-        "(that needs new replays).", "",
+        "measured with the format-1 profile; the grid below runs the format-2 profile with the paces fit "
+        "on the replays of `benchmarks/cost_model.py` (three held-out MIX traces, every method, on the "
+        "current engine: `--machine-out`), and these bars have not been re-measured for it (that needs new "
+        "replays).", "",
         validation_md(validation),
         "## End-to-end grid (paper §6.2)", "",
         _img(figs, "qsa", "QSA vs SLO scale"),
@@ -202,7 +204,8 @@ def _stall_line(rows: list[dict]) -> str | None:
     return ("- **Compute, not transfer, bounds a CPU.** A full prefill of a MIX request takes seconds on two "
             "cores while its KV moves in tens of milliseconds, so at the paper's rungs the worst stall fraction "
             "of any method is " + at(g for g in stall_at if g >= 3)
-            + " (the paper's baselines stall 12-72% of the time)" + (f"; at the rungs /10 it is {at(low)}" if low else "")
+            + " (the paper's baselines stall 12-72% of the time)"
+            + (f"; at the rungs /10 it is {at(low)}" if low else "")
             + f". CacheSmith's own stall stays at most {100 * cs_stall:.1f}% at every rung, and its accuracy "
             "stays flat as the link slows where the paper's rises: its WarmUp layers already cover the "
             "transfer here, so there is no stall left to recompute into.")
