@@ -76,6 +76,18 @@ def step_s(model: Decoder, context: int, streams: int, steps: int, is_reference:
     return seconds
 
 
+def _add_llama_cpp(row: dict, args) -> None:
+    """llama.cpp's rate beside a one-stream row; if it cannot be built or run, say so once and go on."""
+    try:
+        row["llama_cpp_tokens_per_s"] = llama_cpp.tokens_per_s(row["dtype"], row["context_tokens"],
+                                                               torch.get_num_threads())
+    except llama_cpp.LlamaCppError as exc:
+        print(f"llama.cpp rows skipped: {exc}", file=sys.stderr)
+        args.llama_cpp = False
+        return
+    row["vs_llama_cpp"] = row["tokens_per_s"] / row["llama_cpp_tokens_per_s"]
+
+
 def measure(args) -> list[dict]:
     rows = []
     for dtype in args.dtypes:
@@ -90,8 +102,7 @@ def measure(args) -> list[dict]:
                 row["reference_tokens_per_s"] = 1 / step_s(model, context, 1, args.steps, is_reference=True)
                 row["floor_fraction"] = floor / seconds
                 if args.llama_cpp:
-                    row["llama_cpp_tokens_per_s"] = llama_cpp.tokens_per_s(dtype, context, torch.get_num_threads())
-                    row["vs_llama_cpp"] = row["tokens_per_s"] / row["llama_cpp_tokens_per_s"]
+                    _add_llama_cpp(row, args)
             rows.append(row)
         one = {r["context_tokens"]: r["tokens_per_s"] for r in rows if r["dtype"] == dtype and r["streams"] == 1}
         for r in rows:
@@ -113,7 +124,9 @@ def main() -> None:
     args = parse_timing_args(ap)
     rows = measure(args)
     cols = ["dtype", "context_tokens", "streams", "tokens_per_s", "speedup_vs_one", "reference_tokens_per_s",
-            "floor_fraction"] + (["llama_cpp_tokens_per_s", "vs_llama_cpp"] if args.llama_cpp else [])
+            "floor_fraction"]
+    if any("vs_llama_cpp" in r for r in rows):
+        cols += ["llama_cpp_tokens_per_s", "vs_llama_cpp"]
     emit(rows, args.json, args.out,
          lambda: print_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
 

@@ -29,6 +29,10 @@ GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 TOOLS = ("llama-bench", "llama-quantize")
 
 
+class LlamaCppError(RuntimeError):
+    """llama.cpp could not be fetched, built or run here (the message says which step and why)."""
+
+
 def root() -> Path:
     return cachesmith_home() / "llama.cpp"
 
@@ -37,7 +41,7 @@ def _run(cmd: list, log: Path, **kw) -> None:
     with open(log, "a", encoding="utf-8") as out:
         result = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, **kw)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed (exit {result.returncode}); see {log}")
+        raise LlamaCppError(f"{' '.join(map(str, cmd[:3]))} ... failed (exit {result.returncode}); see {log}")
 
 
 def _source() -> Path:
@@ -61,6 +65,10 @@ def binaries() -> dict[str, Path]:
     found = {t: build / "bin" / t for t in TOOLS}
     if all(p.is_file() for p in found.values()):
         return found
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise LlamaCppError(f"building llama.cpp needs {' and '.join(missing)} on PATH "
+                            "(Debian: apt-get install cmake g++)")
     src = _source()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     print(f"llama.cpp: building {', '.join(TOOLS)} (several minutes; log {root() / 'build.log'})", file=sys.stderr)
@@ -74,7 +82,7 @@ def binaries() -> dict[str, Path]:
 def gguf(dtype: str, model: str = DEFAULT_MODEL) -> Path:
     """The packaged model's weights as a GGUF file of `dtype` (made once)."""
     if dtype not in GGUF_TYPES:
-        raise ValueError(f"dtype={dtype!r}: llama.cpp rows exist for {', '.join(GGUF_TYPES)}")
+        raise LlamaCppError(f"dtype={dtype!r}: llama.cpp rows exist for {', '.join(GGUF_TYPES)}")
     out = root() / f"{model}-{dtype}.gguf"
     if out.is_file():
         return out
@@ -97,7 +105,7 @@ def tokens_per_s(dtype: str, context_tokens: int, threads: int, num_tokens: int 
            "-d", context_tokens, "-r", repeats, "-o", "json"]
     result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=_env())
     if result.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {result.returncode}): {result.stderr.strip()[-400:]}")
+        raise LlamaCppError(f"llama-bench failed (exit {result.returncode}): {result.stderr.strip()[-400:]}")
     return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
@@ -106,10 +114,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024])
     args = ap.parse_args()
-    for dtype in GGUF_TYPES:
-        for context in args.contexts:
-            rate = tokens_per_s(dtype, context, args.threads)
-            print(f"llama.cpp {dtype} context {context}: {rate:.1f} tokens/s ({args.threads} threads)")
+    try:
+        for dtype in GGUF_TYPES:
+            for context in args.contexts:
+                rate = tokens_per_s(dtype, context, args.threads)
+                print(f"llama.cpp {dtype} context {context}: {rate:.1f} tokens/s ({args.threads} threads)")
+    except LlamaCppError as exc:
+        sys.exit(f"llama.cpp: {exc}")
 
 
 if __name__ == "__main__":
