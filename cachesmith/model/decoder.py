@@ -61,21 +61,25 @@ class Decoder:
         self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
         self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
         self.kv_pool = SlabPool()  # released caches' slabs, reused by the next ones
-        self.is_one_row_packed = self._tune_linears()
+        self._tune_linears()
 
-    def _tune_linears(self) -> bool:
+    @property
+    def is_one_row_packed(self) -> bool:
+        """Whether a decode step's one-row matmuls go to the prepacked kernel."""
+        return self.head_proj.is_one_row_packed
+
+    def _tune_linears(self) -> None:
         """Measure which kernel one decode row goes to (`model.linear.tune_one_row`), once per
         process and dtype: two models loaded by one process then round alike."""
         linears = [self.head_proj] + [lin for layer in self.layers for lin in
                                       (layer.qkv_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)]
         num_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
         if self.device.type != "cpu" or num_bytes < MIN_TUNED_WEIGHT_BYTES:
-            return False
+            return
         if self.dtype not in _ONE_ROW_PACKED:
             _ONE_ROW_PACKED[self.dtype] = tune_one_row(linears)
         elif _ONE_ROW_PACKED[self.dtype]:
             send_one_row_packed(linears)
-        return _ONE_ROW_PACKED[self.dtype]
 
     @property
     def num_layers(self) -> int:

@@ -51,6 +51,10 @@ class Linear:
         self.packed = _pack(weight) if is_packed else None
         self._min_rows = _MIN_ROWS.get(weight.dtype, 1)
 
+    @property
+    def is_one_row_packed(self) -> bool:
+        return self.packed is not None and self._min_rows == 1
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_rows, in] -> [num_rows, out]."""
         packed = self.packed
@@ -75,10 +79,11 @@ def _one_pass_s(linears: Sequence[Linear], rows: dict[int, torch.Tensor], is_pac
 def tune_one_row(linears: Sequence[Linear], repeats: int = 3) -> bool:
     """Send one-row calls of `linears` to the packed kernel if, on these weights, it reads them
     clearly faster than `F.linear` (best of `repeats` passes over all of them, alternating, so both
-    read from memory as a decode step does). Returns whether one row now goes packed."""
-    packed = [lin for lin in linears if lin.packed is not None and lin._min_rows > 1]
-    if not packed:
-        return False
+    read from memory as a decode step does). Returns whether one-row calls go packed now; already
+    packed ones (bfloat16, or tuned before) are not timed again."""
+    packed = [lin for lin in linears if lin.packed is not None]
+    if not packed or all(lin.is_one_row_packed for lin in packed):
+        return bool(packed)
     rows = {lin.weight.shape[1]: torch.zeros(1, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in packed}
     plain_s, packed_s = float("inf"), float("inf")
     for _ in range(repeats):

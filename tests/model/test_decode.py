@@ -48,12 +48,19 @@ def test_one_row_goes_packed_only_when_measured_clearly_faster(monkeypatch, pack
     monkeypatch.setattr(linear_mod, "_one_pass_s", fake_pass)
     assert tune_one_row(lins, repeats=2) is is_chosen
     assert sorted(calls) == [False, False, True, True]
-    assert all((lin._min_rows == 1) is is_chosen for lin in lins)
+    assert all(lin.is_one_row_packed is is_chosen for lin in lins)
     x = torch.randn(1, 24, generator=g)  # either kernel: the same map
     assert (lins[0](x) - F.linear(x, weight, bias)).abs().max().item() <= 1e-5
-    if is_chosen:  # linears already sent to the packed kernel are not timed again
-        calls.clear()
-        assert tune_one_row(lins) is False and calls == []
+    calls.clear()  # packed ones are not timed again; refused ones are
+    assert tune_one_row(lins) is is_chosen and (calls == []) is is_chosen
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="no bfloat16 packed kernel on this CPU")
+def test_bfloat16_rows_are_packed_without_timing(monkeypatch):
+    monkeypatch.setattr(linear_mod, "_one_pass_s", lambda *a: pytest.fail("timed an already packed linear"))
+    lins = [Linear(torch.randn(64, 24).to(torch.bfloat16))]
+    assert lins[0].is_one_row_packed and tune_one_row(lins) is True
 
 
 def test_tiny_models_skip_the_one_row_timing(tiny_llama_dir):
@@ -124,7 +131,9 @@ def test_split_key_attention_equals_one_call(num_keys, splits):
     keys, values = slab[0, :num_keys], slab[1, :num_keys]
     grouped = q.view(1, num_kv_heads, 2, head_dim)
     ref = F.scaled_dot_product_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None]).reshape(-1)
-    out = decode_mod._attend_split(grouped, keys, values, splits)
+    mask = decode_mod.overlap_mask(num_keys, splits, keys.dtype, keys.device)
+    assert (mask is None) == (num_keys % splits == 0)
+    out = decode_mod._attend_split(grouped, keys, values, decode_mod.KeySplit(splits, mask))
     # where num_keys % splits > 0 the ranges overlap: equality shows the overlap counted once
     assert (out - ref).abs().max().item() < 1e-5
 
@@ -138,3 +147,21 @@ def test_key_splits_follow_threads_and_heads(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     assert decode_mod.num_key_splits(4096, 3, cpu) == 8  # 16 / gcd(16, 3) = 16, capped at 4096 / 512
     assert decode_mod.num_key_splits(4096, 3, torch.device("meta")) == 1
+
+
+@pytest.mark.skipif(decode_mod._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
+def test_batched_step_with_split_keys_equals_each_sequence_alone(tiny_llama_dir, monkeypatch):
+    model = Decoder(tiny_llama_dir[0])
+    # tiny contexts: let 4+ keys split, and 3 "threads" over 2 KV heads make 3 ranges per row
+    monkeypatch.setattr(decode_mod, "MIN_SPLIT_KEYS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert decode_mod.key_split(13, model.config.num_kv_heads, model.dtype, model.device).num_ranges == 3
+    lengths = (12, 13, 29)  # overlaps of 0, 1 and 2 keys (with the new row: 13, 14, 30 keys)
+    alone = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
+    together = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
+    tokens = [7, 11, 13]
+    for _ in range(2):
+        ref = torch.stack([model.decode_step(t, c) for t, c in zip(tokens, alone)])
+        out = decode_step(model, tokens, together)
+        assert (out - ref).abs().max().item() < 1e-4
+        tokens = ref.argmax(-1).tolist()
