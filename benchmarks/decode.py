@@ -3,7 +3,8 @@
 For 1, 4, 8 and 16 concurrent decoding sequences at 1K and 4K context tokens, float32 and bfloat16,
 each sequence over its own KV cache (filled by a full prefill, the same context copied into each):
 - `tokens_per_s`: tokens produced per second by `model.decode.decode_step` (what `Decoding.step`
-  and the server's decode thread run), the median step over `--steps` steps after a warm-up;
+  and the server's decode thread run), the median step over `--steps` steps after a warm-up, over
+  caches moved to the head-major layout as `Decoding` moves them (`--token-major`: left as staged);
 - `reference_tokens_per_s` (1 stream only): the one-sequence reference `Decoder.decode_step`;
 - `weights_floor_s` (per dtype), measured in the same run: one pass over every weight matrix through
   the same linear kernels with one row, i.e. the memory traffic a decode step cannot avoid;
@@ -62,8 +63,12 @@ def _caches(model: Decoder, context: int, streams: int, room: int):
     return caches
 
 
-def step_s(model: Decoder, context: int, streams: int, steps: int, is_reference: bool = False) -> float:
+def step_s(model: Decoder, context: int, streams: int, steps: int, is_reference: bool = False,
+           is_head_major: bool = True) -> float:
     caches = _caches(model, context, streams, room=steps + 4)
+    if is_head_major and not is_reference:  # as `Decoding` moves a cache before its first step
+        for cache in caches:
+            cache.to_head_major()
     if is_reference:
         run = lambda: model.decode_step(5, caches[0])  # noqa: E731
     else:
@@ -95,7 +100,7 @@ def measure(args) -> list[dict]:
         floor = weights_floor_s(model)
         todo = [(c, s) for c in args.contexts for s in args.streams]
         for context, streams in tqdm(todo, desc=f"decode {dtype}", unit="shape", file=sys.stderr):
-            seconds = step_s(model, context, streams, args.steps)
+            seconds = step_s(model, context, streams, args.steps, is_head_major=not args.token_major)
             row = {"dtype": dtype, "context_tokens": context, "streams": streams, "step_s": seconds,
                    "tokens_per_s": streams / seconds, "weights_floor_s": floor}
             if streams == 1:
@@ -119,6 +124,8 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--streams", nargs="+", type=int, default=list(STREAMS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per shape (median)")
+    ap.add_argument("--token-major", action="store_true",
+                    help="decode over caches left in the staging layout (the A/B of `KVCache.to_head_major`)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also run llama.cpp's llama-bench on the same weights (built on first use)")
     args = parse_timing_args(ap)

@@ -79,6 +79,6 @@ def extend_chunk(model: Decoder, base: ChunkKV, token_ids: Sequence[int]) -> Chu
     pre_rope_keys: list[torch.Tensor] = []
     model.extend(ids, cache, pre_rope_keys=pre_rope_keys)
     keys = torch.cat([base.keys, torch.stack(pre_rope_keys)], dim=1)
-    values = cache.value_slab[:, :n + ids.numel()].clone()
+    values = cache.value_slab[:, :n + ids.numel()].clone(memory_format=torch.contiguous_format)
     cache.release()
     return ChunkKV(base.token_ids + tuple(int(t) for t in ids.tolist()), keys, values, model.fingerprint)

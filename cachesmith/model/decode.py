@@ -25,16 +25,18 @@ from cachesmith.model.kv_cache import KVCache
 
 # torch's CPU flash kernel, called directly for its log-sum-exp (what merging key splits needs)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-MIN_SPLIT_KEYS = 512  # fewer keys per split: the merge costs more than the balance gains
+MIN_SPLIT_KEYS = 2048  # fewer keys per split: the merge costs more than the balance gains
 
 
 def num_key_splits(num_keys: int, num_kv_heads: int, device: torch.device) -> int:
     """How many key ranges one row's attention is cut into so that the CPU's threads share it.
 
     The flash kernel hands each KV head to one thread, so 3 KV heads on 2 threads run as 2 rounds
-    where 1.5 would do; with the keys cut in 2, 6 (head, range) tasks split evenly. Measured on one
-    query row over 1K-4K cached keys, 2 threads, from memory: 1.1-1.3x the attention call; a whole
-    float32 step at 4K 1.08-1.30x (one stream) and 1.17-1.46x (8 streams)."""
+    where 1.5 would do; with the keys cut in 2, 6 (head, range) tasks split evenly. Over token-major
+    caches a whole float32 step at 4K ran 1.08-1.30x faster (one stream) and 1.17-1.46x (8
+    streams). Over the head-major caches decoding reads now, one row's attention (2 threads, keys
+    from memory, median of 15 paired rounds) ran 0.93x / 0.94x / 1.04x as fast split at 1K / 2K /
+    4K keys in float32 and 0.98x / 1.01x / 1.13x in bfloat16: so only 4K+ keys are split."""
     if device.type != "cpu" or _FLASH_CPU is None:
         return 1
     threads = torch.get_num_threads()

@@ -69,6 +69,20 @@ def start_generation(model: Decoder, first_logits: torch.Tensor, cache: KVCache,
     return gen
 
 
+MIN_RELAYOUT_TOKENS = 4  # fewer tokens left: moving the cache costs more than its faster attention saves
+
+
+def prepare_cache(gen: Generation) -> None:
+    """Before a sequence's first decode step: its cache moves to the head-major layout with room for
+    every token it may still add (no growth copies later), unless only a few are left. Moving costs
+    about one copy of the cache (2K float32 tokens: a few ms); it runs where decoding runs, off the
+    request's TTFT, and every later step's attention reads each head's keys contiguously."""
+    cache = gen.cache
+    left = gen.max_new_tokens - len(gen.token_ids)
+    if not cache.is_head_major and left >= MIN_RELAYOUT_TOKENS:
+        cache.to_head_major(capacity=cache.num_tokens + left)
+
+
 class Decoding:
     """The sequences being decoded together on one model."""
 
@@ -92,6 +106,8 @@ class Decoding:
         if not self.active:
             return []
         gens = self.active
+        for gen in gens:
+            prepare_cache(gen)
         logits = decode_step(self.model, [g.token_ids[-1] for g in gens], [g.cache for g in gens])
         for gen, row in zip(gens, logits):  # row: [vocab]
             gen.take(row)

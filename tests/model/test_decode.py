@@ -67,14 +67,17 @@ def test_tiny_models_skip_the_one_row_timing(tiny_llama_dir):
     assert Decoder(tiny_llama_dir[0]).is_one_row_packed is False  # weights fit in cache: nothing to learn
 
 
-def test_batched_step_equals_each_sequence_alone(tiny_model_dir):
+@pytest.mark.parametrize("is_head_major", [False, True])
+def test_batched_step_equals_each_sequence_alone(tiny_model_dir, is_head_major):
     path, _ = tiny_model_dir
     model = Decoder(path)
     lengths = (5, 17, 30)  # different positions in one step
-    alone, together = [], []
+    alone, together = [], []  # the reference steps over token-major (staging layout) caches
     for n, seed in zip(lengths, range(3)):
         _, c1 = model.prefill(_ids(n, seed), extra_capacity=4)
         _, c2 = model.prefill(_ids(n, seed), extra_capacity=4)
+        if is_head_major:
+            c2.to_head_major()
         alone.append(c1)
         together.append(c2)
     tokens = [7, 11, 13]
@@ -109,6 +112,8 @@ def test_sequences_joining_and_leaving_decode_as_alone(tiny_llama_dir):
     decoding.run()
     assert [g.token_ids for g in gens] == expected
     assert seen == [1, 2, 3]  # every sequence was stepped beside the others
+    # budgets of 12 and 9 decode over head-major caches; 4 leaves 3 steps, too few to move for
+    assert [g.cache.is_head_major for g in gens] == [True, False, True]
     assert all(g.is_done and not decoding.active for g in gens)
 
 
@@ -142,10 +147,11 @@ def test_key_splits_follow_threads_and_heads(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert decode_mod.num_key_splits(4096, 3, cpu) == 2  # 3 heads on 2 threads: halve the keys
-    assert decode_mod.num_key_splits(1023, 3, cpu) == 1  # too few keys for two ranges
+    assert decode_mod.num_key_splits(4095, 3, cpu) == 1  # too few keys for two ranges
     assert decode_mod.num_key_splits(4096, 2, cpu) == 1  # 2 heads already share 2 threads
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert decode_mod.num_key_splits(4096, 3, cpu) == 8  # 16 / gcd(16, 3) = 16, capped at 4096 / 512
+    assert decode_mod.num_key_splits(4096, 3, cpu) == 2  # 16 / gcd(16, 3) = 16, capped at 4096 / 2048
+    assert decode_mod.num_key_splits(32768, 3, cpu) == 16
     assert decode_mod.num_key_splits(4096, 3, torch.device("meta")) == 1
 
 
@@ -159,6 +165,7 @@ def test_batched_step_with_split_keys_equals_each_sequence_alone(tiny_llama_dir,
     lengths = (12, 13, 29)  # overlaps of 0, 1 and 2 keys (with the new row: 13, 14, 30 keys)
     alone = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
     together = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
+    together[1].to_head_major()  # the ranges' strides in either layout
     tokens = [7, 11, 13]
     for _ in range(2):
         ref = torch.stack([model.decode_step(t, c) for t, c in zip(tokens, alone)])
