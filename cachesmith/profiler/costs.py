@@ -259,7 +259,7 @@ def predicted_ttft(model: CostModel, run: RunTiming) -> float:
 NF = NUM_FEATURES
 
 
-def _design(run: RunTiming, num_layers: int) -> np.ndarray:
+def design_row(run: RunTiming, num_layers: int) -> np.ndarray:
     """A run's TTFT as a linear function of every coefficient (its passes' features summed per
     kind, the selection's, the overhead's), the link aside: [len(LAYER_KINDS) * 5 + 5]."""
     plan = plan_config(run.plan, num_layers)
@@ -314,7 +314,7 @@ def _fit_once(runs: list[RunTiming], num_layers: int, pass_weight: float) -> tup
     width = len(LAYER_KINDS) * NF + NF
     rows, ys, ws = [], [], []
     for r in runs:
-        rows.append(_design(r, num_layers))
+        rows.append(design_row(r, num_layers))
         ys.append(r.total_s - r.stall_s)
         ws.append(1.0 / r.total_s)
         for sample in r.samples:
@@ -409,6 +409,6 @@ def relative_errors(runs: list[RunTiming], model: CostModel) -> list[float]:
     return [predicted_ttft(model, r) / r.total_s - 1 for r in runs]
 
 
-__all__ = ["ALL", "PROFILE_PLANS", "RunSpec", "RunTiming", "Sample", "TimingBench", "default_grid",
-           "estimate_seconds", "fit_costs", "fit_relative", "scaffold", "timed_quietly", "measure", "plan_config", "predicted_ttft",
-           "relative_errors", "session_factors", "validation_error"]
+__all__ = ["ALL", "PROFILE_PLANS", "RunSpec", "RunTiming", "Sample", "TimingBench", "default_grid", "design_row",
+           "estimate_seconds", "fit_costs", "fit_relative", "scaffold", "timed_quietly", "measure", "plan_config",
+           "predicted_ttft", "relative_errors", "session_factors", "validation_error"]

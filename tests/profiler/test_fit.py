@@ -13,10 +13,10 @@ import pytest
 
 from cachesmith.planner import BatchShape, CostModel, Profile, ProfileError
 from cachesmith.planner.cost_model import overhead_features, phase_seconds
-from cachesmith.planner.profile import PROFILE_FORMAT, PhaseCost
+from cachesmith.planner.profile import LAYER_KINDS, PROFILE_FORMAT, PhaseCost
 from cachesmith.profiler import run as run_mod
-from cachesmith.profiler.costs import (ALL, PROFILE_PLANS, RunSpec, RunTiming, _samples, default_grid, fit_costs,
-                                       predicted_ttft, session_factors)
+from cachesmith.profiler.costs import (ALL, PROFILE_PLANS, RunSpec, RunTiming, _samples, default_grid, design_row,
+                                       fit_costs, predicted_ttft, session_factors)
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
 from tests.planner.synthetic_profile import make_profile
@@ -135,6 +135,17 @@ def test_run_record_round_trip():
     assert again.shape == run.shape and again.plan == run.plan and again.total_s == run.total_s
     assert [(s.kind, s.seconds) for s in again.samples] == [(s.kind, s.seconds) for s in run.samples]
     np.testing.assert_allclose([s.features for s in again.samples], [s.features for s in run.samples])
+
+
+def test_design_row_prices_a_run_as_the_cost_model_walks_it():
+    # benchmarks/cost_floor.py fits the cost model's form to served batches through design_row:
+    # with a link that never waits, the row times the coefficients is the model's TTFT
+    truth = _profile()
+    coef = np.concatenate([truth.layer_costs[k].coefficients() for k in LAYER_KINDS] + [truth.overhead.coefficients()])
+    runs = _runs(truth)
+    assert {r.plan[0] for r in runs} == {"position", "kv_dev", "qci", "qci_last"}
+    for run in runs:
+        assert design_row(run, L) @ coef == pytest.approx(predicted_ttft(CostModel(truth), run), rel=1e-6)
 
 
 def test_default_grid_covers_batch_sizes_and_plans_within_the_token_cap():
