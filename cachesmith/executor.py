@@ -13,6 +13,7 @@ run the decision's plan. Never touches queues.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from cachesmith.scheduler.types import batch_shape
 
 # stages nothing beyond layer 0: the real plan (and what it loads) is decided there
 PROVISIONAL = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
+TAIL_WINDOW = 8  # recent batches whose tail (last layer to first tokens) the monitor reserves
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class Executor(Protocol):
 class BatchExecutor:
     def __init__(self, pipeline: RagPipeline, planner: Planner | None = None) -> None:
         self.pipeline, self.planner = pipeline, planner
+        # seconds from the last layer's end to the first tokens of recent planned batches: the
+        # runtime monitor keeps the largest of them clear of the deadline
+        self.tails_s: deque[float] = deque(maxlen=TAIL_WINDOW)
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
         """Tokenize, check the limits, then store every chunk's KV (a miss is prefilled here)."""
@@ -130,6 +135,8 @@ class BatchExecutor:
         decided: dict = {}
         outs, seconds, stall = self._timed_run(batch, PROVISIONAL, self._replanner(decision, batch, decided))
         plan, monitor = decided["plan"], decided["monitor"]
+        if monitor.walk_s is not None:
+            self.tails_s.append(max(0.0, seconds - monitor.walk_s))
         if monitor.pace is not None:  # pace is relative to the corrected schedule
             self.planner.observe(plan.signal, monitor.time_scale * monitor.pace, plan.probe,
                                  batch_shape([a.queued for a in batch]).num_tokens)
@@ -163,7 +170,7 @@ class BatchExecutor:
             staged.set_plan(config)
             monitor = RuntimeMonitor(plan, planner.cost, shape, steps_done=1,
                                      time_scale=planner.pace(plan.signal, plan.probe, shape.num_tokens),
-                                     limit_s=decision.limit_s)
+                                     limit_s=decision.limit_s, tail_s=max(self.tails_s, default=0.0))
             monitor.start(at=start)
             hooks.hooks.append(monitor)
             decided.update(plan=plan, monitor=monitor)

@@ -160,3 +160,7 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
         probe = int(plan_label.strip("()").split(",")[2])
         assert eng.planner.pace("kv_dev", probe, num_tokens) > 1.0
     assert eng.planner.pace("qci", 1, 1000) == 1.0  # nothing of QCI ran
+    # the executor measured each planned batch's tail (last layer to first tokens), which the next
+    # batches' monitors keep clear of their limit
+    tails = list(eng.executor.tails_s)
+    assert len(tails) == len({r.batch_id for r in results}) and all(0 < t < r.ttft_s for t, r in zip(tails, results))

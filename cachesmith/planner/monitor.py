@@ -15,9 +15,9 @@ on-pace ones while fewer than three ran), predicts the end at that pace, and cut
 end passes its target by more than the tolerance, to the largest coverage whose predicted end fits
 with the cost of a cut (measured on the layer after an earlier one) reserved, and only if the cut
 saves more than that cost. The target is the budget, or, given the scheduler's limit (the latest
-end that costs nobody a deadline), that limit less a margin proportional to the time still to run:
-the budget's own margin was set for the noise of the whole batch, and less of it is left the
-further the batch has run.
+end that costs nobody a deadline), that limit less what runs after the layers (`tail_s`, measured by
+the executor) and less a margin proportional to the time still to run: the budget's own margin was
+set for the noise of the whole batch, and less of it is left the further the batch has run.
 """
 from __future__ import annotations
 
@@ -40,11 +40,13 @@ class RuntimeMonitor(RunnerHooks):
     def __init__(self, plan: BatchPlan, cost: CostModel, shape: BatchShape, tolerance: float = 0.05,
                  bandwidth: Callable[[], float | None] | None = None, steps_done: int = 0,
                  time_scale: float = 1.0, clock: Callable[[], float] = time.perf_counter,
-                 limit_s: float | None = None, margin: float = 0.08) -> None:
+                 limit_s: float | None = None, margin: float = 0.08, tail_s: float = 0.0) -> None:
         self.plan, self.cost, self.shape = plan, cost, shape
         # past the budget, up to the scheduler's limit (nobody's deadline lost), less a margin for
-        # the noise of what is left to run: a late batch ends there rather than lose its coverage
-        self.limit_s, self.margin = limit_s, margin
+        # the noise of what is left to run: a late batch ends there rather than lose its coverage.
+        # `tail_s` is what runs after the last layer (the LM head, the first tokens), which the
+        # limit must hold too: without it a batch let run to the limit ended a few ms past a deadline
+        self.limit_s, self.margin, self.tail_s = limit_s, margin, tail_s
         self.clock = clock  # the simulator's executor drives the monitor on its virtual time
         self.tolerance = tolerance
         self.bandwidth = bandwidth
@@ -116,9 +118,15 @@ class RuntimeMonitor(RunnerHooks):
     def target_s(self, elapsed: float) -> float:
         """The latest end the monitor lets the batch run to, `elapsed` seconds after its start."""
         budget = self.plan.budget_s
-        if self.limit_s is None or self.limit_s <= budget:
+        if self.limit_s is None or self.limit_s - self.tail_s <= budget:
             return budget
-        return max(budget, self.limit_s - self.margin * (self.limit_s - elapsed))
+        limit = self.limit_s - self.tail_s
+        return max(budget, limit - self.margin * (limit - elapsed))
+
+    @property
+    def walk_s(self) -> float | None:
+        """Seconds from the batch's start to the end of the last layer seen (None before one)."""
+        return None if self._start is None or self._last is None else self._last - self._start
 
     def _learn(self, measured: float, planned: float) -> None:
         """Fold one layer into the pace, except the layer after a cut: it also loads the dropped

@@ -96,6 +96,22 @@ def test_the_limit_lets_a_late_batch_keep_its_coverage():
     assert end_l <= plan.budget_s * 1.6  # it still ends inside the limit
 
 
+def test_the_tail_after_the_layers_is_kept_clear_of_the_limit():
+    planner, plan, shape = planned_batch()
+    slow = lambda j: 1.0 if j < 8 else 1.6  # noqa: E731
+    limit, tail = plan.budget_s * 1.3, plan.budget_s * 0.1
+    monitor, end, _, _ = run(planner, plan, shape, slow, limit_s=limit, tail_s=tail)
+    assert monitor.walk_s == pytest.approx(end)  # what the executor subtracts from the batch's TTFT
+    assert end <= limit - tail  # the layers end where the head and first tokens still fit
+    _, end_no_tail, _, _ = run(planner, plan, shape, slow, limit_s=limit)
+    assert limit - tail < end_no_tail <= limit  # without the reserve the same batch runs into it
+    reserved = RuntimeMonitor(plan, planner.cost, shape, limit_s=10.0, margin=0.1, tail_s=0.5)
+    assert reserved.target_s(9.0) == pytest.approx(9.5 - 0.1 * 0.5)
+    # a tail that leaves less than the budget never lowers the target below it
+    assert RuntimeMonitor(plan, planner.cost, shape, limit_s=plan.budget_s * 1.1,
+                          tail_s=plan.budget_s * 0.2).target_s(0.0) == plan.budget_s
+
+
 def test_target_starts_at_the_margin_and_nears_the_limit_as_the_batch_runs():
     planner, plan, shape = planned_batch()
     monitor = RuntimeMonitor(plan, planner.cost, shape, limit_s=10.0, margin=0.1)
