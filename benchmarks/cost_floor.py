@@ -33,17 +33,18 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
-from cachesmith.bench.pace import family  # noqa: E402
+from cachesmith.bench.pace import family, records_by_batch  # noqa: E402
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
+from cachesmith.planner import Profile  # noqa: E402
 from cachesmith.planner.cost_model import execution_steps  # noqa: E402
 from cachesmith.profiler.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config  # noqa: E402
+from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
 
 # (signal, warmup, probe, coverage) of each family as the replays served it
 PLANS = (("kv_dev", 1, 1, 0.3), ("kv_dev", 1, 0, 0.15), ("position", 0, 0, 0.15), ("position", 0, 0, 0.0),
          ("qci", 0, ALL, 0.15), ("qci_last", 0, ALL, 0.15), ("position", ALL, 0, 1.0))
 CONTEXTS = ((2000,), (500,))
-NUM_LAYERS = 30  # the packaged model's, whose replays these are
 COLUMNS = ["family", "batches", "shipped_median", "shipped_p90", "in_sample_median", "in_sample_p90",
            "held_out_median", "held_out_p90", "repeat_median_abs_dev", "repeat_p90_abs_dev"]
 
@@ -74,11 +75,7 @@ def replay_batches(runs: Path, factors: dict[str, float], num_layers: int) -> li
     out = []
     for setting in sorted(p for p in runs.glob("mix-*") if p.name in factors):
         for path in sorted((setting / "runs").glob("*.json")):
-            by_batch = defaultdict(list)
-            for r in json.loads(path.read_text())["records"]:
-                if r["error"] is None:
-                    by_batch[(r["method"], r["batch_id"])].append(r)
-            for batch in by_batch.values():
+            for batch in records_by_batch(json.loads(path.read_text())["records"]).values():
                 out.append(_batch_row(setting.name, batch, factors[setting.name], num_layers))
     return out
 
@@ -143,7 +140,8 @@ def main() -> None:
                          f"run benchmarks/cost_model.py --runs {args.runs} --out {judged} first")
     factors = {s["setting"]: s["speed_factor"] for s in json.loads(judged.read_text())["settings"]}
     shipped = {(b["setting"], b["method"], b["batch_id"]): 1 + b["rel_err"] for b in json.loads(priced.read_text())}
-    batches = replay_batches(args.runs, factors, NUM_LAYERS)
+    num_layers = Profile.load(PACKAGED_DIR / "smollm2-135m-float32-cpu.json").num_layers  # the replays' model
+    batches = replay_batches(args.runs, factors, num_layers)
     rows = fit_rows(batches, shipped)
     if not args.skip_repeat:
         start = time.perf_counter()

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.pace import family, fit_paces, trace_batches  # noqa: E402
+from cachesmith.bench.pace import family, fit_paces, records_by_batch, trace_batches  # noqa: E402
 from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
@@ -100,12 +100,8 @@ def batch_rows(records: list[dict], tokens: dict[int, tuple[int, int, int]], cos
                setting: str, waits: dict[str, dict]) -> list[dict]:
     """One row per batch: measured `batch_s` against the cost model's TTFT at the batch's shape,
     plan and the coverages it ended with (the runtime monitor may have lowered them)."""
-    by_batch: dict[tuple[str, int], list[dict]] = {}
-    for r in records:
-        if r["error"] is None:
-            by_batch.setdefault((r["method"], r["batch_id"]), []).append(r)
     rows = []
-    for (method, batch_id), batch in sorted(by_batch.items()):
+    for (method, batch_id), batch in sorted(records_by_batch(records).items()):
         batch.sort(key=lambda r: r["request_id"])
         counts = [tokens[r["request_id"]] for r in batch]
         for r, (c, _, _) in zip(batch, counts):

@@ -147,6 +147,15 @@ class TraceBatch:
                 + machine.per_batch * self.batch_s)
 
 
+def records_by_batch(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """A bench run's error-free records grouped per batch: {(method, batch_id): records}."""
+    out: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        if r["error"] is None:
+            out.setdefault((r["method"], r["batch_id"]), []).append(r)
+    return out
+
+
 def trace_batches(records: list[dict], instances: list, profile: Profile) -> list[TraceBatch]:
     """Every batch of a replay run. `records` are the bench's (one method or several: batches are
     told apart by method); `instances[request_id % len]` holds each request's token counts
@@ -154,12 +163,8 @@ def trace_batches(records: list[dict], instances: list, profile: Profile) -> lis
     whichever is later (the replay clock idles until an arrival); its coverages are the ones it
     ended with (the runtime monitor may have lowered them)."""
     cost = CostModel(profile)
-    by_batch: dict[tuple, list[dict]] = {}
-    for r in records:
-        if r["error"] is None:
-            by_batch.setdefault((r["method"], r["batch_id"]), []).append(r)
     out, prev_end = [], {}
-    for (method, _), batch in sorted(by_batch.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (method, _), batch in sorted(records_by_batch(records).items()):
         end = batch[0]["first_token_s"]
         start = max(prev_end.get(method, 0.0), max(r["arrival_s"] for r in batch))
         prev_end[method] = end

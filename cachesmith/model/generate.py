@@ -78,8 +78,10 @@ def prepare_cache(gen: Generation) -> None:
     about one copy of the cache (2K float32 tokens: a few ms); it runs where decoding runs, off the
     request's TTFT, and every later step's attention reads each head's keys contiguously."""
     cache = gen.cache
+    if cache.is_head_major:
+        return
     left = gen.max_new_tokens - len(gen.token_ids)
-    if not cache.is_head_major and left >= MIN_RELAYOUT_TOKENS:
+    if left >= MIN_RELAYOUT_TOKENS:
         cache.to_head_major(capacity=cache.num_tokens + left)
 
 

@@ -109,34 +109,32 @@ class KVCache:
     def capacity(self) -> int:
         return self.key_slab.shape[1]
 
-    def _give_stores(self) -> None:
+    def _give(self, stores: tuple[torch.Tensor, ...]) -> None:
         if self.pool is not None:
-            for store in self._stores:
+            for store in stores:
                 self.pool.give(store)
 
-    def _relayout(self, capacity: int, is_head_major: bool) -> None:
-        """Move the rows to new slabs of `capacity` rows in the given layout (old slabs to the pool)."""
+    def _relayout(self, capacity: int, is_head_major: bool, num_rows: int) -> None:
+        """Move the first `num_rows` rows to new slabs of `capacity` rows in the given layout."""
         old, old_stores = (self.key_slab, self.value_slab), self._stores
         self.is_head_major = is_head_major
         L, _, num_kv_heads, head_dim = old[0].shape
         shape = (L, capacity, num_kv_heads, head_dim)
         self._set_stores(*(self._take(shape, t.device, t.dtype) for t in old))
-        rows = min(old[0].shape[1], capacity)
-        self.key_slab[:, :rows] = old[0][:, :rows]
-        self.value_slab[:, :rows] = old[1][:, :rows]
-        if self.pool is not None:  # only after the copy: another thread may take them at once
-            for store in old_stores:
-                self.pool.give(store)
+        self.key_slab[:, :num_rows] = old[0][:, :num_rows]
+        self.value_slab[:, :num_rows] = old[1][:, :num_rows]
+        self._give(old_stores)  # only after the copy: another thread may take them at once
 
     def _grow(self, min_capacity: int) -> None:
-        self._relayout(max(min_capacity, 2 * self.capacity), self.is_head_major)
+        # mid-write (a pass writes layer by layer before num_tokens moves): every row may hold data
+        self._relayout(max(min_capacity, 2 * self.capacity), self.is_head_major, self.capacity)
 
     def to_head_major(self, capacity: int | None = None) -> None:
         """Move to the head-major layout (what decoding reads fastest), in place, with room for at
-        least `capacity` rows (default: the current capacity); the rows and views stay the same."""
+        least `capacity` rows (default: the current capacity); the valid rows and views stay the same."""
         capacity = max(self.capacity if capacity is None else capacity, self.num_tokens, 1)
         if not self.is_head_major or capacity > self.capacity:
-            self._relayout(capacity, True)
+            self._relayout(capacity, True, self.num_tokens)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rotated k, v [num_rows, Hkv, D] at rows [start, start + num_rows) of `layer`."""
@@ -169,8 +167,7 @@ class KVCache:
 
     def release(self) -> None:
         """Hand the slabs back to the pool; the cache (and every view of it) must not be used after."""
-        if self.key_slab is not None:
-            self._give_stores()
+        self._give(self._stores)
         self._stores = ()
         self.key_slab = self.value_slab = None
         self.keys, self.values = [], []

@@ -118,9 +118,9 @@ class RuntimeMonitor(RunnerHooks):
     def target_s(self, elapsed: float) -> float:
         """The latest end the monitor lets the batch run to, `elapsed` seconds after its start."""
         budget = self.plan.budget_s
-        if self.limit_s is None or self.limit_s - self.tail_s <= budget:
+        limit = None if self.limit_s is None else self.limit_s - self.tail_s
+        if limit is None or limit <= budget:
             return budget
-        limit = self.limit_s - self.tail_s
         return max(budget, limit - self.margin * (limit - elapsed))
 
     @property
