@@ -54,7 +54,11 @@ def test_cohere_and_vllm_documents_store_the_chunk_of_the_plain_string(server_fo
         by_plain = c.post("/v1/completions", json=completion([PLAIN]))
         by_chat = c.post("/v1/chat/completions", json={"model": NAME, "documents": [COHERE], "max_tokens": 2,
                                                        "messages": [{"role": "user", "content": "Which word?"}]})
-        assert by_chat.status_code == 200 and stored_ids(c) == stored  # no other chunk was stored
+        assert by_chat.status_code == 200
+        # no other passage was stored; the chat's finished exchange may be (off the request's path,
+        # so maybe not yet) as the KV its next turn extends, and that record holds the question
+        extra = {x["id"]: x["text"] for x in c.get("/v1/chunks").json()["data"] if x["id"] not in stored}
+        assert len(extra) <= 1 and all("Which word?" in text for text in extra.values()), extra
     answers = [r.json()["choices"][0]["text"] for r in (by_cohere, by_vllm, by_plain)]
     assert answers[0] == answers[1] == answers[2]
 
