@@ -71,7 +71,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
         planner_config = replace(config.planner, signal=self.method.signal or config.planner.signal,
-                                 signal_rule=self.method.signal_rule, use_task_hint=self.method.use_task_hint)
+                                 signal_rule=self.method.signal_rule, use_task_hint=self.method.use_task_hint,
+                                 is_mix_learned=self.method.is_mix_learned)
         self.planner = Planner(profile, planner_config)
         self.planner.warm_up()
         self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, profile.num_layers)
@@ -150,6 +151,10 @@ class Engine:
         """One request's result from its decoded output (gated)."""
         req, inst = adm.request, adm.request.instance
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
+        plan = pre.run.plan
+        if plan is not None and passed is not None:  # the planner learns what the served mix needs
+            coverage = out.num_recomputed / out.num_context_tokens if out.num_context_tokens else 0.0
+            self.planner.observe_verdict(plan.signal, plan.warmup, plan.probe, coverage, passed)
         return RequestResult(
             req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
             passed, pre.decision.mode, pre.run.plan_label, out.coverage,

@@ -5,8 +5,9 @@ Names: `cachesmith`, `full_prefill`, `full_reuse`, `<preset>@<coverage>` (e.g. `
 and a `+qa` suffix for the queue-aware FCFS baseline (`epic@0.3+qa`: requests past saving go to
 full reuse). `cachesmith+task` plans each batch whose requests all name one task with that task's
 demand curves (the request's `task` as a hint; plain `cachesmith` is hint-free, the paper's
-setting). The ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to
-`kv_dev` or `qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
+setting); `cachesmith+learn` stays hint-free but prices plans with the served mix's demand learned
+from the quality verdicts of the requests it has served (`planner.served_mix`). The ablations of
+paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to `kv_dev` or `qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
 `planner:<preset>@<coverage>` (the planner alone: arrival-order batches under
 the preset's own TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
 (arrival-order batches under budgets from the queue's deadlines). In: a name. Out: a `Method` and
@@ -26,6 +27,7 @@ SELECTIVE = ("cacheblend", "epic", "prophetkv", "fusionrag")
 DEFAULT_COVERAGES = (0.15, 0.3)
 SIGNAL_FAMILY = {"cacheblend": "kv_dev", "epic": "kv_dev", "prophetkv": "qci", "fusionrag": "qci"}
 PLANNER_SIGNALS = ("kv_dev", "qci")
+CACHESMITH_KINDS = ("cachesmith", "cachesmith+task", "cachesmith+learn")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Method:
     scheduling: str = "slo_aware"  # "slo_aware", "fcfs" (static), "fcfs_planned" or "fcfs_slo"
     signal_rule: str = "passes"  # how the planner chooses the signal when it is not fixed
     use_task_hint: bool = False  # plan with the demand of the task the batch's requests name
+    is_mix_learned: bool = False  # price hint-free batches with the mix learned from served verdicts
 
     @property
     def is_static(self) -> bool:
@@ -60,16 +63,17 @@ def parse_method(name: str) -> Method:
     is_qa = text.endswith("+qa")
     base = text.removesuffix("+qa")
     kind, colon, arg = base.partition(":")
-    if kind in ("cachesmith", "cachesmith+task", "planner", "planner+slo") and is_qa:
+    if kind in (*CACHESMITH_KINDS, "planner", "planner+slo") and is_qa:
         raise ConfigError(f"method {name!r}: CacheSmith's scheduler is queue-aware already (no +qa)")
     if kind in ("planner", "planner+slo") and not colon:
         raise ConfigError(f"method {name!r}: needs ':<preset>@<coverage>' (planner) or ':<signal>' "
                           f"(planner+slo), e.g. planner:cacheblend@0.15")
-    if kind in ("cachesmith", "cachesmith+task"):
-        hint = kind == "cachesmith+task"
+    if kind in CACHESMITH_KINDS:
+        hint, learn = kind == "cachesmith+task", kind == "cachesmith+learn"
         if arg == "entropy":
-            return Method(text, signal_rule="entropy", use_task_hint=hint)
-        return Method(text, signal=_signal(text, arg) if colon else None, use_task_hint=hint)
+            return Method(text, signal_rule="entropy", use_task_hint=hint, is_mix_learned=learn)
+        return Method(text, signal=_signal(text, arg) if colon else None, use_task_hint=hint,
+                      is_mix_learned=learn)
     if kind == "planner+slo":
         return Method(text, signal=_signal(text, arg), scheduling="fcfs_slo")
     if kind == "planner":

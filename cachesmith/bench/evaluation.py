@@ -100,10 +100,11 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         f"- BestStatic picked {', '.join(f'`{m}`' for m in picked)} across the "
         f"{len(configs)} (arrival, SLO) cells.", "",
         "CacheSmith and its variants on the four tasks' settings (`cachesmith` is the default: hint-free, "
-        "signal by expected passes; `+task`: the task hint; `:entropy`: the paper's signal rule; `:kv_dev` / "
+        "signal by expected passes; `+task`: the task hint; `+learn`: hint-free, the served mix's demand learned "
+        "from the verdicts of the requests served so far; `:entropy`: the paper's signal rule; `:kv_dev` / "
         "`:qci`: the signal fixed). Trail: the most it falls below the better fixed-signal variant in one "
-        "setting, in points.", "",
-        table_md(["method", "above BestStatic", "at or above Full Prefill", "wins per task", "trail"],
+        "setting, in points. Mean: its QSA averaged over the 96 settings.", "",
+        table_md(["method", "above BestStatic", "at or above Full Prefill", "wins per task", "trail", "mean QSA"],
                  variant_lines(rows)),
         "## Setup", "",
         f"- Model `{table.model}` ({table.num_layers} layers), fp32 on CPU. Outcome table: "

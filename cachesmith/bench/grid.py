@@ -37,10 +37,12 @@ ARRIVALS = (("poisson", 1.0, 0.5), ("poisson", 1.0, 0.7), ("poisson", 1.0, 0.9),
 SLO_SCALES = (1.0, 2.0, 3.0, 4.0)
 COMPONENTS = ("cacheblend@0.15", "planner:cacheblend@0.15", "planner+slo:kv_dev", "cachesmith:kv_dev",
               "prophetkv@0.15", "planner:prophetkv@0.15", "planner+slo:qci", "cachesmith:qci")
-SIGNAL_VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy", "cachesmith+task")
-# beside the default methods in every grid setting: the task hint, and the ablations the default
-# must not trail (each fixed signal) or that it replaced (the paper's entropy rule)
-GRID_VARIANTS = ("cachesmith+task", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy")
+SIGNAL_VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy", "cachesmith+task",
+                   "cachesmith+learn")
+# beside the default methods in every grid setting: the task hint, the mix learned from verdicts,
+# and the ablations the default must not trail (each fixed signal) or that it replaced (the paper's
+# entropy rule)
+GRID_VARIANTS = ("cachesmith+task", "cachesmith+learn", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith:entropy")
 BAND_FLOORS = (0.02, 0.05, 0.10)
 BAND_SATURATIONS = (0.30, 0.50, 0.75)
 BANDWIDTHS = (10.0, 6.0, 3.0, 1.0, 0.6, 0.3)  # GB/s: the paper's rungs, then the same / 10

@@ -69,7 +69,7 @@ def comparisons(rows: list[dict], method: str = "cachesmith") -> list[dict]:
 def variant_lines(rows: list[dict]) -> list[list[str]]:
     """Per CacheSmith variant in the grid: wins over BestStatic and at-or-above Full Prefill on the
     four tasks' 96 settings, the fewest wins of one task, and the most it trails the better of the
-    two fixed-signal variants in one setting (points)."""
+    two fixed-signal variants in one setting (points), and its mean QSA over those settings."""
     by = settings(rows)
     variants = sorted({m for ms in by.values() for m in ms if m.startswith("cachesmith")})
     lines = []
@@ -83,7 +83,8 @@ def variant_lines(rows: list[dict]) -> list[list[str]]:
                   and {"cachesmith:kv_dev", "cachesmith:qci"} <= set(ms)]
         lines.append([f"`{v}`", f"{wins['num_wins']}/{wins['num_settings']}", f"{at_fp}/{len(four)}",
                       ", ".join(f"{TASK_NAMES[t]} {n}" for t, n in per_task.items()),
-                      f"{100 * max(trails):+.1f}" if trails else "-"])
+                      f"{100 * max(trails):+.1f}" if trails else "-",
+                      f"{100 * statistics.mean(c['cachesmith'] for c in four):.1f}%" if four else "-"])
     return lines
 
 

@@ -23,6 +23,7 @@ class DemandModel:
     def __init__(self, curves: tuple[DemandCurve, ...]) -> None:
         # (task or None for the served mix, signal) -> (anchor depths [A], cdf [A, 21])
         self._tables: dict[tuple[str | None, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._sizes: dict[str | None, int] = {}  # requests profiled per task (None: the served mix)
         groups: dict[tuple[str | None, str], list[DemandCurve]] = {}
         for curve in curves:
             if not curve.demands:
@@ -32,6 +33,7 @@ class DemandModel:
             raise ProfileError("the profile's demand curves are all per task; it needs the served mix's too")
         for key, group in groups.items():
             group.sort(key=lambda cv: cv.rank_depth)
+            self._sizes[key[0]] = max(self._sizes.get(key[0], 0), *(len(cv.demands) for cv in group))
             depths = np.array([cv.rank_depth for cv in group], float)
             # cdf[a, g]: fraction of requests passing at COVERAGE_GRID[g] with anchor depth a
             cdf = np.stack([cv.pass_rate(COVERAGE_GRID) for cv in group])
@@ -46,6 +48,10 @@ class DemandModel:
     def tasks(self) -> list[str]:
         """The tasks with curves of their own."""
         return sorted({task for task, _ in self._tables if task is not None})
+
+    def task_size(self, task: str | None) -> int:
+        """How many profiling requests `task`'s curves (None: the served mix's) were measured on."""
+        return self._sizes.get(task, 0)
 
     def anchors(self, signal: str) -> list[int]:
         """The served mix's anchor rank depths of `signal`."""

@@ -30,6 +30,7 @@ from cachesmith.planner.demand import DemandModel
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
+from cachesmith.planner.served_mix import ServedMix
 from cachesmith.recompute import RecomputeConfig, fixed_splits
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
@@ -55,6 +56,7 @@ class PlannerConfig:
     signal: str | None = None  # fix the selection signal (ablation); None: chosen per batch by signal_rule
     signal_rule: str = "passes"  # "passes": most expected passes; "entropy": the paper's threshold (ablation)
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
+    is_mix_learned: bool = False  # price hint-free batches with the served mix learned from verdicts
 
     def __post_init__(self) -> None:
         if self.signal not in (None, *FIXABLE_SIGNALS):
@@ -109,6 +111,8 @@ class Planner:
         self.config = config or PlannerConfig()
         self.cost = CostModel(profile, self.config.bandwidth_gbps)
         self.demand = DemandModel(profile.demand)
+        # hint-free batches' demand, learned from served requests' verdicts (`observe_verdict`)
+        self.served_mix = ServedMix(self.demand) if self.config.is_mix_learned else None
         self.theta = self.config.entropy_threshold if self.config.entropy_threshold is not None \
             else profile.entropy_threshold
         L = profile.num_layers
@@ -135,6 +139,12 @@ class Planner:
         """A batch of `signal` (probing `probe` layers, `num_tokens` prompt tokens) ran at `pace` x
         the uncorrected cost model's time: every level of the pace book learns it."""
         self.paces.observe(signal, pace, probe, num_tokens)
+
+    def observe_verdict(self, signal: str, warmup: int, probe: int, coverage: float, passed: bool) -> None:
+        """A served request's quality verdict under the (S, w, p) it ran and the coverage it ended
+        with: the learned served mix (if any) takes it in."""
+        if self.served_mix is not None:
+            self.served_mix.observe(signal, warmup + probe, coverage, passed)
 
     def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
         """The learned measured / predicted factor for this kind of batch (1.0 before any)."""
@@ -189,12 +199,24 @@ class Planner:
         (task,) = tasks
         return task if task in self.demand.tasks else None
 
+    def _is_mixed(self, task: str | None) -> bool:
+        """Whether this batch is priced with the learned served mix (hint-free, learning on)."""
+        return task is None and self.served_mix is not None and self.served_mix.is_active
+
     def _envelope(self, signal: str, depth: int, task: str | None = None):
-        key = (signal, depth, task)
+        mixed = self._is_mixed(task)
+        key = (signal, depth, ("mix", self.served_mix.version) if mixed else task)
+        if mixed and key not in self._envelopes:  # the weights moved: the older mixes' are stale
+            self._envelopes = {k: v for k, v in self._envelopes.items() if not isinstance(k[2], tuple)}
         if key not in self._envelopes:
-            cdf = self.demand.cdf(signal, depth, task)
+            cdf = self.served_mix.cdf(signal, depth) if mixed else self.demand.cdf(signal, depth, task)
             self._envelopes[key] = (cdf, concave_envelope(cdf))
         return self._envelopes[key]
+
+    def _pass_probability(self, signal: str, depth: int, coverages, task: str | None) -> np.ndarray:
+        if self._is_mixed(task):
+            return self.served_mix.pass_probability(signal, depth, coverages)
+        return self.demand.pass_probability(signal, depth, coverages, task)
 
     def signal_depths(self, signal: str) -> list[int]:
         """Rank depths searched for `signal`: depth 1 is kv_dev's (1, 0) (CacheBlend's family: the
@@ -239,7 +261,7 @@ class Planner:
             else:
                 r, ttft = self._static_fill(shape, signal, budget_s / k)
                 ttft *= k
-            passes = float(self.demand.pass_probability(signal, w + p, [r] * R, task).sum())  # static (S, w, p, r)
+            passes = float(self._pass_probability(signal, w + p, [r] * R, task).sum())  # static (S, w, p, r)
             return BatchPlan(signal, w, p, (r,) * R, ttft, passes, budget_s, floor, saturation,
                              "below_floor" if budget_s < floor else "above_saturation", task=task)
         (w, p), coverages, ttft, passes = self._search(shape, signal, budget_s, task)
@@ -305,4 +327,4 @@ class Planner:
         cov = [self.config.r_min] * shape.num_requests  # nothing fits even at 0%
         w, p = self.band_pair(signal)
         t = float(self.cost.ttft(shape, signal, w, p, np.array(cov))[0]) * self.pace(signal, p, shape.num_tokens)
-        return (w, p), cov, t, float(self.demand.pass_probability(signal, w + p, cov, task).sum())
+        return (w, p), cov, t, float(self._pass_probability(signal, w + p, cov, task).sum())

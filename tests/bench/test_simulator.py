@@ -86,7 +86,7 @@ def test_simulate_summarizes_every_method_with_best_static():
 
 def test_the_grid_enumerates_the_papers_settings_and_resumes(tmp_path):
     counted = list(runs(GridConfig(studies=("grid",))))
-    assert len(counted) == 5 * 6 * 4 * 15 and len({r.key for r in counted}) == len(counted)  # 11 + 4 variants
+    assert len(counted) == 5 * 6 * 4 * 16 and len({r.key for r in counted}) == len(counted)  # 11 + 5 variants
     profile, t = make_profile(), table()
     t.save(tmp_path / "t.json")
     profile.save(tmp_path / "p.json")
@@ -209,3 +209,23 @@ def test_the_machine_can_run_on_another_profile_than_the_planner_plans_with():
                               "full_prefill", 50.0, pool=[o], machine_profile=rescaled(profile, 2.0))
     shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
     assert records[0]["ttft_s"] == pytest.approx(2 * CostModel(profile).full_prefill_ttft(shape), rel=0.02)
+
+
+def test_the_learning_method_hears_the_verdict_of_every_planned_request():
+    from dataclasses import replace
+
+    from tests.planner.test_served_mix import two_task_demand
+
+    profile, t = replace(make_profile(), demand=two_task_demand()), table()
+    engine = sim_engine("cachesmith+learn", profile, t)
+    heard = []
+    engine.planner.served_mix.observe = lambda *verdict: heard.append(verdict)
+    results = engine.run([Request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)])
+    planned = [r for r in results if r.mode == "planned"]
+    assert planned and len(heard) == len(planned)
+
+    def verdict(r):
+        s, w, p, _ = r.plan.strip("()").split(",")
+        return s, int(w) + int(p), round(r.num_recomputed / r.num_context_tokens, 6), r.is_passed
+    assert sorted(verdict(r) for r in planned) == sorted((s, d, round(c, 6), ok) for s, d, c, ok in heard)
+    assert sim_engine("cachesmith", profile, t).planner.served_mix is None  # the default does not learn
