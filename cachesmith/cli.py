@@ -236,7 +236,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer API key")
-    serve.add_argument("--method", default="cachesmith+task", help="cachesmith+task (a request naming a profiled task plans with its demand), cachesmith, full_prefill, <preset>@<coverage>, ...")
+    serve.add_argument("--method", default="cachesmith+task",
+                       help="cachesmith+task (a request naming a profiled task plans with its demand), "
+                            "cachesmith+task+learn (also learns the served mix from POST /v1/feedback verdicts), "
+                            "cachesmith, full_prefill, <preset>@<coverage>, ...")
     serve.add_argument("--served-name", default=None, help="model id clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)

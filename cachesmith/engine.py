@@ -11,6 +11,7 @@ verdicts from the outcome tables.
 """
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +26,9 @@ from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import ScheduleDecision, SchedulerConfig
 from cachesmith.workloads.gates import make_gate
+
+
+MAX_AWAITING_VERDICTS = 4096  # planned requests a client may still send a verdict on
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class Engine:
         self.references: dict[int, str] = {}  # full-prefill answers, for the fidelity gate
         self.stats = EngineStats()
         self._queue: dict[int, Admitted] = {}
+        # planned requests whose verdict may still come from outside (`feedback`): the plan each ran
+        self._awaiting_verdict: OrderedDict[int, tuple[str, int, int, float]] = OrderedDict()
+        self._verdicts: deque[tuple[tuple, bool]] = deque()  # (plan ran, passed) from any thread
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, request: Request) -> Admitted:
@@ -118,6 +125,7 @@ class Engine:
     def next_decision(self) -> tuple[ScheduleDecision, list[Admitted]] | None:
         """Schedule the next batch and take its requests off the queue (the part of a step that
         must not overlap a submit: `EngineLoop` holds its lock around this only)."""
+        self._apply_verdicts()
         decision = self.scheduler.next_batch([a.queued for a in self._queue.values()], self.clock.now())
         if decision is None:
             return None
@@ -151,10 +159,7 @@ class Engine:
         """One request's result from its decoded output (gated)."""
         req, inst = adm.request, adm.request.instance
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
-        plan = pre.run.plan
-        if plan is not None and passed is not None:  # the planner learns what the served mix needs
-            coverage = out.num_recomputed / out.num_context_tokens if out.num_context_tokens else 0.0
-            self.planner.observe_verdict(plan.signal, plan.warmup, plan.probe, coverage, passed)
+        self._hear_verdict(req.request_id, pre.run.plan, out, passed)
         return RequestResult(
             req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
             passed, pre.decision.mode, pre.run.plan_label, out.coverage,
@@ -162,6 +167,41 @@ class Engine:
             out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds,
             num_cached_prefix=out.num_cached_prefix, reused_by_chunk=out.reused_by_chunk,
             logprobs=out.logprobs, output_token_ids=out.token_ids)
+
+    @property
+    def is_learning(self) -> bool:
+        """Whether verdicts teach the planner (a method that learns the served mix)."""
+        return self.planner.served_mix is not None
+
+    def feedback(self, request_id: int, passed: bool) -> bool:
+        """A verdict on a finished request from outside (a client's judgement of its answer). Safe
+        from any thread. False unless the request is one of the last `MAX_AWAITING_VERDICTS`
+        planned ones still without a verdict (the first verdict on a request stands)."""
+        ran = self._awaiting_verdict.pop(request_id, None)
+        if ran is None:
+            return False
+        self._verdicts.append((ran, bool(passed)))
+        return True
+
+    def _apply_verdicts(self) -> None:
+        """The planner hears the verdicts so far, on the thread that plans: between batches."""
+        while self._verdicts:
+            ran, passed = self._verdicts.popleft()
+            self.planner.observe_verdict(*ran, passed)
+
+    def _hear_verdict(self, request_id: int, plan, out: RequestOutput, passed: bool | None) -> None:
+        """A learning planner hears each planned request's verdict (what the served mix needs); one
+        the gate cannot give may come later through `feedback`."""
+        if plan is None or not self.is_learning:
+            return
+        coverage = out.num_recomputed / out.num_context_tokens if out.num_context_tokens else 0.0
+        ran = (plan.signal, plan.warmup, plan.probe, coverage)
+        if passed is not None:
+            self._verdicts.append((ran, passed))
+        else:
+            self._awaiting_verdict[request_id] = ran
+            while len(self._awaiting_verdict) > MAX_AWAITING_VERDICTS:
+                self._awaiting_verdict.popitem(last=False)
 
     def _gate(self, req: Request, answer: str) -> bool | None:
         """The quality gate's verdict; None when it cannot judge (no gold, or no reference answer)."""
@@ -201,4 +241,5 @@ class Engine:
                 results[res.request_id] = res
                 bar.update(1)
         bar.close()
+        self._apply_verdicts()
         return [results[r.request_id] for r in requests]

@@ -6,10 +6,12 @@ and a `+qa` suffix for the queue-aware FCFS baseline (`epic@0.3+qa`: requests pa
 full reuse). `cachesmith+task` plans each batch whose requests all name one task with that task's
 demand curves (the request's `task` as a hint; plain `cachesmith` is hint-free, the paper's
 setting); `cachesmith+learn` stays hint-free but prices plans with the served mix's demand learned
-from the quality verdicts of the requests it has served (`planner.served_mix`). The ablations of
-paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to `kv_dev` or `qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
-`planner:<preset>@<coverage>` (the planner alone: arrival-order batches under
-the preset's own TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
+from the quality verdicts of the requests it has served (`planner.served_mix`; the server's
+verdicts come from clients, `POST /v1/feedback`), and `cachesmith+task+learn` does both. The
+ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to `kv_dev` or
+`qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
+`planner:<preset>@<coverage>` (the planner alone: arrival-order batches under the preset's own
+TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
 (arrival-order batches under budgets from the queue's deadlines). In: a name. Out: a `Method` and
 the scheduler that serves it.
 """
@@ -27,7 +29,7 @@ SELECTIVE = ("cacheblend", "epic", "prophetkv", "fusionrag")
 DEFAULT_COVERAGES = (0.15, 0.3)
 SIGNAL_FAMILY = {"cacheblend": "kv_dev", "epic": "kv_dev", "prophetkv": "qci", "fusionrag": "qci"}
 PLANNER_SIGNALS = ("kv_dev", "qci")
-CACHESMITH_KINDS = ("cachesmith", "cachesmith+task", "cachesmith+learn")
+CACHESMITH_KINDS = ("cachesmith", "cachesmith+task", "cachesmith+learn", "cachesmith+task+learn")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def parse_method(name: str) -> Method:
         raise ConfigError(f"method {name!r}: needs ':<preset>@<coverage>' (planner) or ':<signal>' "
                           f"(planner+slo), e.g. planner:cacheblend@0.15")
     if kind in CACHESMITH_KINDS:
-        hint, learn = kind == "cachesmith+task", kind == "cachesmith+learn"
+        hint, learn = "+task" in kind, kind.endswith("+learn")
         if arg == "entropy":
             return Method(text, signal_rule="entropy", use_task_hint=hint, is_mix_learned=learn)
         return Method(text, signal=_signal(text, arg) if colon else None, use_task_hint=hint,

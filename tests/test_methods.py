@@ -67,7 +67,8 @@ def test_task_hint_and_entropy_rule_names():
     entropy = parse_method("cachesmith:entropy")
     assert (entropy.signal_rule, entropy.signal, entropy.use_task_hint) == ("entropy", None, False)
     assert parse_method("cachesmith+task:kv_dev").signal == "kv_dev"
-    learn = parse_method("cachesmith+learn")
+    learn, both = parse_method("cachesmith+learn"), parse_method("cachesmith+task+learn")
+    assert (both.is_mix_learned, both.use_task_hint) == (True, True)
     assert (learn.is_mix_learned, learn.use_task_hint, learn.signal) == (True, False, None)
     assert parse_method("cachesmith").is_mix_learned is False and parse_method("cachesmith+learn:qci").signal == "qci"
     with pytest.raises(ConfigError, match="queue-aware already"):

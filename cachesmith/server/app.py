@@ -27,7 +27,8 @@ from cachesmith.server.limits import BodyLimit
 from cachesmith.server.metrics import ServiceMetrics
 from cachesmith.server.openapi import describe
 from cachesmith.server.responses import Shape, completion_body, sse
-from cachesmith.server.schemas import CHUNK_ID_PATTERN, ChatCompletionRequest, ChunksRequest, CompletionRequest
+from cachesmith.server.schemas import (CHUNK_ID_PATTERN, ChatCompletionRequest, ChunksRequest, CompletionRequest,
+                                       FeedbackRequest)
 from cachesmith.server.service import Service
 from cachesmith.server.streaming import TokenStream
 
@@ -73,6 +74,14 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(service, body, Shape.CHAT, request)
+
+    @app.post("/v1/feedback", dependencies=auth)
+    async def feedback(body: FeedbackRequest):
+        learned = service.feedback(body.id, body.passed)
+        if learned is None:
+            raise ApiError(404, f"id={body.id!r}: not one of the latest completions of this server", "id",
+                           "not_found")
+        return {"id": body.id, "object": "feedback", "passed": body.passed, "learned": learned}
 
     @app.post("/v1/chunks", dependencies=auth)
     async def add_chunks(body: ChunksRequest):
@@ -175,6 +184,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
         raise ApiError(400, future.result().error, "documents")  # refused while admitting
     head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.name}
+    service.name_completion(head["id"], future)
     if stream is None:
         result = await _result_unless_abandoned(future, request, service)
         if result is None:

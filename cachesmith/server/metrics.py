@@ -82,6 +82,18 @@ class _EngineCollector:
         for reason in ("queue_full", "closed", "invalid"):
             rejected.add_metric([reason], svc.num_rejected[reason])
         yield rejected
+        feedback = CounterMetricFamily("cachesmith_feedback", "Verdicts clients sent on completions (POST "
+                                       "/v1/feedback)", labels=["verdict"])
+        for verdict in ("passed", "failed"):
+            feedback.add_metric([verdict], svc.num_feedback[verdict])
+        yield feedback
+        mix = svc.engine.planner.served_mix
+        if mix is not None:  # the served mix learned from verdicts: each profiled task's weight
+            weights = GaugeMetricFamily("cachesmith_served_mix_weight", "The learned served mix's weight on "
+                                        "each profiled task's demand", labels=["task"])
+            for task, weight in mix.describe().items():
+                weights.add_metric([task], weight)
+            yield weights
         hits = CounterMetricFamily("cachesmith_store_hits", "Chunk store reads served, by tier", labels=["tier"])
         for tier in svc.store.tiers:
             hits.add_metric([tier.name], store.hits[tier.name])

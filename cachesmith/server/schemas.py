@@ -277,3 +277,9 @@ class ChatCompletionRequest(_Generation):
 
 class ChunksRequest(_Body):
     documents: list[Annotated[str, _schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)
+
+
+class FeedbackRequest(_Body):
+    """A client's verdict on a completion's answer (`passed`: it was right or good enough)."""
+    id: str = Field(min_length=1, max_length=128, description="the completion's id, as it was answered")
+    passed: bool

@@ -13,14 +13,14 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cachesmith.clock import LiveClock
-from cachesmith.engine import Engine, EngineConfig
+from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
@@ -131,6 +131,9 @@ class Service:
         self._pins: Counter = Counter()
         self._pin_lock = threading.Lock()
         self._turn_stores = BackgroundJobs("cachesmith-turns")
+        self._completions: OrderedDict[str, int] = OrderedDict()  # completion id -> request id, the latest
+        self._completions_lock = threading.Lock()
+        self.num_feedback: Counter = Counter()  # verdicts clients sent, by "passed" / "failed"
 
     @property
     def store(self) -> ChunkStore:
@@ -158,6 +161,24 @@ class Service:
             raise
         future.add_done_callback(lambda f: self._finished(f, spec, pinned, num_prefix_stored, fresh))
         return future
+
+    def name_completion(self, completion_id: str, future: Future) -> None:
+        """The id a client sees for a submitted request, so it can send a verdict later."""
+        with self._completions_lock:
+            self._completions[completion_id] = future.request_id
+            while len(self._completions) > MAX_AWAITING_VERDICTS:
+                self._completions.popitem(last=False)
+
+    def feedback(self, completion_id: str, passed: bool) -> bool | None:
+        """A client's verdict on one of the latest completions: None if the id is not one of them;
+        else whether the planner learns from it (a method that learns the served mix, a request
+        that ran a plan and had no verdict yet)."""
+        with self._completions_lock:
+            request_id = self._completions.get(completion_id)
+        if request_id is None:
+            return None
+        self.num_feedback["passed" if passed else "failed"] += 1
+        return self.engine.feedback(request_id, passed)
 
     def cancel(self, future: Future) -> bool:
         """Drop a submitted request that is still queued (its client went away); False if it is
