@@ -206,8 +206,9 @@ class Planner:
     def _envelope(self, signal: str, depth: int, task: str | None = None):
         mixed = self._is_mixed(task)
         key = (signal, depth, ("mix", self.served_mix.version) if mixed else task)
-        if mixed and key not in self._envelopes:  # the weights moved: the older mixes' are stale
-            self._envelopes = {k: v for k, v in self._envelopes.items() if not isinstance(k[2], tuple)}
+        if mixed and key not in self._envelopes:  # the weights may have moved: older mixes' are stale
+            self._envelopes = {k: v for k, v in self._envelopes.items()
+                               if not isinstance(k[2], tuple) or k[2] == key[2]}
         if key not in self._envelopes:
             cdf = self.served_mix.cdf(signal, depth) if mixed else self.demand.cdf(signal, depth, task)
             self._envelopes[key] = (cdf, concave_envelope(cdf))

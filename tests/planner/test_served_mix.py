@@ -126,3 +126,17 @@ def test_learned_plans_price_passes_with_the_learned_demand():
         p.observe_verdict("qci", 5, 1, 0.2, False)
     after = p.plan(reqs, budget).expected_passes
     assert after < before and math.isclose(after, 2 / 20, abs_tol=0.03)  # hard's qci pass rate
+
+
+def test_one_version_of_the_mix_keeps_every_envelope_it_built():
+    p = planner(is_mix_learned=True)
+    reqs = [PlanRequest(1500, 30, 0, 0.9)]
+    budget = sum(p.band(p.shape(reqs), "kv_dev")) / 2
+    p.plan(reqs, budget)
+    built = {k for k in p._envelopes if isinstance(k[2], tuple)}
+    assert len(built) > 1
+    p.plan(reqs, budget)  # nothing learned in between: every envelope is reused, none rebuilt
+    assert {k for k in p._envelopes if isinstance(k[2], tuple)} == built
+    p.observe_verdict("qci", 5, 1, 0.2, False)
+    p.plan(reqs, budget)  # the weights moved: only the new version's envelopes remain
+    assert {k[2] for k in p._envelopes if isinstance(k[2], tuple)} == {("mix", p.served_mix.version)}
