@@ -19,6 +19,13 @@ from cachesmith.planner.profile import DemandCurve, ProfileError
 COVERAGE_GRID = np.round(np.arange(0, 21) * 0.05, 2)  # the 5% grid demands are measured on
 
 
+def read_at(cdf: np.ndarray, coverages) -> np.ndarray:
+    """A pass probability on the demand grid [21] read at arbitrary coverages: the grid point at or
+    below each."""
+    index = np.floor(np.asarray(coverages, float) / 0.05 + 1e-9).astype(int).clip(0, 20)
+    return cdf[index]
+
+
 class DemandModel:
     def __init__(self, curves: tuple[DemandCurve, ...]) -> None:
         # (task or None for the served mix, signal) -> (anchor depths [A], cdf [A, 21])
@@ -77,9 +84,7 @@ class DemandModel:
 
     def pass_probability(self, signal: str, rank_depth: float, coverages, task: str | None = None) -> np.ndarray:
         """P(pass) at arbitrary coverages: the step CDF read at the 5% grid point at or below."""
-        cdf = self.cdf(signal, rank_depth, task)
-        index = np.floor(np.asarray(coverages, float) / 0.05 + 1e-9).astype(int).clip(0, 20)
-        return cdf[index]
+        return read_at(self.cdf(signal, rank_depth, task), coverages)
 
     def quantile(self, signal: str, rank_depth: float, q: float, task: str | None = None) -> float:
         """Smallest grid coverage passing at least a fraction q of requests (inf if none)."""

@@ -26,7 +26,7 @@ import numpy as np
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.planner.allocate import allocate, concave_envelope, expected_passes
 from cachesmith.planner.cost_model import BatchShape, CostModel
-from cachesmith.planner.demand import DemandModel
+from cachesmith.planner.demand import DemandModel, read_at
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
@@ -120,7 +120,10 @@ class Planner:
         # every depth up to 6, then a geometric-ish grid: demand changes slowly with depth there
         self.depths = sorted({int(d) for d in [*range(2, 7), *np.geomspace(6, deepest, 6).round()]
                               if 2 <= d <= deepest})
-        self._envelopes: dict[tuple[str, int], tuple] = {}
+        self._envelopes: dict[tuple[str, int, str | None], tuple] = {}  # (signal, depth, task) -> (cdf, envelope)
+        # the learned mix's, for its current weights only: (signal, depth) -> (cdf, envelope)
+        self._mix_envelopes: dict[tuple[str, int], tuple] = {}
+        self._mix_version = -1
         # measured / predicted TTFT per kind of batch, learned from executed batches (`observe`):
         # the offline cost fit is biased per signal, plan family and batch size (planner/pace.py)
         self.paces = PaceBook()
@@ -203,21 +206,24 @@ class Planner:
         """Whether this batch is priced with the learned served mix (hint-free, learning on)."""
         return task is None and self.served_mix is not None and self.served_mix.is_active
 
+    def _cdf(self, signal: str, depth: int, task: str | None) -> np.ndarray:
+        """The pass probability on the demand grid [21] this batch is priced with."""
+        return self.served_mix.cdf(signal, depth) if self._is_mixed(task) else self.demand.cdf(signal, depth, task)
+
     def _envelope(self, signal: str, depth: int, task: str | None = None):
-        mixed = self._is_mixed(task)
-        key = (signal, depth, ("mix", self.served_mix.version) if mixed else task)
-        if mixed and key not in self._envelopes:  # the weights may have moved: older mixes' are stale
-            self._envelopes = {k: v for k, v in self._envelopes.items()
-                               if not isinstance(k[2], tuple) or k[2] == key[2]}
-        if key not in self._envelopes:
-            cdf = self.served_mix.cdf(signal, depth) if mixed else self.demand.cdf(signal, depth, task)
-            self._envelopes[key] = (cdf, concave_envelope(cdf))
-        return self._envelopes[key]
+        if self._is_mixed(task):
+            if self._mix_version != self.served_mix.version:  # the weights moved: rebuild them all
+                self._mix_envelopes, self._mix_version = {}, self.served_mix.version
+            cache, key = self._mix_envelopes, (signal, depth)
+        else:
+            cache, key = self._envelopes, (signal, depth, task)
+        if key not in cache:
+            cdf = self._cdf(signal, depth, task)
+            cache[key] = (cdf, concave_envelope(cdf))
+        return cache[key]
 
     def _pass_probability(self, signal: str, depth: int, coverages, task: str | None) -> np.ndarray:
-        if self._is_mixed(task):
-            return self.served_mix.pass_probability(signal, depth, coverages)
-        return self.demand.pass_probability(signal, depth, coverages, task)
+        return read_at(self._cdf(signal, depth, task), coverages)
 
     def signal_depths(self, signal: str) -> list[int]:
         """Rank depths searched for `signal`: depth 1 is kv_dev's (1, 0) (CacheBlend's family: the

@@ -15,8 +15,8 @@ profiled behaviour its verdicts fit best. The posterior is over the latest `max_
 verdicts, so a mix that drifts is followed.
 
 How fast it learns is set by how far apart the tasks' curves are: on the packaged profile a VT-only
-stream is told apart within about ten verdict pairs, while PR, MSQ and MV overlap and take tens to
-hundreds (docs/decisions.md, session 19). Never touches tensors.
+stream is told apart within about ten verdict pairs, while PR, MSQ and MV overlap and take tens,
+often more than 60 (docs/decisions.md, session 19). Never touches tensors.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachesmith.errors import ConfigError
-from cachesmith.planner.demand import DemandModel
+from cachesmith.planner.demand import DemandModel, read_at
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ class ServedMix:
         return sum(w * self.demand.cdf(signal, rank_depth, t) for w, t in zip(self.weights, self.tasks))
 
     def pass_probability(self, signal: str, rank_depth: float, coverages) -> np.ndarray:
-        return sum(w * self.demand.pass_probability(signal, rank_depth, coverages, t)
-                   for w, t in zip(self.weights, self.tasks))
+        return read_at(self.cdf(signal, rank_depth), coverages)
 
     def describe(self) -> dict[str, float]:
         """Task -> weight, for logs and reports."""
