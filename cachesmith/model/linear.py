@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from cachesmith.model import native
+
 MAX_PACKED_ROWS = 32
 _MIN_ROWS = {torch.float32: 2, torch.bfloat16: 1}  # fewer rows: F.linear is as fast or faster
 
@@ -50,18 +52,36 @@ class Linear:
         self.bias = bias  # [out] or None
         self.packed = _pack(weight) if is_packed else None
         self._min_rows = _MIN_ROWS.get(weight.dtype, 1)
+        self.native: torch.Tensor | None = None  # the weight in `model.native`'s layout, once tuned in
+        self._max_native_rows = 0
 
     @property
     def is_one_row_packed(self) -> bool:
         return self.packed is not None and self._min_rows == 1
 
+    @property
+    def one_row_kernel(self) -> str:
+        """Which kernel one row goes to: "native", "packed" (oneDNN) or "plain" (`F.linear`)."""
+        if self._max_native_rows:
+            return "native"
+        return "packed" if self.is_one_row_packed else "plain"
+
+    def is_native_for(self, x: torch.Tensor) -> bool:
+        return x.ndim == 2 and x.shape[0] <= self._max_native_rows and x.dtype == self.weight.dtype
+
+    def is_packed_for(self, x: torch.Tensor) -> bool:
+        """Whether input x [num_rows, in] goes to the packed kernel."""
+        packed = self.packed
+        return (packed is not None and x.ndim == 2 and self._min_rows <= x.shape[0] <= MAX_PACKED_ROWS
+                and x.dtype == packed.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_rows, in] -> [num_rows, out]."""
-        packed = self.packed
-        if (packed is None or x.ndim != 2 or not self._min_rows <= x.shape[0] <= MAX_PACKED_ROWS
-                or x.dtype != packed.dtype):
+        if self.is_native_for(x):
+            return native.matmul(x, self.native, self.bias)
+        if not self.is_packed_for(x):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [None], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
 
 def _one_pass_s(linears: Sequence[Linear], rows: dict[int, torch.Tensor], is_packed: bool) -> float:
@@ -100,3 +120,51 @@ def send_one_row_packed(linears: Sequence[Linear]) -> None:
     for lin in linears:
         if lin.packed is not None:
             lin._min_rows = 1
+
+
+def _native_pass_s(linears: Sequence[Linear], rows: dict[int, torch.Tensor], is_native: bool) -> float:
+    start = time.perf_counter()
+    for lin in linears:
+        x = rows[lin.weight.shape[1]]
+        if is_native:
+            native.matmul(x, lin.native, lin.bias)
+        else:
+            lin(x)  # whichever kernel one row goes to now
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def tune_native(linears: Sequence[Linear], repeats: int = 3) -> bool:
+    """Send calls of up to `native.MAX_NATIVE_ROWS` rows to the natively compiled kernel if, on
+    these weights, it reads them clearly faster than the kernel one row goes to now (timed as
+    `tune_one_row` times). Linears whose shape the kernel does not take keep their kernels; where
+    the kernel is refused, its packed copies are dropped. Returns whether the kernel is in use."""
+    for lin in linears:
+        if lin.native is None:
+            lin.native = native.pack(lin.weight)
+    candidates = [lin for lin in linears if lin.native is not None and not lin._max_native_rows]
+    if not candidates:
+        return any(lin._max_native_rows for lin in linears)
+    rows = {lin.weight.shape[1]: torch.zeros(1, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in candidates}
+    current_s, native_s = float("inf"), float("inf")
+    for _ in range(repeats):
+        current_s = min(current_s, _native_pass_s(candidates, rows, is_native=False))
+        native_s = min(native_s, _native_pass_s(candidates, rows, is_native=True))
+    is_faster = native_s < 0.9 * current_s
+    for lin in candidates:
+        if is_faster:
+            lin._max_native_rows = native.MAX_NATIVE_ROWS
+        else:
+            lin.native = None
+    return is_faster
+
+
+def send_native(linears: Sequence[Linear]) -> bool:
+    """Calls of up to `native.MAX_NATIVE_ROWS` rows of `linears` go to the native kernel (where it
+    takes their shape). Returns whether any does."""
+    for lin in linears:
+        if lin.native is None:
+            lin.native = native.pack(lin.weight)
+        if lin.native is not None:
+            lin._max_native_rows = native.MAX_NATIVE_ROWS
+    return any(lin._max_native_rows for lin in linears)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from cachesmith.errors import InputError
 from cachesmith.model import Decoder, Decoding, greedy_decode
-from cachesmith.model import decode as decode_mod
+from cachesmith.model import row_attention
 from cachesmith.model.decode import decode_step
 from cachesmith.model import linear as linear_mod
 from cachesmith.model.linear import MAX_PACKED_ROWS, Linear, tune_one_row
@@ -126,7 +126,7 @@ def test_generation_stops_at_the_models_last_position(tiny_llama_dir):
     assert len(ids) == 3 and cache.num_tokens == limit - 1
 
 
-@pytest.mark.skipif(decode_mod._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
+@pytest.mark.skipif(row_attention._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
 @pytest.mark.parametrize("num_keys, splits", [(1024, 2), (1027, 2), (1031, 3), (2053, 4), (600, 5)])
 def test_split_key_attention_equals_one_call(num_keys, splits):
     g = torch.Generator().manual_seed(num_keys)
@@ -136,9 +136,9 @@ def test_split_key_attention_equals_one_call(num_keys, splits):
     keys, values = slab[0, :num_keys], slab[1, :num_keys]
     grouped = q.view(1, num_kv_heads, 2, head_dim)
     ref = F.scaled_dot_product_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None]).reshape(-1)
-    mask = decode_mod.overlap_mask(num_keys, splits, keys.dtype, keys.device)
+    mask = row_attention.overlap_mask(num_keys, splits, keys.dtype, keys.device)
     assert (mask is None) == (num_keys % splits == 0)
-    out = decode_mod._attend_split(grouped, keys, values, decode_mod.KeySplit(splits, mask))
+    out = row_attention._attend_split(grouped, keys, values, row_attention.KeySplit(splits, mask))
     # where num_keys % splits > 0 the ranges overlap: equality shows the overlap counted once
     assert (out - ref).abs().max().item() < 1e-5
 
@@ -146,22 +146,22 @@ def test_split_key_attention_equals_one_call(num_keys, splits):
 def test_key_splits_follow_threads_and_heads(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert decode_mod.num_key_splits(4096, 3, cpu) == 2  # 3 heads on 2 threads: halve the keys
-    assert decode_mod.num_key_splits(4095, 3, cpu) == 1  # too few keys for two ranges
-    assert decode_mod.num_key_splits(4096, 2, cpu) == 1  # 2 heads already share 2 threads
+    assert row_attention.num_key_splits(4096, 3, cpu) == 2  # 3 heads on 2 threads: halve the keys
+    assert row_attention.num_key_splits(4095, 3, cpu) == 1  # too few keys for two ranges
+    assert row_attention.num_key_splits(4096, 2, cpu) == 1  # 2 heads already share 2 threads
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert decode_mod.num_key_splits(4096, 3, cpu) == 2  # 16 / gcd(16, 3) = 16, capped at 4096 / 2048
-    assert decode_mod.num_key_splits(32768, 3, cpu) == 16
-    assert decode_mod.num_key_splits(4096, 3, torch.device("meta")) == 1
+    assert row_attention.num_key_splits(4096, 3, cpu) == 2  # 16 / gcd(16, 3) = 16, capped at 4096 / 2048
+    assert row_attention.num_key_splits(32768, 3, cpu) == 16
+    assert row_attention.num_key_splits(4096, 3, torch.device("meta")) == 1
 
 
-@pytest.mark.skipif(decode_mod._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
+@pytest.mark.skipif(row_attention._FLASH_CPU is None, reason="torch build without the CPU flash kernel")
 def test_batched_step_with_split_keys_equals_each_sequence_alone(tiny_llama_dir, monkeypatch):
     model = Decoder(tiny_llama_dir[0])
     # tiny contexts: let 4+ keys split, and 3 "threads" over 2 KV heads make 3 ranges per row
-    monkeypatch.setattr(decode_mod, "MIN_SPLIT_KEYS", 4)
+    monkeypatch.setattr(row_attention, "MIN_SPLIT_KEYS", 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert decode_mod.key_split(13, model.config.num_kv_heads, model.dtype, model.device).num_ranges == 3
+    assert row_attention.key_split(13, model.config.num_kv_heads, model.dtype, model.device).num_ranges == 3
     lengths = (12, 13, 29)  # overlaps of 0, 1 and 2 keys (with the new row: 13, 14, 30 keys)
     alone = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
     together = [model.prefill(_ids(n, seed), extra_capacity=4)[1] for n, seed in zip(lengths, range(3))]
