@@ -24,7 +24,7 @@ from cachesmith.model.weights import fingerprint, load_weights
 # the one-row kernel worth timing (a tiny model's would be timed from cache, and its load kept fast)
 MIN_TUNED_WEIGHT_BYTES = 64 << 20
 _ONE_ROW_PACKED: dict[torch.dtype, bool] = {}  # the first load's measurement, per dtype
-_NATIVE: dict[torch.dtype, bool] = {}  # likewise for the natively compiled kernel
+_NATIVE: dict[torch.dtype, int] = {}  # likewise: the most rows sent to the natively compiled kernel
 _NATIVE_ATTENTION: dict[tuple, bool] = {}  # (dtype, heads, KV heads, head size) -> measured faster
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +93,7 @@ class Decoder:
         if self.dtype not in _NATIVE:
             _NATIVE[self.dtype] = tune_native(linears)
         elif _NATIVE[self.dtype]:
-            send_native(linears)
+            send_native(linears, _NATIVE[self.dtype])
         cfg = self.config
         key = (self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         if key not in _NATIVE_ATTENTION:

@@ -129,42 +129,50 @@ def _native_pass_s(linears: Sequence[Linear], rows: dict[int, torch.Tensor], is_
         if is_native:
             native.matmul(x, lin.native, lin.bias)
         else:
-            lin(x)  # whichever kernel one row goes to now
+            lin(x)  # whichever kernel these rows go to now
     return time.perf_counter() - start
 
 
+def _is_native_faster(linears: Sequence[Linear], num_rows: int, repeats: int) -> bool:
+    """Best of `repeats` passes over all of `linears` with `num_rows` rows, alternating, so both
+    read from memory as a decode step does; a clear margin, as the timing shares the machine."""
+    rows = {lin.weight.shape[1]: torch.zeros(num_rows, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears}
+    current_s, native_s = float("inf"), float("inf")
+    for _ in range(repeats):
+        current_s = min(current_s, _native_pass_s(linears, rows, is_native=False))
+        native_s = min(native_s, _native_pass_s(linears, rows, is_native=True))
+    return native_s < 0.9 * current_s
+
+
 @torch.inference_mode()
-def tune_native(linears: Sequence[Linear], repeats: int = 3) -> bool:
-    """Send calls of up to `native.MAX_NATIVE_ROWS` rows to the natively compiled kernel if, on
-    these weights, it reads them clearly faster than the kernel one row goes to now (timed as
-    `tune_one_row` times). Linears whose shape the kernel does not take keep their kernels; where
-    the kernel is refused, its packed copies are dropped. Returns whether the kernel is in use."""
+def tune_native(linears: Sequence[Linear], repeats: int = 3) -> int:
+    """Send calls of few rows to the natively compiled kernel where, on these weights, it reads them
+    clearly faster than the kernels those rows go to now: up to `native.MAX_NATIVE_ROWS` rows if it
+    wins at one row and at that many, one row if only there. Linears whose shape the kernel does not
+    take keep their kernels; where the kernel is refused, its packed copies are dropped. Returns the
+    most rows sent to it (0: none)."""
     for lin in linears:
         if lin.native is None:
             lin.native = native.pack(lin.weight)
     candidates = [lin for lin in linears if lin.native is not None and not lin._max_native_rows]
     if not candidates:
-        return any(lin._max_native_rows for lin in linears)
-    rows = {lin.weight.shape[1]: torch.zeros(1, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in candidates}
-    current_s, native_s = float("inf"), float("inf")
-    for _ in range(repeats):
-        current_s = min(current_s, _native_pass_s(candidates, rows, is_native=False))
-        native_s = min(native_s, _native_pass_s(candidates, rows, is_native=True))
-    is_faster = native_s < 0.9 * current_s
+        return max((lin._max_native_rows for lin in linears), default=0)
+    max_rows = 0
+    if _is_native_faster(candidates, 1, repeats):
+        max_rows = native.MAX_NATIVE_ROWS if _is_native_faster(candidates, native.MAX_NATIVE_ROWS, repeats) else 1
     for lin in candidates:
-        if is_faster:
-            lin._max_native_rows = native.MAX_NATIVE_ROWS
-        else:
+        lin._max_native_rows = max_rows
+        if not max_rows:
             lin.native = None
-    return is_faster
+    return max_rows
 
 
-def send_native(linears: Sequence[Linear]) -> bool:
-    """Calls of up to `native.MAX_NATIVE_ROWS` rows of `linears` go to the native kernel (where it
-    takes their shape). Returns whether any does."""
+def send_native(linears: Sequence[Linear], max_rows: int = native.MAX_NATIVE_ROWS) -> bool:
+    """Calls of up to `max_rows` rows of `linears` go to the native kernel (where it takes their
+    shape). Returns whether any does."""
     for lin in linears:
         if lin.native is None:
             lin.native = native.pack(lin.weight)
         if lin.native is not None:
-            lin._max_native_rows = native.MAX_NATIVE_ROWS
+            lin._max_native_rows = max_rows
     return any(lin._max_native_rows for lin in linears)

@@ -1,17 +1,18 @@
 """Decode kernels compiled for the CPU they run on: small-row matmuls (`csrc/small_rows.c`) and
 one row's attention (`csrc/one_row_attention.c`).
 
-In: a weight `[out, in]` packed once by `pack`; then inputs `[num_rows, in]` with at most
-MAX_NATIVE_ROWS rows. Out: `[num_rows, out]`, equal to `F.linear` up to float32 summation order
+In: a weight `[out, in]` packed once by `pack`; then inputs `[num_rows, in]` (used for at most
+MAX_NATIVE_ROWS rows). Out: `[num_rows, out]`, equal to `F.linear` up to float32 summation order
 (bfloat16: accumulated in float32, rounded once). `attend_one`: one row's queries over a cache's
 keys and values -> the attention output, equal to SDPA up to float32 rounding.
 
 Why: one decoding row costs reading every weight once, and the libraries torch calls read one row's
 weights well below what the memory delivers. On a 2-core AVX-512 machine here, a weight from memory
-(90 distinct weights a pass, 2 threads) was read by oneDNN's prepacked kernel at 14-25 GB/s, by
-`F.linear` at 8-17 GB/s and by this kernel at 22-31 GB/s (`torch.sum` over the same bytes: 28-34):
-1.4-2.1x oneDNN's speed at one and two rows, even at 4, slower from 8 rows (where oneDNN stays in
-use). Whether a model's one-row calls go here is measured at load (`model.linear.tune_native`).
+(90 distinct weights a pass, 2 threads) was read by oneDNN's prepacked kernel at 14-25 GB/s and by
+`F.linear` at 8-17 GB/s; `torch.sum` reads the same bytes at 28-34. This kernel ran 1.4-2.5x
+oneDNN's speed at 1-2 rows, 1.2-1.8x at 4, 1.1-1.5x at 8, even at 16 and 0.8-1.0x at 32 (where
+oneDNN stays in use). Whether a model's small-row calls go here is measured at load
+(`model.linear.tune_native`).
 One row's attention through torch's CPU flash kernel (3 KV heads of 64 over 1K-4K cached keys) read
 the keys and values at 4-13 GB/s: its tasks are (head, query block) pairs, so 3 heads on 2 threads
 take two rounds, and each block of keys is packed before its matmul. This kernel splits the keys,
@@ -43,9 +44,8 @@ from cachesmith.model.assets import cachesmith_home
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("small_rows.c", "one_row_attention.c"))
-MAX_NATIVE_ROWS = 2  # measured: 1-2 rows 1.4-2.1x oneDNN; 4 even; 8 and more slower
-BLOCK = 8  # output rows per packed block (the C side's BLOCK)
-LANES = {torch.float32: 16, torch.bfloat16: 32}  # one 512-bit register of the dtype
+MAX_NATIVE_ROWS = 8  # measured: up to 8 rows 1.1-2.5x oneDNN; 16 even; 32 slower
+PANEL = 32  # output columns per packed panel (the C side's PANEL)
 _KERNEL_BITS = {torch.float32: 1, torch.bfloat16: 2}
 _SYMBOLS = {torch.float32: "cs_matmul_f32", torch.bfloat16: "cs_matmul_bf16"}
 _ATTEND_SYMBOLS = {torch.float32: "cs_decode_attention_f32", torch.bfloat16: "cs_decode_attention_bf16"}
@@ -126,20 +126,22 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [out, in] -> [out / 8, in / L, 8, L] (the kernel's layout), or None where no kernel applies."""
+    """weight [out, in] -> the kernel's panels (float32 [out/32, in, 32]; bfloat16 [out/32, in/2, 32, 2]),
+    or None where no kernel applies."""
     if weight.device.type != "cpu" or weight.ndim != 2 or not supports(weight.dtype):
         return None
     num_out, num_in = weight.shape
-    lanes = LANES[weight.dtype]
-    if num_out % BLOCK or num_in % lanes:
+    if num_out % PANEL or (weight.dtype == torch.bfloat16 and num_in % 2):
         return None
-    return weight.reshape(num_out // BLOCK, BLOCK, num_in // lanes, lanes).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.float32:
+        return weight.reshape(num_out // PANEL, PANEL, num_in).transpose(1, 2).contiguous()
+    return weight.reshape(num_out // PANEL, PANEL, num_in // 2, 2).transpose(1, 2).contiguous()
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_rows, in] @ the packed weight -> [num_rows, out] (+ bias)."""
-    num_blocks, _, block, lanes = packed.shape
-    num_out, num_in = num_blocks * block, packed.shape[1] * lanes
+    num_out = packed.shape[0] * PANEL
+    num_in = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
     if x.ndim != 2 or x.shape[1] != num_in or x.dtype != packed.dtype or x.device.type != "cpu":
         # the kernel reads raw memory: a wrong shape would read past the tensor, not raise
         raise ValueError(f"native matmul: x {tuple(x.shape)} {x.dtype} does not fit a weight of "

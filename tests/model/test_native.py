@@ -49,14 +49,14 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(96, 64), (128, 96), (8, 32)])
+@pytest.mark.parametrize("shape", [(96, 64), (128, 98), (32, 2)])
 def test_matmul_equals_f_linear_at_every_row_count(dtype, shape):
     g = torch.Generator().manual_seed(shape[0])
     weight = torch.randn(*shape, generator=g).to(dtype)
     bias = torch.randn(shape[0], generator=g).to(dtype)
     packed = native.pack(weight)
-    assert packed is not None and packed.shape[0] == shape[0] // native.BLOCK
-    for rows in (1, 2, 3, 4, 5, 7):  # groups of 3 rows and every remainder
+    assert packed is not None and packed.shape[0] == shape[0] // native.PANEL
+    for rows in (1, 2, 5, 8, 12, 13, 30):  # groups of up to 12 rows and their remainders
         x = torch.randn(rows, shape[1], generator=g).to(dtype)
         for b in (None, bias):
             out = native.matmul(x, packed, b)
@@ -68,8 +68,10 @@ def test_matmul_equals_f_linear_at_every_row_count(dtype, shape):
 
 @pytest.mark.skipif(not HAS_F32, reason="no AVX-512 kernels here")
 def test_pack_and_matmul_refuse_what_the_kernel_cannot_take():
-    assert native.pack(torch.randn(100, 64)) is None  # 100 output rows: not whole blocks of 8
-    assert native.pack(torch.randn(96, 40)) is None  # 40 inputs: not whole 512-bit registers
+    assert native.pack(torch.randn(100, 64)) is None  # 100 outputs: not whole panels of 32
+    if HAS_BF16:
+        assert native.pack(torch.randn(96, 41).to(torch.bfloat16)) is None  # inputs go in pairs
+    assert native.pack(torch.randn(96, 41)) is not None  # float32 takes any input size
     assert native.pack(torch.randn(96, 64).half()) is None  # no float16 kernel
     packed = native.pack(torch.randn(96, 64))
     with pytest.raises(ValueError, match=r"x \(2, 32\).*\[96, 64\]"):
@@ -159,7 +161,7 @@ def test_no_compiler_means_torch_kernels_and_no_error(monkeypatch, tmp_path):
         monkeypatch.setattr(native, "_compiler", lambda: str(tmp_path / "no-such-cc"))
         assert native.library() is None and not native.supports(torch.float32)
         lin = Linear(torch.randn(96, 64))
-        assert native.pack(lin.weight) is None and tune_native([lin]) is False and lin.one_row_kernel != "native"
+        assert native.pack(lin.weight) is None and tune_native([lin]) == 0 and lin.one_row_kernel != "native"
         assert list(tmp_path.rglob("*.so")) == []  # nothing half-built left behind
     finally:
         native.library.cache_clear()  # later tests load the real build again
@@ -172,15 +174,28 @@ def test_small_rows_go_native_only_when_measured_clearly_faster(monkeypatch, nat
     weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     lins = [Linear(weight, bias), Linear(torch.randn(100, 64, generator=g))]  # the second: no native shape
     monkeypatch.setattr(linear_mod, "_native_pass_s", lambda linears, rows, is_native: native_s if is_native else 1.0)
-    assert tune_native(lins) is is_chosen
+    assert tune_native(lins) == (native.MAX_NATIVE_ROWS if is_chosen else 0)
     assert (lins[0].one_row_kernel == "native") is is_chosen
     assert lins[1].native is None and lins[1].one_row_kernel != "native"
     assert (lins[0].native is not None) is is_chosen  # a refused kernel's copy is dropped
     calls = []
     monkeypatch.setattr(native, "matmul", lambda *a: calls.append(a[0].shape[0]) or F.linear(a[0], weight, bias))
-    for rows in (1, 2, 3):
+    for rows in (1, 2, native.MAX_NATIVE_ROWS, native.MAX_NATIVE_ROWS + 1):
         lins[0](torch.randn(rows, 64, generator=g))
-    assert calls == ([1, 2] if is_chosen else [])  # up to MAX_NATIVE_ROWS rows only
+    assert calls == ([1, 2, native.MAX_NATIVE_ROWS] if is_chosen else [])  # up to MAX_NATIVE_ROWS rows only
+
+
+@pytest.mark.skipif(not HAS_F32, reason="no AVX-512 kernels here")
+def test_only_one_row_goes_native_where_it_wins_only_there(monkeypatch):
+    lin = Linear(torch.randn(64, 32))
+
+    def fake_pass(linears, rows, is_native):  # native: 2x faster at one row, 1.5x slower at the most rows
+        num_rows = next(iter(rows.values())).shape[0]
+        assert num_rows in (1, native.MAX_NATIVE_ROWS)
+        return (0.5 if num_rows == 1 else 1.5) if is_native else 1.0
+    monkeypatch.setattr(linear_mod, "_native_pass_s", fake_pass)
+    assert tune_native([lin]) == 1
+    assert lin.is_native_for(torch.zeros(1, 32)) and not lin.is_native_for(torch.zeros(2, 32))
 
 
 @pytest.mark.skipif(not HAS_F32, reason="no AVX-512 kernels here")

@@ -11,6 +11,7 @@
  * sum and weighted values, merged at the end by their log-sum-exp. Scores are made 8 keys at a time
  * for up to 3 queries of a KV head: each key is loaded once, and 8 lane-wise partial dot products are
  * summed across lanes by one transpose; each value row is likewise loaded once for those queries.
+ * The exponentials are a vectorized polynomial (Cephes' expf).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,20 +26,44 @@ static inline __m512 load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-#pragma omp declare simd
-static inline float exp_nonpositive(float x) {  /* e^x for x <= 0 (Cephes' expf polynomial) */
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } two_n = { (uint32_t)((int32_t)n + 127) << 23 };
-    return p * two_n.f;
+/* e^x for x <= 0, 16 lanes (Cephes' expf polynomial; 2^n applied by vscalefps) */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[t] = e^(s[t] - max s) for t in [0, n); *max_out = max s, returns the sum of the new s. */
+static float softmax_numerators(float* s, int64_t n, float* max_out) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    __m512 mb = _mm512_set1_ps(m), lv = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n; t += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
+        _mm512_storeu_ps(s + t, e);
+        lv = _mm512_add_ps(lv, e);
+    }
+    if (t < n) {
+        __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mb));
+        _mm512_mask_storeu_ps(s + t, tail, e);
+        lv = _mm512_add_ps(lv, _mm512_maskz_mov_ps(tail, e));
+    }
+    *max_out = m;
+    return _mm512_reduce_add_ps(lv);
 }
 
 static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch rounds */
@@ -144,12 +169,9 @@ static void range_##T(const float* qf, const T* k, const T* v, const layout* lay
             else if (nq == 2) scores_##T##_2(q, head_dim, kh, lay->k_token_stride, n, scale, scores); \
             else scores_##T##_1(q, head_dim, kh, lay->k_token_stride, n, scale, scores);     \
             for (int j = 0; j < nq; j++) {                                                   \
-                float* s = scores + j * n, m = -INFINITY, l = 0.0f;                          \
-                for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;                     \
-                _Pragma("omp simd reduction(+:l)")                                           \
-                for (int64_t t = 0; t < n; t++) { s[t] = exp_nonpositive(s[t] - m); l += s[t]; } \
+                float m;                                                                     \
+                part_sum[(first + j) * num_parts + part] = softmax_numerators(scores + j * n, n, &m); \
                 part_max[(first + j) * num_parts + part] = m;                                \
-                part_sum[(first + j) * num_parts + part] = l;                                \
             }                                                                                \
             float* acc = part_acc + (first * num_parts + part) * head_dim;                   \
             int64_t acc_stride = num_parts * head_dim;                                       \
