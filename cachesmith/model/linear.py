@@ -148,7 +148,7 @@ def _is_native_faster(linears: Sequence[Linear], num_rows: int, repeats: int) ->
 def tune_native(linears: Sequence[Linear], repeats: int = 3) -> int:
     """Send calls of few rows to the natively compiled kernel where, on these weights, it reads them
     clearly faster than the kernels those rows go to now: up to `native.MAX_NATIVE_ROWS` rows if it
-    wins at one row and at that many, one row if only there. Linears whose shape the kernel does not
+    wins at one row and at `native.TUNED_ROWS`, one row if only there. Linears whose shape the kernel does not
     take keep their kernels; where the kernel is refused, its packed copies are dropped. Returns the
     most rows sent to it (0: none)."""
     for lin in linears:
@@ -159,7 +159,7 @@ def tune_native(linears: Sequence[Linear], repeats: int = 3) -> int:
         return max((lin._max_native_rows for lin in linears), default=0)
     max_rows = 0
     if _is_native_faster(candidates, 1, repeats):
-        max_rows = native.MAX_NATIVE_ROWS if _is_native_faster(candidates, native.MAX_NATIVE_ROWS, repeats) else 1
+        max_rows = native.MAX_NATIVE_ROWS if _is_native_faster(candidates, native.TUNED_ROWS, repeats) else 1
     for lin in candidates:
         lin._max_native_rows = max_rows
         if not max_rows:

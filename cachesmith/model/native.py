@@ -10,7 +10,7 @@ Why: one decoding row costs reading every weight once, and the libraries torch c
 weights well below what the memory delivers. On a 2-core AVX-512 machine here, a weight from memory
 (90 distinct weights a pass, 2 threads) was read by oneDNN's prepacked kernel at 14-25 GB/s and by
 `F.linear` at 8-17 GB/s; `torch.sum` reads the same bytes at 28-34. This kernel ran 1.4-2.5x
-oneDNN's speed at 1-2 rows, 1.2-1.8x at 4, 1.1-1.5x at 8, even at 16 and 0.8-1.0x at 32 (where
+oneDNN's speed at 1-2 rows, 1.2-1.8x at 4, 1.1-1.5x at 8, 0.8-1.1x at 16 and 0.8-1.0x at 32 (where
 oneDNN stays in use). Whether a model's small-row calls go here is measured at load
 (`model.linear.tune_native`).
 One row's attention through torch's CPU flash kernel (3 KV heads of 64 over 1K-4K cached keys) read
@@ -43,13 +43,22 @@ from cachesmith.model.assets import cachesmith_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("small_rows.c", "one_row_attention.c"))
-MAX_NATIVE_ROWS = 8  # measured: up to 8 rows 1.1-2.5x oneDNN; 16 even; 32 slower
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(_CSRC / name for name in ("small_rows.c", "one_row_attention.c", "decode_layers.c"))
+HEADERS = (_CSRC / "simd_math.h",)
+# The matmul alone, against oneDNN: 1.1-2.5x at up to 8 rows (timed at load at 1 and TUNED_ROWS
+# rows), even at 16 (0.8-1.1x), slower at 32. Up to 16 rows go native all the same: a step of 16
+# streams then runs every layer in one call (`decode_layers`), 1.3-1.4x the tokens/s of the
+# per-layer path through oneDNN here.
+MAX_NATIVE_ROWS = 16
+TUNED_ROWS = 8
 PANEL = 32  # output columns per packed panel (the C side's PANEL)
 _KERNEL_BITS = {torch.float32: 1, torch.bfloat16: 2}
 _SYMBOLS = {torch.float32: "cs_matmul_f32", torch.bfloat16: "cs_matmul_bf16"}
 _ATTEND_SYMBOLS = {torch.float32: "cs_decode_attention_f32", torch.bfloat16: "cs_decode_attention_bf16"}
 NUM_LAYOUT_FIELDS = 10  # the C side's per-sequence descriptor (see `kv_layouts`)
+_LAYERS_SYMBOLS = {torch.float32: "cs_decode_layers_f32", torch.bfloat16: "cs_decode_layers_bf16"}
+NUM_WEIGHT_FIELDS = 7  # the C side's per-layer weight addresses (see `layer_table`)
 
 
 def cache_dir() -> Path:
@@ -68,7 +77,7 @@ def _build_key(compiler: str) -> str:
         cpu += next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     return hashlib.sha256(sources + version.encode() + cpu.encode()).hexdigest()[:16]
 
 
@@ -115,6 +124,11 @@ def library() -> ctypes.CDLL | None:
         if hasattr(lib, symbol):
             fn = getattr(lib, symbol)
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+            fn.restype = None
+    for symbol in _LAYERS_SYMBOLS.values():
+        if hasattr(lib, symbol):
+            fn = getattr(lib, symbol)
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
             fn.restype = None
     return lib
 
@@ -212,3 +226,36 @@ def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
                          f"({keys.dtype}) does not fit the kernel")
     layouts = kv_layouts([keys], [values], [keys.shape[0]])
     return decode_attention(q[None], keys.shape[1], layouts)[0]
+
+
+def supports_layers(dtype: torch.dtype) -> bool:
+    """Whether `decode_layers` runs natively for this dtype."""
+    lib = library()
+    return lib is not None and hasattr(lib, _LAYERS_SYMBOLS.get(dtype, ""))
+
+
+def layer_table(layers: Sequence[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The C side's per-layer weight addresses [num_layers, 7] int64 from, per layer, the packed
+    qkv, o, gate|up and down weights (`pack`), the qkv bias (or None) and the input and
+    post-attention norm weights. The tensors must stay alive while the table is used."""
+    return torch.tensor([[0 if t is None else t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64)
+
+
+def decode_layers(h: torch.Tensor, table: torch.Tensor, layouts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> torch.Tensor:
+    """Every layer of one decode step (csrc/decode_layers.c): the residual stream h [num_seqs, hidden]
+    of each sequence, updated in place and returned, each sequence's new K/V written into its cache
+    (`kv_layouts`, whose rows num_keys - 1 are the new ones). cos, sin [num_seqs, head_dim] are the
+    sequences' rotary tables in h's dtype; the weights (`layer_table`) are h's dtype too."""
+    num_seqs, hidden = h.shape
+    if (not h.is_contiguous() or not supports_layers(h.dtype) or table.shape[1:] != (NUM_WEIGHT_FIELDS,)
+            or layouts.shape != (num_seqs, NUM_LAYOUT_FIELDS) or cos.shape != (num_seqs, head_dim)
+            or sin.shape != cos.shape or cos.dtype != h.dtype or sin.dtype != h.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous()) or num_heads % num_kv_heads
+            or not supports_attention(h.dtype, head_dim)):
+        raise ValueError(f"native decode layers: h {tuple(h.shape)} ({h.dtype}), table {tuple(table.shape)}, "
+                         f"layouts {tuple(layouts.shape)}, cos {tuple(cos.shape)} do not fit the kernel")
+    kernel = getattr(library(), _LAYERS_SYMBOLS[h.dtype])
+    kernel(h.data_ptr(), table.data_ptr(), layouts.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_seqs,
+           table.shape[0], hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, torch.get_num_threads())
+    return h
