@@ -9,8 +9,9 @@ each sequence over its own KV cache (filled by a full prefill, the same context 
 - `weights_floor_s` (per dtype), measured in the same run: one pass over every weight matrix through
   the same linear kernels with one row, i.e. the memory traffic a decode step cannot avoid;
   `floor_fraction` = weights_floor_s / step time of one stream;
-- `kernels`: where one row's matmuls and attention ran (`native`: `model.native`'s kernels, compiled
-  for this CPU; `packed`/`plain`/`torch`: torch's), as measured at load;
+- `kernels`: where one stream's step ran, as measured at load (`native layers`: every layer in one
+  call to `model.native`'s kernels, compiled for this CPU; else which kernel the matmuls and the
+  attention went to: `native`, or torch's `packed`/`plain`/`torch`);
 - with `--torch-kernels` (1 stream only): `torch_kernels_tokens_per_s`, the same step with torch's
   kernels only (oneDNN / `F.linear` and the flash kernel), right after our row: the A/B of the
   native kernels in the same run;
@@ -36,7 +37,7 @@ import llama_cpp  # noqa: E402
 from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
-from cachesmith.model.decode import decode_step  # noqa: E402
+from cachesmith.model.decode import _is_fused, decode_step  # noqa: E402
 
 STREAMS = (1, 4, 8, 16)
 
@@ -74,6 +75,9 @@ def torch_kernels(model: Decoder):
 
 
 def kernels(model: Decoder) -> str:
+    """Where one stream's step runs, as loading measured it."""
+    if _is_fused(model, 1):
+        return "native layers"
     return f"{model.one_row_kernel} matmul, {'native' if model.is_native_attention else 'torch'} attention"
 
 

@@ -5,7 +5,10 @@ assembled recompute). Out: float32 logits `[num_seqs, vocab]`; each cache gains 
 
 On a CPU a decode step costs reading every weight once, so the sequences share one pass over the
 weights (their rows go through each matmul together; see `model.linear` for the small-row kernels)
-and only attention runs per sequence, over that sequence's own rows (`model.row_attention`).
+and only attention runs per sequence, over that sequence's own rows. Where loading measured the
+native kernels faster (`model.native`), every layer of the step runs in one native call for up to
+`native.MAX_NATIVE_ROWS` sequences; else the layer loop below runs torch's kernels (attention:
+`model.row_attention`), with native attention where it was measured faster.
 Sequences may sit at different positions and join or leave between steps. Equal to
 `Decoder.decode_step` per sequence up to floating-point rounding (the identity tests hold it to 1e-4
 in float32).
