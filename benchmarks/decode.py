@@ -37,7 +37,8 @@ import llama_cpp  # noqa: E402
 from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
-from cachesmith.model.decode import _is_fused, decode_step  # noqa: E402
+from cachesmith.model.decode import is_fused, decode_step  # noqa: E402
+from cachesmith.model.linear import send_native  # noqa: E402
 
 STREAMS = (1, 4, 8, 16)
 
@@ -62,21 +63,20 @@ def torch_kernels(model: Decoder):
     """Decode through torch's kernels only (what loading chose is restored after)."""
     linears = [model.head_proj] + [lin for layer in model.layers for lin in
                                    (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    saved = [lin._max_native_rows for lin in linears], model.is_native_attention
-    for lin in linears:
-        lin._max_native_rows = 0
+    saved = [lin.max_native_rows for lin in linears], model.is_native_attention
+    send_native(linears, 0)
     model.is_native_attention = False
     try:
         yield
     finally:
         for lin, rows in zip(linears, saved[0]):
-            lin._max_native_rows = rows
+            send_native([lin], rows)
         model.is_native_attention = saved[1]
 
 
 def kernels(model: Decoder) -> str:
     """Where one stream's step runs, as loading measured it."""
-    if _is_fused(model, 1):
+    if is_fused(model, 1):
         return "native layers"
     return f"{model.one_row_kernel} matmul, {'native' if model.is_native_attention else 'torch'} attention"
 

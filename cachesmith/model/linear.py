@@ -66,6 +66,11 @@ class Linear:
             return "native"
         return "packed" if self.is_one_row_packed else "plain"
 
+    @property
+    def max_native_rows(self) -> int:
+        """The most rows a call sends to the native kernel (0: none)."""
+        return self._max_native_rows if self.native is not None else 0
+
     def is_native_for(self, x: torch.Tensor) -> bool:
         return x.ndim == 2 and x.shape[0] <= self._max_native_rows and x.dtype == self.weight.dtype
 

@@ -238,7 +238,7 @@ def test_fused_bfloat16_layers_round_as_torch_does(tiny_llama_dir, monkeypatch):
                                    (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     send_native(linears)
     model.is_native_attention = True
-    assert decode_mod._is_fused(model, 3) and not decode_mod._is_fused(model, native.MAX_NATIVE_ROWS + 1)
+    assert decode_mod.is_fused(model, 3) and not decode_mod.is_fused(model, native.MAX_NATIVE_ROWS + 1)
     ids = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 200)]
     fused = [model.prefill(i, extra_capacity=8)[1] for i in ids]
     per_layer = [model.prefill(i, extra_capacity=8)[1] for i in ids]
@@ -246,7 +246,7 @@ def test_fused_bfloat16_layers_round_as_torch_does(tiny_llama_dir, monkeypatch):
     for _ in range(3):
         out = decode_step(model, tokens, fused)
         with monkeypatch.context() as m:
-            m.setattr(decode_mod, "_is_fused", lambda *a: False)
+            m.setattr(decode_mod, "is_fused", lambda *a: False)
             ref = decode_step(model, tokens, per_layer)
         assert (out - ref).abs().max().item() <= 2e-2 and torch.equal(out.argmax(-1), ref.argmax(-1))
         tokens = ref.argmax(-1).tolist()
