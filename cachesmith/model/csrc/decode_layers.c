@@ -84,7 +84,9 @@ static void add_bias_##S(T* y, const T* bias, int64_t rows, int64_t n) {        
 }
 
 GLUE(float, f32)
+#if defined(__AVX512BF16__)
 GLUE(uint16_t, bf16)
+#endif
 
 #define LAYERS(NAME, T, S, MATMUL, ATTEND)                                                   \
 void MATMUL(const T*, const T*, T*, int64_t, int64_t, int64_t, int);                         \

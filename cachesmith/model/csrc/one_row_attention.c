@@ -70,12 +70,17 @@ static inline __m256 sum_lanes_8(const __m512* a) {
     return _mm512_castps512_ps256(r);
 }
 
+static inline __m512 mac_f32(__m512 acc, const float* q, __m512 kv) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(q), kv, acc);
+}
+
 /* scores[j * n + t] = scale * q[j] . k[t] for NQ (1-3) queries and the keys [0, n) of one head:
- * each key is loaded (and converted) once for all the queries, 8 keys at a time. */
-#define SCORES(NAME, T, LOAD, NQ)                                                            \
-static void NAME##_##NQ(const float* q, int64_t head_dim, const T* k, int64_t stride,        \
+ * each key is loaded (and converted) once for all the queries, 8 keys at a time. A key vector
+ * holds WIDTH elements (KLOAD); MAC multiplies it by the query's and accumulates in float32. */
+#define SCORES(NAME, T, QT, WIDTH, KV_TYPE, KLOAD, MAC, NQ)                                  \
+static void NAME##_##NQ(const QT* q, int64_t head_dim, const T* k, int64_t stride,           \
                         int64_t n, float scale, float* scores) {                             \
-    int nv = (int)(head_dim / 16);                                                           \
+    int nv = (int)(head_dim / WIDTH);                                                        \
     int64_t t = 0;                                                                           \
     for (; t + 8 <= n; t += 8) {                                                             \
         __m512 a[NQ][8];                                                                     \
@@ -83,9 +88,8 @@ static void NAME##_##NQ(const float* q, int64_t head_dim, const T* k, int64_t st
         for (int i = 0; i < 8; i++) {                                                        \
             const T* kt = k + (t + i) * stride;                                              \
             for (int c = 0; c < nv; c++) {                                                   \
-                __m512 kv = LOAD(kt + 16 * c);                                               \
-                for (int j = 0; j < NQ; j++)                                                 \
-                    a[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + 16 * c), kv, a[j][i]); \
+                KV_TYPE kv = KLOAD(kt + WIDTH * c);                                          \
+                for (int j = 0; j < NQ; j++) a[j][i] = MAC(a[j][i], q + j * head_dim + WIDTH * c, kv); \
             }                                                                                \
         }                                                                                    \
         for (int j = 0; j < NQ; j++)                                                         \
@@ -95,8 +99,7 @@ static void NAME##_##NQ(const float* q, int64_t head_dim, const T* k, int64_t st
         const T* kt = k + t * stride;                                                        \
         for (int j = 0; j < NQ; j++) {                                                       \
             __m512 a = _mm512_setzero_ps();                                                  \
-            for (int c = 0; c < nv; c++)                                                     \
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + 16 * c), LOAD(kt + 16 * c), a); \
+            for (int c = 0; c < nv; c++) a = MAC(a, q + j * head_dim + WIDTH * c, KLOAD(kt + WIDTH * c)); \
             scores[j * n + t] = scale * _mm512_reduce_add_ps(a);                             \
         }                                                                                    \
     }                                                                                        \
@@ -124,69 +127,48 @@ static void weigh_##T##_##NQ(const float* p, const T* v, int64_t stride, int64_t
     }                                                                                        \
 }
 
-#define KERNELS(NAME, T, LOAD) SCORES(NAME, T, LOAD, 1) SCORES(NAME, T, LOAD, 2)             \
-                               SCORES(NAME, T, LOAD, 3)                                      \
-                               WEIGH(T, LOAD, 1) WEIGH(T, LOAD, 2) WEIGH(T, LOAD, 3)
+#define KERNELS(NAME, T, LOAD)                                                               \
+    SCORES(NAME, T, float, 16, __m512, LOAD, mac_f32, 1)                                     \
+    SCORES(NAME, T, float, 16, __m512, LOAD, mac_f32, 2)                                     \
+    SCORES(NAME, T, float, 16, __m512, LOAD, mac_f32, 3)                                     \
+    WEIGH(T, LOAD, 1) WEIGH(T, LOAD, 2) WEIGH(T, LOAD, 3)
 KERNELS(scores_float, float, load_f32)
 KERNELS(scores_bf16_converted, uint16_t, load_bf16)
 
 /* bfloat16 keys with AVX512_BF16 and head_dim a multiple of 32: `vdpbf16ps` multiplies 32 key
- * elements by the (bfloat16, so exactly recovered) query in one instruction, products exact and
- * summed in float32, where converting the keys took three instructions per 16. */
-#define SCORES_DP(NQ)                                                                        \
-static void scores_bf16_dp_##NQ(const float* qf, int64_t head_dim, const uint16_t* k, int64_t stride, \
-                                int64_t n, float scale, float* scores) {                     \
+ * elements by the query's in one instruction (products exact, summed in float32), where
+ * converting the keys took three instructions per 16. The query is bfloat16 recovered exactly
+ * from its float32 copy. */
+#if defined(__AVX512BF16__)
+static inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512((const void*)p); }
+static inline __m512 mac_bh(__m512 acc, const uint16_t* q, __m512bh kv) {
+    return _mm512_dpbf16_ps(acc, load_bh(q), kv);
+}
+SCORES(scores_bf16_dp, uint16_t, uint16_t, 32, __m512bh, load_bh, mac_bh, 1)
+SCORES(scores_bf16_dp, uint16_t, uint16_t, 32, __m512bh, load_bh, mac_bh, 2)
+SCORES(scores_bf16_dp, uint16_t, uint16_t, 32, __m512bh, load_bh, mac_bh, 3)
+#define USE_DP 1
+#else
+#define USE_DP 0
+#define scores_bf16_dp_1(q, ...) ((void)(q))
+#define scores_bf16_dp_2(q, ...) ((void)(q))
+#define scores_bf16_dp_3(q, ...) ((void)(q))
+#endif
+
+#define SCORES_BF16(NQ)                                                                      \
+static void scores_uint16_t_##NQ(const float* qf, int64_t head_dim, const uint16_t* k, int64_t stride, \
+                                 int64_t n, float scale, float* scores) {                    \
+    if (!USE_DP || head_dim % 32 || head_dim > 256) {                                        \
+        scores_bf16_converted_##NQ(qf, head_dim, k, stride, n, scale, scores);               \
+        return;                                                                              \
+    }                                                                                        \
     uint16_t q[NQ * 256];                                                                    \
     for (int64_t i = 0; i < NQ * head_dim; i++) {                                            \
         union { float f; uint32_t u; } v = { qf[i] };                                        \
         q[i] = (uint16_t)(v.u >> 16);  /* exact: q came from bfloat16 */                    \
     }                                                                                        \
-    int nv = (int)(head_dim / 32);                                                           \
-    int64_t t = 0;                                                                           \
-    for (; t + 8 <= n; t += 8) {                                                             \
-        __m512 a[NQ][8];                                                                     \
-        for (int j = 0; j < NQ; j++) for (int i = 0; i < 8; i++) a[j][i] = _mm512_setzero_ps(); \
-        for (int i = 0; i < 8; i++) {                                                        \
-            const uint16_t* kt = k + (t + i) * stride;                                       \
-            for (int c = 0; c < nv; c++) {                                                   \
-                __m512bh kv = (__m512bh)_mm512_loadu_si512((const void*)(kt + 32 * c));      \
-                for (int j = 0; j < NQ; j++)                                                 \
-                    a[j][i] = _mm512_dpbf16_ps(a[j][i], (__m512bh)_mm512_loadu_si512((const void*)(q + j * head_dim + 32 * c)), kv); \
-            }                                                                                \
-        }                                                                                    \
-        for (int j = 0; j < NQ; j++)                                                         \
-            _mm256_storeu_ps(scores + j * n + t, _mm256_mul_ps(sum_lanes_8(a[j]), _mm256_set1_ps(scale))); \
-    }                                                                                        \
-    for (; t < n; t++) {                                                                     \
-        const uint16_t* kt = k + t * stride;                                                 \
-        for (int j = 0; j < NQ; j++) {                                                       \
-            __m512 a = _mm512_setzero_ps();                                                  \
-            for (int c = 0; c < nv; c++)                                                     \
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void*)(q + j * head_dim + 32 * c)), \
-                                     (__m512bh)_mm512_loadu_si512((const void*)(kt + 32 * c))); \
-            scores[j * n + t] = scale * _mm512_reduce_add_ps(a);                             \
-        }                                                                                    \
-    }                                                                                        \
+    scores_bf16_dp_##NQ(q, head_dim, k, stride, n, scale, scores);                           \
 }
-
-/* The bfloat16 scores: one instruction per 32 elements where the CPU and head size allow. */
-#define SCORES_BF16(NQ)                                                                      \
-static void scores_uint16_t_##NQ(const float* q, int64_t head_dim, const uint16_t* k, int64_t stride, \
-                                 int64_t n, float scale, float* scores) {                    \
-    if (USE_DP && head_dim % 32 == 0 && head_dim <= 256)                                     \
-        scores_bf16_dp_##NQ(q, head_dim, k, stride, n, scale, scores);                       \
-    else                                                                                     \
-        scores_bf16_converted_##NQ(q, head_dim, k, stride, n, scale, scores);                \
-}
-#if defined(__AVX512BF16__)
-#define USE_DP 1
-SCORES_DP(1) SCORES_DP(2) SCORES_DP(3)
-#else
-#define USE_DP 0
-#define scores_bf16_dp_1 scores_bf16_converted_1
-#define scores_bf16_dp_2 scores_bf16_converted_2
-#define scores_bf16_dp_3 scores_bf16_converted_3
-#endif
 SCORES_BF16(1) SCORES_BF16(2) SCORES_BF16(3)
 
 /* Where one sequence's keys and values of one layer live (element offsets and strides). */
