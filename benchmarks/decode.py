@@ -38,7 +38,6 @@ from common import emit, median, parse_timing_args, print_table, timed  # noqa: 
 
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.model.decode import is_fused, decode_step  # noqa: E402
-from cachesmith.model.linear import send_native  # noqa: E402
 
 STREAMS = (1, 4, 8, 16)
 
@@ -61,17 +60,12 @@ def weights_floor_s(model: Decoder, repeats: int = 5) -> float:
 @contextlib.contextmanager
 def torch_kernels(model: Decoder):
     """Decode through torch's kernels only (what loading chose is restored after)."""
-    linears = [model.head_proj] + [lin for layer in model.layers for lin in
-                                   (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    saved = [lin.max_native_rows for lin in linears], model.is_native_attention
-    send_native(linears, 0)
-    model.is_native_attention = False
+    saved = model.native_rows, model.is_native_attention
+    model.use_native(0, False)
     try:
         yield
     finally:
-        for lin, rows in zip(linears, saved[0]):
-            send_native([lin], rows)
-        model.is_native_attention = saved[1]
+        model.use_native(*saved)
 
 
 def kernels(model: Decoder) -> str:

@@ -39,7 +39,7 @@ def decode_step(model: Decoder, token_ids: Sequence[int], caches: Sequence[KVCac
     cos, sin = model.rope.cos_sin(positions)  # [num_seqs, 1, head_dim]
     h = model.embed(model.as_token_tensor(token_ids))  # [num_seqs, hidden]
     if is_fused(model, len(caches)):  # every layer in one native call
-        h = native.decode_layers(h, _layer_table(model), _native_layouts(caches, starts),
+        h = native.decode_layers(h, model.native_layer_table, _native_layouts(caches, starts),
                                  cos.reshape(len(caches), -1).contiguous(), sin.reshape(len(caches), -1).contiguous(),
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         for cache, start in zip(caches, starts):
@@ -84,15 +84,5 @@ def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, 
 
 
 def is_fused(model: Decoder, num_seqs: int) -> bool:
-    """Whether a step of `num_seqs` rows runs every layer natively: native attention, every matrix
-    native for that many rows, and a layer the C side implements (no q/k norm)."""
-    if not model.is_native_attention or model.config.is_qk_norm or not native.supports_layers(model.dtype):
-        return False
-    return all(lin.max_native_rows >= num_seqs
-               for layer in model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
-
-
-def _layer_table(model: Decoder) -> torch.Tensor:
-    return native.layer_table([(layer.qkv_proj.native, layer.o_proj.native, layer.gate_up_proj.native,
-                                layer.down_proj.native, layer.qkv_bias, layer.input_norm.weight,
-                                layer.post_norm.weight) for layer in model.layers])
+    """Whether a step of `num_seqs` rows runs every layer in one native call (`Decoder.use_native`)."""
+    return model.native_layer_table is not None and num_seqs <= model.native_rows

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cachesmith.errors import InputError
+from cachesmith.model import native
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
@@ -64,7 +65,9 @@ class Decoder:
         self.norm = RMSNorm(weights.norm, self.config.rms_norm_eps)
         self.rope = RotaryEmbedding(self.hf_config, self.device, self.dtype)
         self.kv_pool = SlabPool()  # released caches' slabs, reused by the next ones
-        self.is_native_attention = False  # decode rows attend through `model.native` (measured at load)
+        self.is_native_attention = False  # decode rows attend through `model.native` (see `use_native`)
+        self.native_rows = 0  # calls of up to this many rows multiply through `model.native`
+        self.native_layer_table: torch.Tensor | None = None  # set where whole decode layers run natively
         self._tune_kernels()
 
     @property
@@ -77,12 +80,28 @@ class Decoder:
         """Which kernel a decode step's one-row matmuls go to (`Linear.one_row_kernel`)."""
         return self.head_proj.one_row_kernel
 
+    @property
+    def linears(self) -> list[Linear]:
+        """Every matrix a decode step multiplies: the LM head, then each layer's."""
+        return [self.head_proj] + [lin for layer in self.layers for lin in layer.linears]
+
+    def use_native(self, max_rows: int, is_attention: bool) -> None:
+        """Calls of up to `max_rows` rows (0: none) multiply through `model.native`, and decode rows
+        attend through it or not. Where every layer's matrices then go native, a decode step of up
+        to `max_rows` sequences runs all its layers in one native call (`native_layer_table`)."""
+        send_native(self.linears, max_rows)
+        self.native_rows, self.is_native_attention = max_rows, is_attention
+        is_whole = (max_rows > 0 and is_attention and not self.config.is_qk_norm and native.supports_layers(self.dtype)
+                    and all(lin.native is not None for layer in self.layers for lin in layer.linears))
+        self.native_layer_table = native.layer_table(
+            [(*(lin.native for lin in layer.linears), layer.qkv_bias, layer.input_norm.weight, layer.post_norm.weight)
+             for layer in self.layers]) if is_whole else None
+
     def _tune_kernels(self) -> None:
         """Measure which kernels one decode row goes to (`model.linear.tune_one_row`, then
         `tune_native`, and `model.row_attention.tune_native_attention`), once per process and
         shape: two models loaded by one process then round alike."""
-        linears = [self.head_proj] + [lin for layer in self.layers for lin in
-                                      (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        linears = self.linears
         num_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
         if self.device.type != "cpu" or num_bytes < MIN_TUNED_WEIGHT_BYTES:
             return
@@ -92,13 +111,11 @@ class Decoder:
             send_one_row_packed(linears)
         if self.dtype not in _NATIVE:
             _NATIVE[self.dtype] = tune_native(linears)
-        elif _NATIVE[self.dtype]:
-            send_native(linears, _NATIVE[self.dtype])
         cfg = self.config
         key = (self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         if key not in _NATIVE_ATTENTION:
             _NATIVE_ATTENTION[key] = tune_native_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        self.is_native_attention = _NATIVE_ATTENTION[key]
+        self.use_native(_NATIVE[self.dtype], _NATIVE_ATTENTION[key])
 
     @property
     def num_layers(self) -> int:

@@ -144,8 +144,7 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rotated k, v [num_rows, Hkv, D] at rows [start, start + num_rows) of `layer`."""
         end = start + k.shape[0]
-        if end > self.capacity:
-            self._grow(end)
+        self.reserve(end)
         self.keys[layer][start:end] = k
         self.values[layer][start:end] = v
 

@@ -66,11 +66,6 @@ class Linear:
             return "native"
         return "packed" if self.is_one_row_packed else "plain"
 
-    @property
-    def max_native_rows(self) -> int:
-        """The most rows a call sends to the native kernel (0: none)."""
-        return self._max_native_rows if self.native is not None else 0
-
     def is_native_for(self, x: torch.Tensor) -> bool:
         return x.ndim == 2 and x.shape[0] <= self._max_native_rows and x.dtype == self.weight.dtype
 
@@ -174,10 +169,9 @@ def tune_native(linears: Sequence[Linear], repeats: int = 3) -> int:
 
 def send_native(linears: Sequence[Linear], max_rows: int = native.MAX_NATIVE_ROWS) -> bool:
     """Calls of up to `max_rows` rows of `linears` go to the native kernel (where it takes their
-    shape). Returns whether any does."""
+    shape; 0: none go). Returns whether any does."""
     for lin in linears:
-        if lin.native is None:
+        if max_rows and lin.native is None:
             lin.native = native.pack(lin.weight)
-        if lin.native is not None:
-            lin._max_native_rows = max_rows
+        lin._max_native_rows = max_rows if lin.native is not None else 0
     return any(lin._max_native_rows for lin in linears)

@@ -52,7 +52,7 @@ SOURCES = tuple(_CSRC / name for name in ("small_rows.c", "one_row_attention.c",
 HEADERS = (_CSRC / "simd_math.h",)
 # The matmul alone, against oneDNN: 1.1-2.5x at up to 8 rows (timed at load at 1 and TUNED_ROWS
 # rows), even at 16 (0.8-1.1x), slower at 32. Up to 16 rows go native all the same: a step of 16
-# streams then runs every layer in one call (`decode_layers`), 1.3-1.4x the tokens/s of the
+# streams then runs every layer in one call (`decode_layers`), 1.2-1.5x the tokens/s of the
 # per-layer path through oneDNN here.
 MAX_NATIVE_ROWS = 16
 TUNED_ROWS = 8

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from cachesmith.model import Decoder, native
 from cachesmith.model import linear as linear_mod
 from cachesmith.model.decode import decode_step
-from cachesmith.model.linear import Linear, send_native, tune_native
+from cachesmith.model.linear import Linear, tune_native
 from cachesmith.model.row_attention import tune_native_attention
 
 
@@ -203,10 +203,10 @@ def test_only_one_row_goes_native_where_it_wins_only_there(monkeypatch):
 def test_decode_on_native_kernels_equals_the_reference_step(tiny_model_dir, is_head_major):
     model = Decoder(tiny_model_dir[0])
     reference = Decoder(tiny_model_dir[0])  # torch's kernels: tiny models are not tuned at load
-    linears = [model.head_proj] + [lin for layer in model.layers for lin in
-                                   (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    assert send_native(linears) and model.one_row_kernel == "native" and reference.one_row_kernel != "native"
-    model.is_native_attention = True
+    model.use_native(native.MAX_NATIVE_ROWS, True)
+    assert model.one_row_kernel == "native" and reference.one_row_kernel != "native"
+    # the fused layers where the C side has the layer (no q/k norm), else the per-layer native path
+    assert (model.native_layer_table is not None) is (not model.config.is_qk_norm)
     ids = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 200)]
     ours = [model.prefill(i, extra_capacity=0 if len(i) == 40 else 4)[1] for i in ids]  # one must grow
     theirs = [reference.prefill(i, extra_capacity=4)[1] for i in ids]
@@ -234,10 +234,7 @@ def test_fused_bfloat16_layers_round_as_torch_does(tiny_llama_dir, monkeypatch):
     from cachesmith.model import decode as decode_mod
 
     model = Decoder(tiny_llama_dir[0], dtype="bfloat16")
-    linears = [model.head_proj] + [lin for layer in model.layers for lin in
-                                   (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    send_native(linears)
-    model.is_native_attention = True
+    model.use_native(native.MAX_NATIVE_ROWS, True)
     assert decode_mod.is_fused(model, 3) and not decode_mod.is_fused(model, native.MAX_NATIVE_ROWS + 1)
     ids = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 200)]
     fused = [model.prefill(i, extra_capacity=8)[1] for i in ids]
@@ -253,3 +250,6 @@ def test_fused_bfloat16_layers_round_as_torch_does(tiny_llama_dir, monkeypatch):
     for a, b in zip(fused, per_layer):
         ka, kb = a.key_slab[:, :a.num_tokens].float(), b.key_slab[:, :b.num_tokens].float()
         assert ((ka - kb).abs() <= 2 ** -7 * kb.abs() + 1e-6).all()
+    model.use_native(0, False)  # switched off (as the benchmark's A/B does): torch's kernels again
+    assert not decode_mod.is_fused(model, 1) and model.one_row_kernel != "native"
+    assert not model.layers[0].qkv_proj.is_native_for(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16))

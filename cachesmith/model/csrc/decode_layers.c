@@ -21,17 +21,6 @@
 
 #define NUM_WEIGHT_FIELDS 7
 
-static inline float bf16_in(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t bf16_out(float f) {  /* round to nearest even, as torch rounds */
-    union { float f; uint32_t u; } v = { f };
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 static inline float f32_in(float x) { return x; }
 static inline float f32_out(float x) { return x; }
 

@@ -50,11 +50,6 @@ static float softmax_numerators(float* s, int64_t n, float* max_out) {
     return _mm512_reduce_add_ps(lv);
 }
 
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch rounds */
-    union { float f; uint32_t u; } v = { f };
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* r[0..7] = sum of the 16 lanes of a[0..7] */
 static inline __m256 sum_lanes_8(const __m512* a) {
@@ -298,11 +293,7 @@ void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seq
     free(qf);                                                                                \
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
 #define IDENTITY(x) (x)
 ATTEND(cs_decode_attention_f32, float, IDENTITY, IDENTITY)
-ATTEND(cs_decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16)
+ATTEND(cs_decode_attention_bf16, uint16_t, bf16_in, bf16_out)
 #endif

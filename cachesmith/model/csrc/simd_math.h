@@ -1,7 +1,19 @@
-/* Vector math shared by the decode kernels (AVX-512). */
+/* Conversions and vector math shared by the decode kernels (AVX-512). */
 #ifndef CACHESMITH_SIMD_MATH_H
 #define CACHESMITH_SIMD_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
+
+static inline float bf16_in(uint16_t h) {  /* bfloat16 bits -> float32, exactly */
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t bf16_out(float f) {  /* float32 -> bfloat16, to nearest even as torch rounds */
+    union { float f; uint32_t u; } v = { f };
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
 
 /* e^x for x <= 0, 16 lanes (Cephes' expf polynomial; 2^n applied by vscalefps) */
 static inline __m512 exp_nonpositive(__m512 x) {
