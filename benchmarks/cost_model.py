@@ -19,10 +19,12 @@ the batch overhead itself) on these batches against the profile: what is left of
 residual the profile does not describe. `--machine-out FILE` writes that fit in the form
 `cachesmith report --machine` reads (the grid's simulated machine).
 
-Each replay's speed factor is computed here for the profile being judged: the replay's measured
+Each replay's speed factors are computed here for the profile being judged: the replay's measured
 mean single-request full-prefill TTFT (its base SLO) over that profile's mean prediction for the
-same instances. So a refit profile re-prices the cached replays without running them again (the
-factor in base.json belongs to the profile the replay ran with).
+same instances, and the median measured / predicted of the reuse probes base.json keeps (the
+reuse factor: `profiler.packaged.rescaled`; replays recorded before it take the speed factor).
+So a refit profile re-prices the cached replays without running them again (the factor in
+base.json belongs to the profile the replay ran with).
 `--json` prints the payload; `--out FILE` writes it (per-batch rows go to <runs>/batches.json).
 `--quick`: a small smoke run (12 requests a trace, three methods) under <runs>/quick.
 """
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
+from cachesmith.bench.run import reuse_factor  # noqa: E402
 from cachesmith.bench.pace import family, fit_paces, records_by_batch, trace_batches  # noqa: E402
 from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
@@ -236,10 +239,12 @@ def main() -> None:
                     f.write(json.dumps(done[f"{method}/{i}"]) + "\n")
         tokens = token_counts(pipe, config)
         factor = replay_factor(tokens, config, result.base_slo_s, packaged)
-        profile = rescaled(packaged, factor) if result.profile_source == "packaged" else packaged
+        probes = json.loads((out / "base.json").read_text(encoding="utf-8")).get("reuse_probes")
+        reuse = reuse_factor(packaged, probes) if probes else factor  # replays older than the probe: one factor
+        profile = rescaled(packaged, factor, reuse) if result.profile_source == "packaged" else packaged
         rows += batch_rows(records, tokens, CostModel(profile), config.name, done)
         if method == methods[0]:
-            settings.append({"setting": config.name, "speed_factor": factor,
+            settings.append({"setting": config.name, "speed_factor": factor, "reuse_factor": reuse,
                              "base_slo_s": result.base_slo_s, "profile_source": result.profile_source})
         if args.machine:
             counts = [SimpleNamespace(context_tokens=c, suffix_tokens=q, prefix_tokens=p)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench.metrics import summarize  # noqa: E402
-from cachesmith.bench.run import measure_base  # noqa: E402
+from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
 from cachesmith.engine import Engine, EngineConfig, EngineStats  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
@@ -141,7 +141,7 @@ def main() -> None:
     print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
     base, factor = measure_base(pipe, insts[:8], profile)
     if source == "packaged":
-        profile = rescaled(profile, factor)
+        profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
     for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
         pipe.precompute(inst.documents, inst.question, inst.prefix or None)
     requests, _ = build_requests(config, insts, base, args.slo_scale)

@@ -43,6 +43,7 @@ from cachesmith.bench.simulate import simulate  # noqa: E402
 SETTINGS = (("poisson", 1.0), ("gamma", 2.0), ("gamma", 3.0))
 SEEDS = "0,1,2"  # each setting is replayed on traces of these seeds; the bars hold for their means
 CALIBRATION = (("gamma", 2.5, 1), ("gamma", 2.5, 2))  # (pattern, CV, seed): traces of their own
+COMMITTED_TABLES = Path(__file__).resolve().parent.parent / "docs" / "results"
 NOISE = (("gamma", 2.0, 0),)  # traces replayed a second time: the replay's own noise floor
 COLUMNS = ["setting", "seeds", "method", "qsa_replay", "qsa_sim", "qsa_diff_pts", "p99_replay_s", "p99_sim_s",
            "p99_rel_err", "att_replay", "att_sim", "gate_replay", "gate_sim", "is_within"]
@@ -62,6 +63,16 @@ def compare(replays: list[dict], sims: list[dict], setting: str) -> dict:
             "is_within": abs(diff) <= 3.0 and abs(rel) <= 0.10}
 
 
+def table_path(pipe: RagPipeline) -> Path:
+    """The table `cachesmith outcomes` measured here, else the one committed beside the results."""
+    measured = default_table_path(pipe)
+    if measured.exists():
+        return measured
+    committed = COMMITTED_TABLES / f"outcomes-{measured.name}"
+    print(f"no measured outcome table at {measured}: using the committed {committed}", file=sys.stderr, flush=True)
+    return committed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=96)
@@ -69,14 +80,15 @@ def main() -> None:
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--methods", default="cachesmith,cacheblend@0.15")
     ap.add_argument("--seeds", default=SEEDS, help="trace seeds per setting (comma-separated)")
-    ap.add_argument("--table", type=Path, default=None, help="outcome table (default: the measured one)")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="outcome table (default: the measured one, else the committed docs/results one)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/sim_validation"), help="replay runs (cached)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args()
 
     pipe = RagPipeline()
-    table = OutcomeTable.load(args.table or default_table_path(pipe))
+    table = OutcomeTable.load(args.table or table_path(pipe))
     methods = tuple(args.methods.split(","))
     workload = args.out / "measured-instances.jsonl"
     workload.parent.mkdir(parents=True, exist_ok=True)
@@ -94,8 +106,8 @@ def main() -> None:
           file=sys.stderr, flush=True)
 
     def profile_of(run) -> Profile:
-        """The profile the replay's engine planned with: the packaged one at the run's speed factor."""
-        return rescaled(packaged, run.speed_factor) if source == "packaged" else packaged
+        """The profile the replay's engine planned with: the packaged one at the run's speed factors."""
+        return rescaled(packaged, run.speed_factor, run.reuse_factor) if source == "packaged" else packaged
 
     reference = profile_of(calib_runs[0])  # the machine's paces are relative to this profile
     isolated = measure_paces(pipe, reference, [generate("mix", o.seed) for o in table.outcomes[:4]],

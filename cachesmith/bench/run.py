@@ -21,7 +21,7 @@ from cachesmith.bench.setting import BenchConfig, build_requests, instances
 from cachesmith.engine import Engine, EngineConfig, EngineStats
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, PlannerConfig, Profile
-from cachesmith.profiler.packaged import find_profile, rescaled, speed_factor
+from cachesmith.profiler.packaged import REUSE_PROBE, find_profile, rescaled, reuse_ratio, speed_factor
 from cachesmith.recompute import full_prefill
 from cachesmith.request import RequestResult
 from cachesmith.scheduler import SchedulerConfig
@@ -36,10 +36,12 @@ class BenchResult:
     profile_source: str
     rows: list[dict]
     records: list[dict]
+    reuse_factor: float | None = None  # the packaged profile's reuse-path factor (None: speed_factor's)
 
     def to_json(self) -> str:
         return json.dumps({"config": asdict(self.config), "base_slo_s": self.base_slo_s,
-                           "speed_factor": self.speed_factor, "profile_source": self.profile_source,
+                           "speed_factor": self.speed_factor, "reuse_factor": self.reuse_factor,
+                           "profile_source": self.profile_source,
                            "summary": self.rows, "records": self.records}, indent=1)
 
 
@@ -62,22 +64,48 @@ def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Prof
     return statistics.fmean(ttfts), speed_factor(profile, shapes, ttfts)
 
 
-def _base(pipe, config, insts, profile, source: str, out: Path, show_progress: bool) -> tuple[float, float]:
+def reuse_probes(pipe: RagPipeline, insts: list[WorkloadInstance]) -> list[dict]:
+    """Each instance run alone with the reuse probe (`profiler.packaged.REUSE_PROBE`): its shape,
+    the coverage it ran at and its TTFT, from which `reuse_factor` prices any profile."""
+    probes = []
+    for inst in insts:
+        parts = pipe.instance_prompt(inst)
+        ans = pipe.answer_parts(parts, REUSE_PROBE, 1)
+        probes.append({"context": ans.num_context_tokens, "suffix": ans.num_suffix_tokens,
+                       "prefix": len(parts.prefix_ids), "coverage": ans.num_recomputed / max(1, ans.num_context_tokens),
+                       "seconds": ans.ttft_s})
+    return probes
+
+
+def reuse_factor(profile: Profile, probes: list[dict]) -> float:
+    """Median measured / predicted TTFT of `reuse_probes` runs for `profile`."""
+    return float(statistics.median(
+        reuse_ratio(profile, BatchShape((p["context"],), (p["suffix"],), (p["prefix"],)), p["coverage"], p["seconds"])
+        for p in probes))
+
+
+def _base(pipe, config, insts, profile, source: str, out: Path, show_progress: bool) -> tuple[float, float, float]:
+    """(base SLO, speed factor, reuse factor) of `profile` on this machine, measured once per `out`.
+    A base.json written before the reuse factor was measured gives the speed factor for both."""
     if config.base_slo_s is not None and source == "measured":
-        return config.base_slo_s, 1.0  # nothing to measure: the SLO is given, the profile is this machine's
+        return config.base_slo_s, 1.0, 1.0  # nothing to measure: the SLO is given, the profile is this machine's
     path = out / "base.json"
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
         if saved.get("digest") == config.digest():
-            return saved["base_slo_s"], saved["speed_factor"]
+            probes = saved.get("reuse_probes")
+            return (saved["base_slo_s"], saved["speed_factor"],
+                    reuse_factor(profile, probes) if probes else saved["speed_factor"])
     sample = [i for i in insts if isinstance(i, WorkloadInstance)][: config.num_base_samples]
     if show_progress:
-        print(f"measuring the base SLO: {len(sample)} single-request full prefills ...", flush=True)
+        print(f"measuring the base SLO: {len(sample)} single-request full prefills and reuse probes ...", flush=True)
     base, factor = measure_base(pipe, sample, profile)
+    probes = reuse_probes(pipe, sample)
     if config.base_slo_s is not None:
         base = config.base_slo_s
-    _atomic_write(path, json.dumps({"digest": config.digest(), "base_slo_s": base, "speed_factor": factor}))
-    return base, factor
+    _atomic_write(path, json.dumps({"digest": config.digest(), "base_slo_s": base, "speed_factor": factor,
+                                    "reuse_probes": probes}))
+    return base, factor, reuse_factor(profile, probes)
 
 
 def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str, scale: float,
@@ -104,9 +132,9 @@ def run_bench(pipe: RagPipeline, config: BenchConfig, out: Path, profile_path: P
     (out / "runs").mkdir(parents=True, exist_ok=True)
     profile, source = find_profile(pipe, profile_path)
     insts = instances(config)
-    base, factor = _base(pipe, config, insts, profile, source, out, show_progress)
+    base, factor, reuse = _base(pipe, config, insts, profile, source, out, show_progress)
     if source == "packaged":
-        profile = rescaled(profile, factor)
+        profile = rescaled(profile, factor, reuse)
     methods = list(config.methods)
     if config.gate == "fidelity" and "full_prefill" not in methods:
         methods.insert(0, "full_prefill")  # its answers are the fidelity gate's references
@@ -121,6 +149,6 @@ def run_bench(pipe: RagPipeline, config: BenchConfig, out: Path, profile_path: P
         rows.append(summarize(method, scale, recs, stats))
         records += recs
     rows += best_static(rows)
-    result = BenchResult(config, base, factor, source, rows, records)
+    result = BenchResult(config, base, factor, source, rows, records, reuse)
     _atomic_write(out / "summary.json", result.to_json())
     return result

@@ -2,23 +2,31 @@
 else the profile shipped for the packaged model, rescaled to this machine's speed.
 
 The shipped profile's demand distributions and entropy threshold depend on the model only; its
-layer costs depend on the machine, so they are multiplied by the measured/predicted ratio of a
-few single-request full-prefill TTFTs (`speed_factor`). In: a pipeline (model, dtype, device).
-Out: a `Profile` and where it came from.
+layer costs depend on the machine, so they are multiplied by measured/predicted ratios of a few
+single-request runs on this machine: full-layer passes by full prefills' (`speed_factor`), every
+other cost by full reuse's with a few rows recomputed (EPIC's plan: placing cached rows,
+partial passes and per-batch work, which is memory- and overhead-bound). The two do not move
+together from one machine to the next: on a machine with twice the matmul speed but not twice the
+memory speed, one factor priced the reuse families 22-41% low (docs/decisions.md). In: a
+pipeline (model, dtype, device). Out: a `Profile` and where it came from.
 """
 from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
 from cachesmith.profiler.run import default_path
+from cachesmith.recompute.config import epic
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
+FULL_KIND = "full"  # the layer kind a full prefill runs: it alone scales with the full-prefill factor
+# the reuse probe: cached rows placed, a few recomputed, no full-layer pass (its time is all `reuse`)
+REUSE_PROBE = epic(0.15)
 log = logging.getLogger(__name__)
 
 
@@ -53,12 +61,28 @@ def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None) -> 
     return Profile.load(shipped, *(key or ())), "packaged"
 
 
-def rescaled(profile: Profile, factor: float) -> Profile:
-    """Every compute cost times `factor` (a slower or faster machine); link bandwidths unchanged."""
-    if not factor > 0:
-        raise ValueError(f"speed factor {factor} must be positive")
-    return replace(profile, layer_costs={k: v.scaled(factor) for k, v in profile.layer_costs.items()},
-                   overhead=profile.overhead.scaled(factor))
+def rescaled(profile: Profile, factor: float, reuse_factor: float | None = None) -> Profile:
+    """Full-layer passes (kind "full") times `factor`, every other compute cost (partial passes,
+    probes, selection, the per-batch overhead) times `reuse_factor` (default: `factor`); link
+    bandwidths unchanged."""
+    reuse_factor = factor if reuse_factor is None else reuse_factor
+    for name, value in (("speed factor", factor), ("reuse factor", reuse_factor)):
+        if not value > 0:
+            raise ValueError(f"{name} {value} must be positive")
+    return replace(profile, layer_costs={k: v.scaled(factor if k == FULL_KIND else reuse_factor)
+                                         for k, v in profile.layer_costs.items()},
+                   overhead=profile.overhead.scaled(reuse_factor))
+
+
+@dataclass(frozen=True)
+class SpeedFactors:
+    """Measured / predicted time on this machine for a profile: `full` for full-layer passes,
+    `reuse` for the rest (`rescaled`)."""
+    full: float
+    reuse: float
+
+    def label(self) -> str:
+        return f"speed factor {self.full:.2f}, reuse {self.reuse:.2f}"
 
 
 def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[float]) -> float:
@@ -68,24 +92,45 @@ def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[fl
     return float(statistics.median(ratios))
 
 
+def reuse_ratio(profile: Profile, shape: BatchShape, coverage: float, measured_s: float) -> float:
+    """Measured / predicted TTFT of one EPIC-plan run (`REUSE_PROBE`) at the coverage it ran at."""
+    plan = REUSE_PROBE
+    return measured_s / float(CostModel(profile).ttft(shape, plan.signal.value, plan.warmup, plan.probe,
+                                                      [coverage])[0])
+
+
 def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ...] = (512, 1024),
-              seed: int = 0) -> float:
-    """This machine's speed factor for `profile` from a few single-request full prefills of random
-    tokens (layer cost depends on shapes, not words): what a server does at start-up when it has
-    only the packaged profile. Takes about two full prefills of the given lengths, plus a warm-up."""
+              seed: int = 0) -> SpeedFactors:
+    """This machine's speed factors for `profile` from a few single-request runs of random tokens
+    (layer cost depends on shapes, not words), each a full prefill and a reuse probe of the same
+    request: what a server does at start-up when it has only the packaged profile. Takes about
+    two full prefills of the given lengths, plus a warm-up."""
     import random
-    import time
 
     from cachesmith.profiler.synthetic import random_request
     from cachesmith.recompute import full_prefill
 
-    rng, plan = random.Random(seed), full_prefill(pipe.model.num_layers)
-    shapes, seconds = [], []
+    rng, full = random.Random(seed), full_prefill(pipe.model.num_layers)
+    shapes, seconds, reuse = [], [], []
     for i, n in enumerate((context_tokens[0], *context_tokens)):  # the first run warms up
         request, _ = random_request(pipe.model, [], n, rng)
-        start = time.perf_counter()
-        pipe.runner.run([request], plan)[0].first_token  # reading the argmax synchronizes
+        shape = BatchShape((n,), (len(request.suffix_ids),), (0,))
+        full_s, _ = _timed(pipe, request, full)
+        probe_s, selected = _timed(pipe, request, REUSE_PROBE)
         if i > 0:
-            seconds.append(time.perf_counter() - start)
-            shapes.append(BatchShape((n,), (len(request.suffix_ids),), (0,)))
-    return speed_factor(profile, shapes, seconds)
+            shapes.append(shape)
+            seconds.append(full_s)
+            reuse.append(reuse_ratio(profile, shape, selected / n, probe_s))
+    return SpeedFactors(speed_factor(profile, shapes, seconds), float(statistics.median(reuse)))
+
+
+def _timed(pipe: RagPipeline, request, plan) -> tuple[float, int]:
+    """(seconds to the first token, context rows recomputed) of one request run alone."""
+    import time
+
+    start = time.perf_counter()
+    out = pipe.runner.run([request], plan)[0]
+    out.first_token  # reading the argmax synchronizes
+    seconds = time.perf_counter() - start
+    out.cache.release()
+    return seconds, int(out.selected.numel())

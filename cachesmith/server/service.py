@@ -380,12 +380,12 @@ def _reason(exc: Exception) -> str:
 
 def serving_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
     """The profile to serve with: given or measured here as is, the packaged one calibrated to this
-    machine's speed (a few seconds of full prefills at start-up)."""
+    machine's speed (a few seconds of full prefills and reuse probes at start-up)."""
     from cachesmith.profiler.packaged import calibrate, find_profile, rescaled
 
     profile, source = find_profile(pipe, path)
     if source == "packaged":
-        factor = calibrate(pipe, profile)
-        log.info("packaged profile calibrated to this machine: speed factor %.2f", factor)
-        return rescaled(profile, factor), f"packaged (speed factor {factor:.2f})"
+        factors = calibrate(pipe, profile)
+        log.info("packaged profile calibrated to this machine: %s", factors.label())
+        return rescaled(profile, factors.full, factors.reuse), f"packaged ({factors.label()})"
     return profile, source

@@ -70,3 +70,25 @@ def test_a_given_base_slo_with_a_measured_profile_measures_nothing(setup, monkey
     result = run_bench(pipe, config, root / "given", root / "profile.json", show_progress=False)
     assert result.base_slo_s == 1.5 and result.speed_factor == 1.0
     assert {r["slo_s"] for r in result.records} == {1.5 * 2.0}
+
+
+def test_a_packaged_profile_is_rescaled_by_both_measured_factors(setup, monkeypatch):
+    pipe, root = setup
+    prof = make_profile(num_layers=pipe.model.num_layers)
+    monkeypatch.setattr(bench_run, "find_profile", lambda *a: (prof, "packaged"))
+    config = BenchConfig(workload_file=str(root / "work.jsonl"), num_requests=3, methods=("full_reuse",),
+                         num_base_samples=2)
+    out = root / "packaged"
+    result = run_bench(pipe, config, out, show_progress=False)
+    saved = json.loads((out / "base.json").read_text())
+    probes = saved["reuse_probes"]
+    assert len(probes) == 2 and all(0 < p["coverage"] <= 1 and p["seconds"] > 0 for p in probes)
+    assert result.reuse_factor == bench_run.reuse_factor(prof, probes) > 0
+    # a base.json from before the reuse probe: the speed factor serves for both, nothing is re-measured
+    del saved["reuse_probes"]
+    (out / "base.json").write_text(json.dumps(saved))
+    for name in ("measure_base", "reuse_probes"):
+        monkeypatch.setattr(bench_run, name, lambda *a: pytest.fail("the base was measured again"))
+    (out / "summary.json").unlink()
+    again = run_bench(pipe, config, out, show_progress=False)
+    assert again.reuse_factor == again.speed_factor == result.speed_factor

@@ -25,6 +25,7 @@ def test_bench_cli_on_the_packaged_model(tmp_path, capsys, monkeypatch):
     assert rc == 0 and "| cachesmith |" in printed and "BestStatic (full_reuse)" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["profile_source"] == "packaged" and 0.2 < summary["speed_factor"] < 5
+    assert 0.2 < summary["reuse_factor"] < 5  # the packaged profile's reuse path, measured here too
     rows = {r["method"]: r for r in summary["summary"]}
     assert rows["full_reuse"]["recompute_fraction"] == 0.0 and rows["cachesmith"]["recompute_fraction"] > 0.04
     assert all(r["error"] is None and r["ttft_s"] > 0 for r in summary["records"])

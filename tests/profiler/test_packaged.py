@@ -8,6 +8,7 @@ import pytest
 from cachesmith.planner import BatchShape
 from cachesmith.planner.cost_model import CostModel
 from cachesmith.profiler.packaged import calibrate, rescaled
+from cachesmith.recompute.config import cacheblend, epic
 from tests.engine_helpers import save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
@@ -23,11 +24,37 @@ def test_rescaling_scales_every_compute_prediction():
         rescaled(profile, 0.0)
 
 
-def test_calibrate_measures_a_finite_positive_factor(tmp_path):
+def test_two_factors_scale_full_layers_and_the_reuse_path_apart():
+    profile = make_profile()
+    shape = BatchShape((1500, 700), (40, 30), (24, 24))
+    cov = [0.15, 0.15]
+
+    def ttft(p, plan):
+        return float(CostModel(p).ttft(shape, plan.signal.value, plan.warmup, plan.probe, cov)[0])
+    both = rescaled(profile, 2.0, 3.0)
+    # full prefill runs full-layer passes and the per-batch overhead: mostly the first factor
+    full, full_both = CostModel(profile).full_prefill_ttft(shape), CostModel(both).full_prefill_ttft(shape)
+    assert 2.0 * full < full_both < 2.0 * full + 3.0 * profile.overhead.intercept_s + 1e-9 + 1.0 * full
+    # EPIC runs no full-layer pass: all of it moves with the reuse factor
+    assert math.isclose(ttft(both, epic(0.15)), 3.0 * ttft(profile, epic(0.15)), rel_tol=1e-12)
+    # CacheBlend's warm-up layer is a full one: between the two
+    blend = ttft(profile, cacheblend(0.15))
+    assert 2.0 * blend < ttft(both, cacheblend(0.15)) < 3.0 * blend
+    assert rescaled(profile, 2.0).layer_costs == rescaled(profile, 2.0, 2.0).layer_costs
+    with pytest.raises(ValueError, match="reuse factor"):
+        rescaled(profile, 1.0, -1.0)
+
+
+def test_calibrate_measures_finite_positive_factors(tmp_path):
     pipe = tiny_pipeline(save_tiny_chat_model(tmp_path / "m"), tmp_path / "kv")
     profile = make_profile(num_layers=pipe.model.num_layers)
-    factor = calibrate(pipe, profile, context_tokens=(128, 256))
-    assert math.isfinite(factor) and factor > 0
-    # measured against a profile 10x slower, the machine looks 10x faster (wide: two timed runs each)
-    slower = calibrate(pipe, rescaled(profile, 10.0), context_tokens=(128, 256))
-    assert 0.03 < slower / factor < 0.3
+    factors = calibrate(pipe, profile, context_tokens=(128, 256))
+    assert all(math.isfinite(f) and f > 0 for f in (factors.full, factors.reuse))
+    # measured against a profile 10x slower on the reuse path only, the reuse path looks 10x
+    # faster; full prefill moves only by what its prediction moved (its per-batch overhead)
+    slower_profile = rescaled(profile, 1.0, 10.0)
+    slower = calibrate(pipe, slower_profile, context_tokens=(128, 256))
+    assert 0.03 < slower.reuse / factors.reuse < 0.3
+    shape = BatchShape((256,), (32,), (0,))
+    moved = CostModel(profile).full_prefill_ttft(shape) / CostModel(slower_profile).full_prefill_ttft(shape)
+    assert 0.3 * moved < slower.full / factors.full < 3.0 * moved  # wide: two timed runs each

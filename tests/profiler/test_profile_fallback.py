@@ -81,11 +81,13 @@ def test_served_fallback_is_rescaled_to_this_machine(own, monkeypatch):
     from cachesmith.server.service import serving_profile
 
     own.write_text(json.dumps(_measured(format_version=0)))
-    monkeypatch.setattr(packaged, "calibrate", lambda pipe, profile: 2.0)  # a machine half as fast
+    # a machine half as fast at full layers, a third as fast on the reuse path
+    monkeypatch.setattr(packaged, "calibrate", lambda pipe, profile: packaged.SpeedFactors(2.0, 3.0))
     profile, source = serving_profile(_pipe())
     shipped = Profile.load(SHIPPED)
-    assert source == "packaged (speed factor 2.00)"
+    assert source == "packaged (speed factor 2.00, reuse 3.00)"
     assert profile.layer_costs["full"].per_row_s == pytest.approx(2.0 * shipped.layer_costs["full"].per_row_s)
+    assert profile.layer_costs["patch"].per_row_s == pytest.approx(3.0 * shipped.layer_costs["patch"].per_row_s)
 
 
 def test_no_usable_profile_and_none_packaged_names_both(tmp_path):
