@@ -12,9 +12,14 @@ machine had a probe family at 1.19x over 4K tokens a batch and 1.9x over 8K whil
 stayed at 1.01-1.14x). One factor per signal averages the two, so a deep probe plan in a burst was
 planned at the shallow batches' pace and ran past its budget, where the runtime monitor cannot
 cut the probe layers it has already paid for.
-The levels are signal -> (signal, family) -> (signal, family, size class); a level's estimate is
-its own running mean shrunk toward its parent's by `prior` pseudo-observations, so one odd batch of
-a rare kind moves it part of the way, and a kind never seen reads its parent's.
+The levels are every batch -> signal -> (signal, family) -> (signal, family, size class); a level's
+estimate is its own running mean shrunk toward its parent's by `prior` pseudo-observations, so one
+odd batch of a rare kind moves it part of the way, and a kind never seen reads its parent's. The
+root is the machine's pace over every batch: most of a profile's error on a machine is shared by
+all plans (the machine runs them all slower or faster), so a signal the planner has not run yet
+is priced at that pace, not at the raw model's. Without it, a planner choosing per batch between
+two signals priced the rarely chosen one at 1.0 while the machine ran it at 1.1-1.25: its batches
+ran late, and the choice did worse than either signal fixed (docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import numpy as np
 
 MIN_PACE, MAX_PACE = 0.5, 2.0  # one wild batch (a page-fault storm) must not swing the planner
 SIZE_UNIT_TOKENS = 2048  # size classes double from here: <2K, 2-4K, 4-8K, 8-16K, ...
+EVERY = ("",)  # the root level's key: every batch, whatever its signal
 
 
 def family(probe: int) -> str:
@@ -74,7 +80,7 @@ class PaceBook:
             level = self._levels.get(key)
             if level is None or level.count == 0:
                 break
-            if i == 0:  # the signal's own mean: no parent to shrink toward but the raw model
+            if i == 0:  # the machine's pace over every batch: no parent but the raw model
                 estimate = level.mean
                 continue
             weight = level.count / (level.count + self.prior)
@@ -91,11 +97,11 @@ class PaceBook:
 
     def by_signal(self) -> dict[str, float]:
         """Each observed signal's overall pace (reports, tests)."""
-        return {key[0]: lv.mean for key, lv in self._levels.items() if len(key) == 1 and lv.count}
+        return {key[0]: lv.mean for key, lv in self._levels.items() if len(key) == 1 and key != EVERY and lv.count}
 
     @staticmethod
     def _keys(signal: str, probe: int, size: int | None) -> list[tuple]:
-        keys: list[tuple] = [(signal,), (signal, family(probe))]
+        keys: list[tuple] = [EVERY, (signal,), (signal, family(probe))]
         if size is not None:
             keys.append((signal, family(probe), size))
         return keys

@@ -104,7 +104,7 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     """This machine's speed factors for `profile` from a few single-request runs of random tokens
     (layer cost depends on shapes, not words), each a full prefill and a reuse probe of the same
     request: what a server does at start-up when it has only the packaged profile. Takes about
-    two full prefills of the given lengths, plus a warm-up."""
+    two full prefills of the given lengths, a warm-up and the probes (a fraction of a prefill)."""
     import random
 
     from cachesmith.profiler.synthetic import random_request

@@ -27,7 +27,22 @@ def test_an_unseen_kind_reads_its_parent_and_a_seen_one_its_own():
     assert book.pace("qci", 1, SMALL) == pytest.approx(1.2, rel=1e-6)
     assert book.pace("qci", 1, LARGE) == pytest.approx(1.2, rel=1e-6)  # no batch that large: the family's
     assert book.pace("qci", 0, SMALL) == pytest.approx(1.2, rel=1e-6)  # no shallow batch: the signal's
-    assert book.pace("kv_dev", 1, SMALL) == 1.0  # another signal learned nothing
+    # a signal never run reads the machine's pace over every batch, not the raw model's
+    assert book.pace("kv_dev", 1, SMALL) == pytest.approx(1.2, rel=1e-6)
+    assert set(book.by_signal()) == {"qci"}
+
+
+def test_a_signal_seen_once_is_shrunk_toward_the_machines_pace():
+    book = PaceBook()
+    for _ in range(30):
+        book.observe("kv_dev", 1.2, probe=0, num_tokens=SMALL)
+    book.observe("qci", 0.8, probe=1, num_tokens=SMALL)
+    once = book.pace("qci", 1, SMALL)
+    assert 0.8 < once < book.pace("kv_dev", 0, SMALL)  # one batch moves it part of the way
+    for _ in range(30):
+        book.observe("qci", 0.8, probe=1, num_tokens=SMALL)
+    assert book.pace("qci", 1, SMALL) == pytest.approx(0.8, abs=0.05)  # its own evidence wins
+    assert book.pace("kv_dev", 0, SMALL) == pytest.approx(1.2, abs=0.05)
 
 
 def test_one_odd_batch_of_a_rare_size_moves_its_pace_part_of_the_way():
