@@ -159,7 +159,8 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     for plan_label, num_tokens in plans:
         probe = int(plan_label.strip("()").split(",")[2])
         assert eng.planner.pace("kv_dev", probe, num_tokens) > 1.0
-    assert eng.planner.pace("qci", 1, 1000) == 1.0  # nothing of QCI ran
+    # nothing of QCI ran: it reads the machine's pace over every batch, learned from kv_dev's
+    assert eng.planner.pace("qci", 1, 1000) > 1.0
     # the executor measured each planned batch's tail (last layer to first tokens), which the next
     # batches' monitors keep clear of their limit
     tails, batch_s = list(eng.executor.tails_s), {r.batch_id: r.batch_s for r in results}
