@@ -123,11 +123,9 @@ def render(rows, table: OutcomeTable, validation, figs: dict, inputs: ReportInpu
         "(`benchmarks/sim_validation.py`). Bars, on each setting's means over its trace seeds: |QSA "
         "difference| <= 3 points, P99 TTFT within 10%. The simulator's machine (pace per plan family, single "
         "and multi-request batches, and the reuse time per placed cached row) was fit to replays of traces "
-        "of their own" + _calibration(validation) + ", so every trace below is held out. These rows were "
-        "measured with the format-1 profile; the grid below runs the format-2 profile with the paces fit "
-        "on the replays of `benchmarks/cost_model.py` (three held-out MIX traces, every method, on the "
-        "current engine: `--machine-out`), and these bars have not been re-measured for it (that needs new "
-        "replays).", "",
+        "of their own" + _calibration(validation) + ", so every trace below is held out. The grid below "
+        "runs the same profile with its machine fit instead on the replays of `benchmarks/cost_model.py` "
+        "(three held-out MIX traces, every method: `--machine-out`).", "",
         validation_md(validation),
         "## End-to-end grid (paper §6.2)", "",
         _img(figs, "qsa", "QSA vs SLO scale"),
