@@ -7,7 +7,7 @@ single-request runs on this machine: full-layer passes by full prefills' (`speed
 other cost by full reuse's with a few rows recomputed (EPIC's plan: placing cached rows,
 partial passes and per-batch work, which is memory- and overhead-bound). The two do not move
 together from one machine to the next: on a machine with twice the matmul speed but not twice the
-memory speed, one factor priced the reuse families 22-41% low (docs/decisions.md). In: a
+memory speed, one factor priced the reuse families 22-28% low (docs/decisions.md). In: a
 pipeline (model, dtype, device). Out: a `Profile` and where it came from.
 """
 from __future__ import annotations
