@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.run import reuse_factor  # noqa: E402
 from cachesmith.bench.pace import family, fit_paces, records_by_batch, trace_batches  # noqa: E402
 from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
@@ -239,8 +238,7 @@ def main() -> None:
                     f.write(json.dumps(done[f"{method}/{i}"]) + "\n")
         tokens = token_counts(pipe, config)
         factor = replay_factor(tokens, config, result.base_slo_s, packaged)
-        probes = json.loads((out / "base.json").read_text(encoding="utf-8")).get("reuse_probes")
-        reuse = reuse_factor(packaged, probes) if probes else factor  # replays older than the probe: one factor
+        reuse = result.reuse_factor or factor  # None: replayed before the reuse probes, one factor
         profile = rescaled(packaged, factor, reuse) if result.profile_source == "packaged" else packaged
         rows += batch_rows(records, tokens, CostModel(profile), config.name, done)
         if method == methods[0]:

@@ -51,30 +51,31 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Profile) -> tuple[float, float]:
-    """(mean single-request full-prefill TTFT, measured/predicted speed factor of `profile`)."""
-    plan = full_prefill(pipe.model.num_layers)
-    pipe.answer_parts(pipe.instance_prompt(insts[0]), plan, 1)  # warm-up
-    shapes, ttfts = [], []
+def _alone(pipe: RagPipeline, insts: list[WorkloadInstance], plan) -> list[tuple[BatchShape, float, float]]:
+    """Each instance run alone with `plan`: (its shape, the coverage it ran at, its TTFT)."""
+    out = []
     for inst in insts:
         parts = pipe.instance_prompt(inst)
         ans = pipe.answer_parts(parts, plan, 1)
-        shapes.append(BatchShape((ans.num_context_tokens,), (ans.num_suffix_tokens,), (len(parts.prefix_ids),)))
-        ttfts.append(ans.ttft_s)
-    return statistics.fmean(ttfts), speed_factor(profile, shapes, ttfts)
+        shape = BatchShape((ans.num_context_tokens,), (ans.num_suffix_tokens,), (len(parts.prefix_ids),))
+        out.append((shape, ans.num_recomputed / max(1, ans.num_context_tokens), ans.ttft_s))
+    return out
+
+
+def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Profile) -> tuple[float, float]:
+    """(mean single-request full-prefill TTFT, measured/predicted speed factor of `profile`)."""
+    plan = full_prefill(pipe.model.num_layers)
+    _alone(pipe, insts[:1], plan)  # warm-up
+    shapes, _, ttfts = zip(*_alone(pipe, insts, plan))
+    return statistics.fmean(ttfts), speed_factor(profile, list(shapes), list(ttfts))
 
 
 def reuse_probes(pipe: RagPipeline, insts: list[WorkloadInstance]) -> list[dict]:
     """Each instance run alone with the reuse probe (`profiler.packaged.REUSE_PROBE`): its shape,
     the coverage it ran at and its TTFT, from which `reuse_factor` prices any profile."""
-    probes = []
-    for inst in insts:
-        parts = pipe.instance_prompt(inst)
-        ans = pipe.answer_parts(parts, REUSE_PROBE, 1)
-        probes.append({"context": ans.num_context_tokens, "suffix": ans.num_suffix_tokens,
-                       "prefix": len(parts.prefix_ids), "coverage": ans.num_recomputed / max(1, ans.num_context_tokens),
-                       "seconds": ans.ttft_s})
-    return probes
+    return [{"context": shape.context_tokens[0], "suffix": shape.suffix_tokens[0], "prefix": shape.prefix_tokens[0],
+             "coverage": coverage, "seconds": seconds}
+            for shape, coverage, seconds in _alone(pipe, insts, REUSE_PROBE)]
 
 
 def reuse_factor(profile: Profile, probes: list[dict]) -> float:
@@ -84,18 +85,19 @@ def reuse_factor(profile: Profile, probes: list[dict]) -> float:
         for p in probes))
 
 
-def _base(pipe, config, insts, profile, source: str, out: Path, show_progress: bool) -> tuple[float, float, float]:
+def _base(pipe, config, insts, profile, source: str, out: Path,
+          show_progress: bool) -> tuple[float, float, float | None]:
     """(base SLO, speed factor, reuse factor) of `profile` on this machine, measured once per `out`.
-    A base.json written before the reuse factor was measured gives the speed factor for both."""
+    The reuse factor is None (the speed factor's) where nothing is rescaled or base.json was
+    written before the reuse probes were measured."""
     if config.base_slo_s is not None and source == "measured":
-        return config.base_slo_s, 1.0, 1.0  # nothing to measure: the SLO is given, the profile is this machine's
+        return config.base_slo_s, 1.0, None  # nothing to measure: the SLO is given, the profile is this machine's
     path = out / "base.json"
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
         if saved.get("digest") == config.digest():
             probes = saved.get("reuse_probes")
-            return (saved["base_slo_s"], saved["speed_factor"],
-                    reuse_factor(profile, probes) if probes else saved["speed_factor"])
+            return saved["base_slo_s"], saved["speed_factor"], reuse_factor(profile, probes) if probes else None
     sample = [i for i in insts if isinstance(i, WorkloadInstance)][: config.num_base_samples]
     if show_progress:
         print(f"measuring the base SLO: {len(sample)} single-request full prefills and reuse probes ...", flush=True)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from cachesmith.planner import BatchShape
 from cachesmith.planner.cost_model import CostModel
+from cachesmith.planner.profile import PhaseCost
 from cachesmith.profiler.packaged import calibrate, rescaled
 from cachesmith.recompute.config import cacheblend, epic
 from tests.engine_helpers import save_tiny_chat_model, tiny_pipeline
@@ -32,9 +34,14 @@ def test_two_factors_scale_full_layers_and_the_reuse_path_apart():
     def ttft(p, plan):
         return float(CostModel(p).ttft(shape, plan.signal.value, plan.warmup, plan.probe, cov)[0])
     both = rescaled(profile, 2.0, 3.0)
-    # full prefill runs full-layer passes and the per-batch overhead: mostly the first factor
-    full, full_both = CostModel(profile).full_prefill_ttft(shape), CostModel(both).full_prefill_ttft(shape)
-    assert 2.0 * full < full_both < 2.0 * full + 3.0 * profile.overhead.intercept_s + 1e-9 + 1.0 * full
+    # full prefill's layer passes are all full ones: without the per-batch overhead (a reuse-path
+    # cost), it moves with the first factor alone
+    bare = replace(profile, overhead=PhaseCost(0.0, 0.0, 0.0, 0.0, 0.0))
+    full = CostModel(bare).full_prefill_ttft(shape)
+    assert math.isclose(CostModel(rescaled(bare, 2.0, 3.0)).full_prefill_ttft(shape), 2.0 * full, rel_tol=1e-12)
+    overhead = CostModel(profile).full_prefill_ttft(shape) - full
+    assert overhead > 0
+    assert math.isclose(CostModel(both).full_prefill_ttft(shape), 2.0 * full + 3.0 * overhead, rel_tol=1e-12)
     # EPIC runs no full-layer pass: all of it moves with the reuse factor
     assert math.isclose(ttft(both, epic(0.15)), 3.0 * ttft(profile, epic(0.15)), rel_tol=1e-12)
     # CacheBlend's warm-up layer is a full one: between the two
