@@ -105,6 +105,18 @@ class BatchPlan:
         return RecomputeConfig(self.signal, self.warmup, self.probe, max(self.coverages))
 
 
+def pick(plans: list[BatchPlan], budget_s: float) -> BatchPlan:
+    """The signal's plan to run: a plan that fits the budget beats one that does not, whatever
+    passes the latter expects (a below-floor plan runs late, and the runtime monitor then cuts its
+    coverage to near full reuse's: the passes it was chosen for never happen). Among those that
+    fit, the most expected passes; among those that do not, the fastest. `max` keeps the first of
+    equals: ties go to the faster plan, then SIGNALS' order."""
+    def key(p: BatchPlan) -> tuple:
+        fits = p.predicted_ttft_s <= budget_s * (1 + 1e-9)
+        return fits, round(p.expected_passes, 9) if fits else 0.0, -round(p.predicted_ttft_s, 9)
+    return max(plans, key=key)
+
+
 class Planner:
     def __init__(self, profile: Profile, config: PlannerConfig | None = None) -> None:
         self.profile = profile
@@ -253,9 +265,7 @@ class Planner:
         shape = self.shape(requests)
         task = self.batch_task(requests)
         plans = [self._plan_signal(shape, s, budget_s, task) for s in self.candidate_signals(requests)]
-        # max keeps the first of equals: ties in expected passes go to the faster plan, then SIGNALS' order
-        best = max(plans, key=lambda p: (round(p.expected_passes, 9), -round(p.predicted_ttft_s, 9)))
-        return replace(best, decision_s=time.perf_counter() - start)
+        return replace(pick(plans, budget_s), decision_s=time.perf_counter() - start)
 
     def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
         w, p = self.band_pair(signal)

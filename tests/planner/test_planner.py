@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cachesmith.errors import InputError
-from cachesmith.planner import BatchShape, CostModel, Planner, PlannerConfig, PlanRequest
+from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlannerConfig, PlanRequest
+from cachesmith.planner.planner import pick
 from cachesmith.planner.allocate import allocate, expected_passes
 from cachesmith.planner.grid import ttft_grid
 from tests.planner.synthetic_profile import make_profile
@@ -80,6 +81,29 @@ def test_signal_follows_the_entropy_majority(planner):
     assert planner.choose_signal(batch(entropy=0.2)) == "qci"  # concentrated
     mixed = [PlanRequest(500, 20, 0, h) for h in (0.9, 0.9, 0.1)]
     assert planner.choose_signal(mixed) == "kv_dev"
+
+
+def test_a_plan_that_fits_beats_one_that_does_not_whatever_it_expects():
+    """A below-floor plan runs late and the runtime monitor cuts it to near full reuse: the passes
+    it expected never happen, so a fitting plan wins however few it expects."""
+    def plan(signal, ttft, passes):
+        return BatchPlan(signal, 1, 1, (0.05,), ttft, passes, 1.0, 0.5, 2.0, "planned")
+    fits, late = plan("kv_dev", 0.9, 0.2), plan("qci_last", 1.2, 0.9)
+    assert pick([late, fits], budget_s=1.0) is fits
+    assert pick([plan("qci", 0.8, 0.3), fits], budget_s=1.0).signal == "qci"  # both fit: more passes
+    slower = plan("qci", 1.5, 0.95)
+    assert pick([slower, late], budget_s=1.0) is late  # none fits: the least late
+
+
+def test_the_chosen_signal_fits_a_budget_between_the_signals_floors(planner):
+    reqs = batch((1024, 2048))
+    shape = planner.shape(reqs)
+    floors = sorted((planner.band(shape, s)[0], s) for s in planner.candidate_signals(reqs))
+    assert floors[0][0] < floors[-1][0], floors  # the signals' floors differ on this profile
+    budget = (floors[0][0] + floors[-1][0]) / 2
+    chosen = planner.plan(reqs, budget)
+    assert chosen.predicted_ttft_s <= budget and chosen.status != "below_floor"
+    assert chosen.signal != floors[-1][1]
 
 
 def test_a_slower_link_moves_rank_depth_from_probe_to_warmup():
