@@ -12,12 +12,13 @@ dropped rows' cached KV must be loaded for every remaining layer), while one lay
 2-core machine often runs 20-30% over its estimate and the next one under it. So the monitor keeps
 a pace (the median of measured / planned seconds over the last five Patch layers, padded with
 on-pace ones while fewer than three ran), predicts the end at that pace, and cuts only when that
-end passes its target by more than the tolerance, to the largest coverage whose predicted end fits
-with the cost of a cut (measured on the layer after an earlier one) reserved, and only if the cut
-saves more than that cost. The target is the budget, or, given the scheduler's limit (the latest
-end that costs nobody a deadline), that limit less what runs after the layers (`tail_s`, measured by
-the executor) and less a margin proportional to the time still to run: the budget's own margin was
-set for the noise of the whole batch, and less of it is left the further the batch has run.
+end passes its target by more than the tolerance (or passes the scheduler's limit at all), to the
+largest coverage whose predicted end fits with the cost of a cut (measured on the layer after an
+earlier one) reserved, and only if the cut saves more than that cost. The target is the budget,
+or, given the scheduler's limit (the latest end that costs nobody a deadline), that limit less what
+runs after the layers (`tail_s`, measured by the executor) and less a margin proportional to the
+time still to run: the budget's own margin was set for the noise of the whole batch, and less of it
+is left the further the batch has run.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class RuntimeMonitor(RunnerHooks):
         seconds = np.diff(self.planned_end[j:])  # [steps left] as planned
         left = float(seconds.sum())
         target = self.target_s(elapsed)
-        if elapsed + self.layer_pace * left <= target + self.tolerance * self.plan.budget_s:
+        if elapsed + self.layer_pace * left <= self.tolerated_s(target):
             return None
         other = sum(t for t, s in zip(seconds, self.steps[j + 1:]) if s.kind != "patch")  # probes left
         need = num_left * self.layer_pace * self._patch_seconds(SCALES[:, None] * self.coverages[None, :])  # [S]
@@ -122,6 +123,16 @@ class RuntimeMonitor(RunnerHooks):
         if limit is None or limit <= budget:
             return budget
         return max(budget, limit - self.margin * (limit - elapsed))
+
+    def tolerated_s(self, target: float) -> float:
+        """The predicted end that still cuts nothing: the target plus the tolerance, which spares
+        the quality of a batch whose pace is noise, but never past the limit less the tail. Past
+        it the batch misses a deadline: replays of bursts ended batches 0.2-1% past their
+        requests' deadlines, inside the tolerance and uncut."""
+        tolerated = target + self.tolerance * self.plan.budget_s
+        if self.limit_s is None:
+            return tolerated
+        return min(tolerated, max(target, self.limit_s - self.tail_s))
 
     @property
     def walk_s(self) -> float | None:

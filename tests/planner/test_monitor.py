@@ -112,6 +112,19 @@ def test_the_tail_after_the_layers_is_kept_clear_of_the_limit():
                           tail_s=plan.budget_s * 0.2).target_s(0.0) == plan.budget_s
 
 
+def test_the_tolerance_never_carries_a_batch_past_the_limit():
+    planner, plan, shape = planned_batch()
+    slow = lambda j: 1.0 if j < 8 else 1.3  # noqa: E731
+    _, end_uncut, _, _ = run(planner, plan, shape, slow, tolerance=1e9)  # a monitor that never cuts
+    limit = end_uncut / 1.02  # uncut, the batch ends 2% past the limit: inside the 5% tolerance
+    assert end_uncut < limit + 0.05 * plan.budget_s
+    monitor, end, cuts, _ = run(planner, plan, shape, slow, limit_s=limit, margin=0.0)
+    assert cuts and end <= limit, (end, limit)
+    assert monitor.tolerated_s(0.5 * limit) == pytest.approx(min(0.5 * limit + 0.05 * plan.budget_s, limit))
+    free = RuntimeMonitor(plan, planner.cost, shape)  # no limit: the plain tolerance
+    assert free.tolerated_s(plan.budget_s) == pytest.approx(1.05 * plan.budget_s)
+
+
 def test_target_starts_at_the_margin_and_nears_the_limit_as_the_batch_runs():
     planner, plan, shape = planned_batch()
     monitor = RuntimeMonitor(plan, planner.cost, shape, limit_s=10.0, margin=0.1)
