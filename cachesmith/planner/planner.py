@@ -9,11 +9,12 @@ Every TTFT is the cost model's times the pace learned for that kind of batch (si
 plan probes, batch size class: `planner/pace.py`), so a deep probe plan in a burst is sized for the
 pace such batches really ran at, not for the signal's average.
 
-The signal: by default each signal's best plan is searched and the one expecting the most passes
-under the demand of the served mix (or of the batch's task, when every request names the same one
-and the profile has its curves) wins. The paper's rule (batch majority of "layer-0 QCI entropy >
-theta") is the `entropy` ablation: on the packaged model every task's entropies overlap in
-0.94-0.96, so the threshold splits requests of one task at random (docs/decisions.md).
+The signal: by default each signal's best plan is searched and, of those that fit the budget, the
+one expecting the most passes under the demand of the served mix (or of the batch's task, when every
+request names the same one and the profile has its curves) wins (`pick`). The paper's rule (batch
+majority of "layer-0 QCI entropy > theta") is the `entropy` ablation: on the packaged model every
+task's entropies overlap in 0.94-0.96, so the threshold splits requests of one task at random
+(docs/decisions.md).
 Never touches tensors.
 """
 from __future__ import annotations

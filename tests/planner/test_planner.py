@@ -7,9 +7,9 @@ import pytest
 
 from cachesmith.errors import InputError
 from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlannerConfig, PlanRequest
-from cachesmith.planner.planner import pick
 from cachesmith.planner.allocate import allocate, expected_passes
 from cachesmith.planner.grid import ttft_grid
+from cachesmith.planner.planner import pick
 from tests.planner.synthetic_profile import make_profile
 
 
