@@ -118,8 +118,7 @@ class RuntimeMonitor(RunnerHooks):
 
     def target_s(self, elapsed: float) -> float:
         """The latest end the monitor lets the batch run to, `elapsed` seconds after its start."""
-        budget = self.plan.budget_s
-        limit = None if self.limit_s is None else self.limit_s - self.tail_s
+        budget, limit = self.plan.budget_s, self.layers_limit_s
         if limit is None or limit <= budget:
             return budget
         return max(budget, limit - self.margin * (limit - elapsed))
@@ -130,9 +129,13 @@ class RuntimeMonitor(RunnerHooks):
         it the batch misses a deadline: replays of bursts ended batches 0.2-1% past their
         requests' deadlines, inside the tolerance and uncut."""
         tolerated = target + self.tolerance * self.plan.budget_s
-        if self.limit_s is None:
-            return tolerated
-        return min(tolerated, max(target, self.limit_s - self.tail_s))
+        limit = self.layers_limit_s
+        return tolerated if limit is None else min(tolerated, max(target, limit))
+
+    @property
+    def layers_limit_s(self) -> float | None:
+        """The latest end of the layers: the scheduler's limit less the tail (None: no limit)."""
+        return None if self.limit_s is None else self.limit_s - self.tail_s
 
     @property
     def walk_s(self) -> float | None:
