@@ -37,6 +37,8 @@ class SchedulerConfig:
     # past saturation, leave the predicted next arrival room for its own saturation budget
     is_arrival_aware: bool = True
     arrival_window: int = 64  # recent arrivals the prediction is measured on
+    # a batch whose budget the waiting queue bounds takes only its share of the room (`_shared_room`)
+    is_slack_shared: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
@@ -86,11 +88,12 @@ class SloAwareScheduler:
         floor_s, saturation_s = self._bands_of(_terms(queue))  # [R] each alone, one walk for both
         self._observe(queue, saturation_s)
         floors = dict(zip((r.request_id for r in queue), floor_s.tolist()))
+        spans = dict(zip((r.request_id for r in queue), np.maximum(saturation_s - floor_s, 0.0).tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
             return self._doomed_batch(doomed, now, start)
-        priced = self._price(live, floors, now)
+        priced = self._price(live, floors, now, spans)
         best, window = self._pick(priced, self.config.kv_capacity_tokens), None
         if self._is_burst(priced[0]):
             # a bucket that cannot run at once: hold a window of layers per request and widen
@@ -99,12 +102,13 @@ class SloAwareScheduler:
                 best, window = wide, self.window_layers
         if doomed:  # serve the doomed first only if no live request loses its chance by it
             wait, _ = self.full_reuse_s(doomed[: self.config.max_batch_size])
-            later = self._pick(self._price(live, floors, now + wait), self.config.kv_capacity_tokens)
+            later = self._pick(self._price(live, floors, now + wait, spans), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
                 return self._doomed_batch(doomed, now, start)
         on_time, members, budget, limit = best
+        num_candidates = len(priced[1]) - 1  # the fallback row is not one
         return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned", limit_s=limit,
-                                expected_on_time=on_time, num_candidates=len(priced[1]) - 1,  # the fallback row is not one
+                                expected_on_time=on_time, num_candidates=num_candidates,
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
 
@@ -135,9 +139,11 @@ class SloAwareScheduler:
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
 
-    def _price(self, live: list[QueuedRequest], floors: dict[int, float], now: float):
+    def _price(self, live: list[QueuedRequest], floors: dict[int, float], now: float,
+               spans: dict[int, float] | None = None):
         """Every candidate composition priced in one vectorized pass: (buckets, compositions [M, B]
-        with the most urgent request alone as the last row, on-time counts, budgets, tokens)."""
+        with the most urgent request alone as the last row, on-time counts, budgets, tokens).
+        `spans`: each request's band span alone (saturation less floor); None shares no room."""
         cfg = self.config
         quantum = max(min(floors[r.request_id] for r in live), 1e-3)
         buckets = bucketize(live, now, quantum, cfg.length_edges)
@@ -145,7 +151,7 @@ class SloAwareScheduler:
         alone[0, 0] = 1  # the fallback when nothing fits the KV capacity together
         combos = np.vstack([np.array(list(compositions([len(b) for b in buckets], cfg.max_batch_size,
                                                         cfg.max_candidates))), alone])
-        return (buckets, combos, *self._evaluate(buckets, combos, floors, now))
+        return (buckets, combos, *self._evaluate(buckets, combos, floors, spans, now))
 
     def _pick(self, priced, capacity: int) -> tuple[int, list[QueuedRequest], float, float]:
         """(on time, members, budget, limit) of the first composition within `capacity` that
@@ -159,24 +165,28 @@ class SloAwareScheduler:
                 float(hard[m]))
 
     def _evaluate(self, buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float],
-                  now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  spans: dict[int, float] | None, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(requests on time in batch + modeled queue, budget, limit, context tokens) per candidate.
 
         A candidate's budget rises toward its most urgent member's deadline, capped at saturation
         and where a waiting request that makes its deadline at its floor behind the batch (the
-        queue FCFS at floors) would miss it; past saturation only while the whole waiting queue
-        still clears its floor and the predicted next arrival keeps its saturation budget. Below its
-        floor it runs at the floor and counts who still makes it. The limit is the latest end that
+        queue FCFS at floors) would miss it, of which room it takes its share (`_shared_room`);
+        past saturation only while the whole waiting queue still clears its floor and the predicted
+        next arrival keeps its saturation budget. Below its floor it runs at the floor and counts who
+        still makes it. The limit is the latest end that
         costs no member, and no waiting request that makes it, its deadline: the runtime monitor may
         let a late batch run into the gap between budget and limit rather than cut its coverage."""
         totals, tokens, first_deadline = _compose(buckets, combos)
         floor, saturation = self._bands_of(totals)
         limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
-        waiting, fl, dl = _waiting_queue(buckets, combos, floors)  # [M, Q], [Q], [Q]
+        waiting, fl, dl, span = _waiting_queue(buckets, combos, floors, spans or {})  # [M, Q], [Q], [Q], [Q]
         queue_ends = np.cumsum(waiting * fl[None, :], 1)  # [M, Q] after the batch starts the queue
         makes_it = waiting & (now + floor[:, None] + queue_ends <= dl[None, :])  # [M, Q]
-        room = np.where(makes_it, dl[None, :] - queue_ends - now - 1e-9, np.inf).min(1)  # [M], off the rounding edge
-        budget = np.where(floor > limit, floor, np.maximum(floor, np.minimum(np.minimum(limit, saturation), room)))
+        slack = np.where(makes_it, dl[None, :] - queue_ends - now - 1e-9, np.inf)  # [M, Q], off the rounding edge
+        room = slack.min(1)  # [M]
+        is_shared = self.config.is_slack_shared and spans is not None
+        shared = _shared_room(floor, saturation, room, slack, span) if is_shared else room
+        budget = np.where(floor > limit, floor, np.maximum(floor, np.minimum(np.minimum(limit, saturation), shared)))
         queued = (((now + budget)[:, None] + queue_ends <= dl[None, :]) & waiting).sum(1)
         raise_ok = (floor <= limit) & (limit > saturation) & (queued == waiting.sum(1)) & (room >= limit)
         if raise_ok.any():
@@ -211,16 +221,33 @@ def _compose(buckets: list[list[QueuedRequest]], combos: np.ndarray) -> tuple[np
     return totals, tokens, first_deadline
 
 
-def _waiting_queue(buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float]):
+def _shared_room(floor: np.ndarray, saturation: np.ndarray, room: np.ndarray, slack: np.ndarray,
+                 span: np.ndarray) -> np.ndarray:
+    """[M] the part of the room before the binding waiting request that a candidate may take: the
+    room past its floor is split between the batch and the waiting requests up to the binding one,
+    in proportion to the time each can still turn into coverage (saturation less floor). Pass
+    probability is concave in coverage (steep to ~15%, flat after), so one batch taking the whole
+    room while those behind it fall to their floors passes fewer requests than an even split."""
+    binding = np.where(np.isfinite(room), slack.argmin(1), -1)  # [M]
+    ahead = np.isfinite(slack) & (np.arange(slack.shape[1])[None, :] <= binding[:, None])  # [M, Q]
+    own = np.maximum(saturation - floor, 0.0)
+    others = (ahead * span[None, :]).sum(1)
+    share = np.divide(own, own + others, out=np.ones_like(own), where=own + others > 0)
+    return np.where(np.isfinite(room), floor + share * np.maximum(room - floor, 0.0), np.inf)
+
+
+def _waiting_queue(buckets: list[list[QueuedRequest]], combos: np.ndarray, floors: dict[int, float],
+                   spans: dict[int, float]):
     """The queue in arrival order: which requests wait behind each candidate [M, Q], their floors
-    [Q] and deadlines [Q]."""
+    [Q], deadlines [Q] and bands' spans (saturation less floor) [Q]."""
     order = sorted(((r.arrival_s, b, j) for b, bucket in enumerate(buckets) for j, r in enumerate(bucket)))
     where_b = np.array([b for _, b, _ in order])
     where_j = np.array([j for _, _, j in order])
     waiting = combos[:, where_b] <= where_j[None, :]  # [M, Q]
     fl = np.array([floors[buckets[b][j].request_id] for _, b, j in order])
     dl = np.array([buckets[b][j].deadline_s for _, b, j in order])
-    return waiting, fl, dl
+    span = np.array([spans.get(buckets[b][j].request_id, 0.0) for _, b, j in order])
+    return waiting, fl, dl, span
 
 
 def _members_on_time(buckets: list[list[QueuedRequest]], combos: np.ndarray, ends: np.ndarray) -> np.ndarray:

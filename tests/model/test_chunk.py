@@ -61,9 +61,12 @@ def test_extending_a_stored_prefix_equals_prefilling_it_all(tiny_model_dir):
     model = Decoder(path)
     head, tail = torch.arange(5, 25), torch.arange(30, 41)
     whole = prefill_chunk(model, torch.cat([head, tail]))
-    extended = extend_chunk(model, prefill_chunk(model, head), tail.tolist())
+    base = prefill_chunk(model, head)
+    extended = extend_chunk(model, base, tail.tolist())
     assert extended.token_ids == whole.token_ids
-    assert torch.equal(extended.keys[:, :20], whole.keys[:, :20])  # the base rows are reused as they are
+    # the base rows are reused as they are (a GEMM over 20 rows need not round as one over 31 does,
+    # so the rows of the whole prefill are only close; seen on AMD EPYC without AVX-512)
+    assert torch.equal(extended.keys[:, :20], base.keys) and torch.equal(extended.values[:, :20], base.values)
     assert (extended.keys - whole.keys).abs().max().item() < 1e-5
     assert (extended.values - whole.values).abs().max().item() < 1e-5
 

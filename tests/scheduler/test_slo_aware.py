@@ -215,3 +215,23 @@ def test_the_limit_is_the_members_deadline_or_a_waiting_requests_slack():
         d = one.next_batch([first, QueuedRequest(1, 0.0, slo, 1024, 32)], 0.0)
         assert d.request_ids == (0,) and d.budget_s <= d.limit_s
         assert d.limit_s == pytest.approx(max(d.budget_s, limit), rel=1e-6)
+
+
+def test_a_batch_shares_the_room_the_waiting_queue_leaves():
+    """Pass probability is concave in coverage: when the waiting queue bounds a batch's budget, the
+    batch takes its share of the room (in proportion to the band spans), not all of it while those
+    behind fall to their floors."""
+    def run(is_shared):
+        return SloAwareScheduler(Planner(make_profile()), SchedulerConfig(max_batch_size=1, is_slack_shared=is_shared))
+    floor, saturation = run(True).band([QueuedRequest(0, 0.0, 1.0, 1024, 32)])
+    deadline = 1.5 * saturation
+    queue = [QueuedRequest(i, 0.0, deadline, 1024, 32) for i in range(4)]  # one runs, three wait
+    room = deadline - 3 * floor - 1e-9
+    assert run(False).next_batch(queue, 0.0).budget_s == pytest.approx(room)
+    shared = run(True).next_batch(queue, 0.0)
+    assert shared.expected_on_time == 4
+    assert shared.budget_s == pytest.approx(floor + (room - floor) / 4)  # four equal spans split the room
+    greedy, even = ([d.budget_s for d, _ in drain(run(s), queue)] for s in (False, True))
+    assert min(greedy) == pytest.approx(floor) and max(greedy) == pytest.approx(room)
+    assert min(even) > floor + 0.01 and max(even) < room - 0.1  # no batch falls to its floor, none takes all
+    assert drain(run(True), queue)[-1][1] <= deadline + 1e-9  # and everyone still makes it
