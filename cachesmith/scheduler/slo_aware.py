@@ -173,9 +173,9 @@ class SloAwareScheduler:
         queue FCFS at floors) would miss it, of which room it takes its share (`_shared_room`);
         past saturation only while the whole waiting queue still clears its floor and the predicted
         next arrival keeps its saturation budget. Below its floor it runs at the floor and counts who
-        still makes it. The limit is the latest end that
-        costs no member, and no waiting request that makes it, its deadline: the runtime monitor may
-        let a late batch run into the gap between budget and limit rather than cut its coverage."""
+        still makes it. The limit is the latest end that costs no member, and no waiting request
+        that makes it, its deadline: the runtime monitor may let a late batch run into the gap
+        between budget and limit rather than cut its coverage."""
         totals, tokens, first_deadline = _compose(buckets, combos)
         floor, saturation = self._bands_of(totals)
         limit = (first_deadline - now) * (1.0 - self.config.safety_margin)
