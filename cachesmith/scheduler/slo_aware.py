@@ -228,7 +228,7 @@ def _shared_room(floor: np.ndarray, saturation: np.ndarray, room: np.ndarray, sl
     in proportion to the time each can still turn into coverage (saturation less floor). Pass
     probability is concave in coverage (steep to ~15%, flat after), so one batch taking the whole
     room while those behind it fall to their floors passes fewer requests than an even split."""
-    binding = np.where(np.isfinite(room), slack.argmin(1), -1)  # [M]
+    binding = slack.argmin(1)  # [M]; where nothing binds (room inf) the result is inf below anyway
     ahead = np.isfinite(slack) & (np.arange(slack.shape[1])[None, :] <= binding[:, None])  # [M, Q]
     own = np.maximum(saturation - floor, 0.0)
     others = (ahead * span[None, :]).sum(1)
