@@ -166,7 +166,9 @@ class Engine:
             out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
             out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds,
             num_cached_prefix=out.num_cached_prefix, reused_by_chunk=out.reused_by_chunk,
-            logprobs=out.logprobs, output_token_ids=out.token_ids)
+            logprobs=out.logprobs, output_token_ids=out.token_ids,
+            planned_s=pre.run.plan.predicted_ttft_s if pre.run.plan is not None else None,
+            num_replans=pre.run.num_monitor_replans)
 
     @property
     def is_learning(self) -> bool:

@@ -47,6 +47,10 @@ class RequestResult:
     reused_by_chunk: tuple[int, ...] = ()  # per context chunk, its tokens read from the store, not recomputed
     logprobs: list | None = None  # per generated token, a `TokenLogprob` (when the request asked)
     output_token_ids: tuple[int, ...] = ()
+    # the planner's price of the batch (its paced cost-model TTFT; None: a static plan) and how many
+    # times the runtime monitor re-planned it: judging the price against `batch_s` needs both
+    planned_s: float | None = None
+    num_replans: int = 0
 
     @property
     def num_cached_tokens(self) -> int:

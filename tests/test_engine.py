@@ -74,6 +74,7 @@ def test_requests_past_saving_run_at_full_reuse(pipe, profile):
     reqs = [Request(0, instance(0), 100.0, 0.0), Request(1, instance(1), 1e-6, 0.0)]
     results = engine(pipe, profile).run(reqs)
     assert results[1].mode == "full_reuse" and results[1].plan.startswith("(position,0,0")
+    assert results[1].planned_s is None  # no planner priced it
     assert results[0].mode == "planned" and results[0].is_on_time
 
 
@@ -149,6 +150,11 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     results = eng.run([Request(i, instance(i), 1e-3, 10.0 * i) for i in range(2)])
     assert all(r.error is None and r.mode == "planned" for r in results)
     assert eng.stats.num_monitor_replans >= 1
+    # each record keeps the planner's price of its batch (what the promised machine would take) and
+    # its batch's re-plans: the price is below what the batch took, the re-plans add up to the run's
+    assert all(r.planned_s is not None and 0 < r.planned_s < r.batch_s for r in results)
+    by_batch = {r.batch_id: r.num_replans for r in results}
+    assert sum(by_batch.values()) == eng.stats.num_monitor_replans
     lowered = [r for r in results if r.num_recomputed < math.floor(r.coverage * r.num_context_tokens)]
     assert lowered, [(r.coverage, r.num_recomputed, r.num_context_tokens) for r in results]
     assert eng.planner.correction["kv_dev"] > 1.0  # learned: this machine is slower than promised

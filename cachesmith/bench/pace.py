@@ -10,7 +10,8 @@ one, CacheSmith's plans are two (kv_dev and qci with w, p >= 1). Reuse is not fr
 every Patch pass rotates and copies every cached row of every request into place, and the rows
 were staged from the store by threads that share the cores, so a batch of several long requests
 at low coverage ran 1.5-2x its predicted time. `fit_machine` fits all terms to the batches of
-replays (`trace_batches`); `measure_paces` times single requests alone.
+replays (`trace_batches`); `measure_paces` times single requests alone; `paced_errors` replays the
+planner's learned pace over a replay's batches (how far the price serving puts on them errs).
 In: a `RagPipeline`, the `Profile`, workload instances, or replay records. Out: a `MachinePace`.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cachesmith.bench.outcomes import fixed_plans
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, CostModel, Profile
 from cachesmith.planner.cost_model import execution_steps
+from cachesmith.planner.pace import PaceBook
 from cachesmith.profiler.costs import fit_relative
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, preset
@@ -251,3 +253,19 @@ def fit_paces(batches: list[TraceBatch], num_layers: int) -> tuple[MachinePace, 
     rows = [{"key": k, "batches": v["num_batches"], "before": v["median"], "after": after[k]["median"]}
             for k, v in before.items()]
     return machine, rows
+
+
+def paced_errors(batches: list[dict]) -> list[float]:
+    """Relative error (price / measured - 1) of the price the serving planner puts on each of a
+    replay's batches, in the order given (the order they ran): the cost model's prediction
+    (`predicted_s`) times the pace its `PaceBook` learned from the batches before it. Each batch
+    is a dict with `plan` ("(signal,w,p,r%)"), `num_tokens`, `predicted_s` and `measured_s`.
+    Serving learns the pace up to the last layer run on the original plan (the runtime monitor's);
+    this learns it from the whole batch."""
+    book, out = PaceBook(), []
+    for b in batches:
+        signal, _, probe = b["plan"].strip("()").split(",")[:3]
+        pace = book.pace(signal, int(probe), b["num_tokens"])
+        out.append(b["predicted_s"] * pace / b["measured_s"] - 1)
+        book.observe(signal, b["measured_s"] / b["predicted_s"], int(probe), b["num_tokens"])
+    return out

@@ -117,3 +117,22 @@ def test_a_machine_pace_prices_patch_rows_and_round_trips_through_json():
     assert MachinePace.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert MachinePace.from_dict({"qci/1/1": 2.0}) == MachinePace({"qci/1/1": 2.0})  # a plain pace map
     assert MachinePace.from_dict(None) == MachinePace()
+
+
+def test_the_planners_price_learns_a_steady_machine_after_one_batch_and_keeps_kinds_apart():
+    from cachesmith.bench.pace import paced_errors
+
+    def batch(plan, predicted, measured, num_tokens=1500):
+        return {"plan": plan, "num_tokens": num_tokens, "predicted_s": predicted, "measured_s": measured}
+
+    # the machine runs kv_dev plans 1.25x slower than predicted, qci probe plans 0.8x
+    batches = [batch("(kv_dev,1,1,30%)", 1.0, 1.25), batch("(kv_dev,1,1,50%)", 2.0, 2.5),
+               batch("(qci,0,1,15%)", 1.0, 0.8), batch("(qci,0,1,15%)", 1.0, 0.8), batch("(qci,0,1,15%)", 1.0, 0.8),
+               batch("(kv_dev,1,1,30%)", 1.0, 1.25)]
+    errs = paced_errors(batches)
+    assert errs[0] == pytest.approx(1.0 / 1.25 - 1)  # nothing learned yet: the raw model's error
+    assert errs[1] == pytest.approx(0.0)  # the machine's pace, learned from the first batch
+    # the first qci batch reads the machine's pace (kv_dev's 1.25) and errs; later ones learn qci's own
+    assert errs[2] == pytest.approx(1.25 / 0.8 - 1)
+    assert abs(errs[4]) < abs(errs[3]) < abs(errs[2])
+    assert abs(errs[5]) < 0.1  # kv_dev's own level still holds its pace after the qci batches
