@@ -92,3 +92,22 @@ def test_a_packaged_profile_is_rescaled_by_both_measured_factors(setup, monkeypa
     (out / "summary.json").unlink()
     again = run_bench(pipe, config, out, show_progress=False)
     assert again.reuse_factor is None and again.speed_factor == result.speed_factor  # None: the speed factor's
+
+
+def test_reuse_probes_read_their_chunks_from_the_slower_tier(tmp_path):
+    # a replay reads most chunks from disk (the memory tier holds few requests); probes reading the
+    # chunks just stored would time memory reads and under-price serving
+    from cachesmith.kvstore.store import ChunkStore, StoreConfig
+
+    pipe = tiny_pipeline(save_tiny_chat_model(tmp_path / "m"), tmp_path / "kv")
+    pipe.store = pipe.transfer.store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path / "kv"))
+    insts = [instance(0), instance(1)]
+    for inst in insts:  # stored, so hot in memory, as after the base SLO's prefills
+        pipe.keyed_request(pipe.instance_prompt(inst), 1)
+    probes = bench_run.reuse_probes(pipe, insts)
+    assert len(probes) == 2 and all(p["seconds"] > 0 for p in probes)
+    num_chunks = sum(len(pipe.instance_prompt(i).chunk_ids) for i in insts)
+    assert pipe.store.stats.hits["disk"] >= num_chunks
+    # a memory-only store has nowhere slower to read from: nothing is dropped
+    mem = tiny_pipeline(save_tiny_chat_model(tmp_path / "m2"), tmp_path / "kv2")
+    assert len(bench_run.reuse_probes(mem, insts)) == 2 and mem.store.stats.hits["disk"] == 0
