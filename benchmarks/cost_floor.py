@@ -40,6 +40,7 @@ from cachesmith.planner import Profile  # noqa: E402
 from cachesmith.planner.cost_model import execution_steps  # noqa: E402
 from cachesmith.profiler.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config  # noqa: E402
 from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.recompute import parse_label  # noqa: E402
 
 # (signal, warmup, probe, coverage) of each family as the replays served it
 PLANS = (("kv_dev", 1, 1, 0.3), ("kv_dev", 1, 0, 0.15), ("position", 0, 0, 0.15), ("position", 0, 0, 0.0),
@@ -85,9 +86,9 @@ def _batch_row(setting: str, batch: list[dict], factor: float, num_layers: int) 
     contexts = tuple(r["num_context_tokens"] for r in batch)
     prefixes = tuple(r["num_cached_prefix"] for r in batch)
     suffixes = tuple(r["num_prompt_tokens"] - c - p for r, c, p in zip(batch, contexts, prefixes))
-    signal, w, p, _ = batch[0]["plan"].strip("()").split(",")
-    num_steps = len(execution_steps(signal, int(w), int(p), num_layers))
-    record = {"contexts": contexts, "suffix": suffixes, "prefix": prefixes, "plan": [signal, int(w), int(p), 0.0],
+    signal, w, p, _ = parse_label(batch[0]["plan"])
+    num_steps = len(execution_steps(signal, w, p, num_layers))
+    record = {"contexts": contexts, "suffix": suffixes, "prefix": prefixes, "plan": [signal, w, p, 0.0],
               "total_s": batch[0]["batch_s"], "layer_s": 0.0, "passes": [["", 0.0]] * num_steps,
               "selected": [r["num_recomputed"] for r in batch]}  # the profiler's run record of this batch
     run = RunTiming.from_record(record, num_layers)

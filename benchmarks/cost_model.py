@@ -53,6 +53,7 @@ from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.profiler.quiet import QuietRun  # noqa: E402
+from cachesmith.recompute import parse_label  # noqa: E402
 
 SETTINGS = (("poisson", 1.0, 21), ("gamma", 2.0, 22), ("gamma", 3.0, 23))  # (pattern, CV, trace seed)
 METHODS = ("cachesmith", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15", "full_prefill",
@@ -62,12 +63,6 @@ MIN_BATCHES, TARGET_MEDIAN, TARGET_P90 = 20, 0.05, 0.15
 COLUMNS = ["family", "batches", "median_abs_rel_err", "p90_abs_rel_err", "median_rel_err", "quiet_batches",
            "quiet_median_abs_rel_err", "quiet_p90_abs_rel_err", "is_within", "paced_median_abs_rel_err",
            "paced_p90_abs_rel_err", "is_paced_within"]
-
-
-def parse_plan(label: str) -> tuple[str, int, int]:
-    """(signal, w, p) of a plan label such as "(kv_dev,1,1,30%)"."""
-    signal, w, p, _ = label.strip("()").split(",")
-    return signal, int(w), int(p)
 
 
 def token_counts(pipe: RagPipeline, config: BenchConfig) -> dict[int, tuple[int, int, int]]:
@@ -115,7 +110,7 @@ def batch_rows(records: list[dict], tokens: dict[int, tuple[int, int, int]], cos
                 raise SystemExit(f"request {r['request_id']}: {r['num_context_tokens']} context tokens served, "
                                  f"{c} counted: the workload changed since the replay; clear --runs")
         shape = BatchShape(*(tuple(x) for x in zip(*counts)))
-        signal, w, p = parse_plan(batch[0]["plan"])
+        signal, w, p, _ = parse_label(batch[0]["plan"])
         cov = np.array([[r["num_recomputed"] / max(1, r["num_context_tokens"]) for r in batch]])
         predicted = float(cost.ttft(shape, signal, w, p, cov)[0])
         measured = batch[0].get("batch_s")
@@ -151,11 +146,10 @@ def add_paced(rows: list[dict]) -> list[dict]:
     """Each row with `paced_rel_err` (`bench.pace.paced_errors`), a fresh pace book per replay as
     each replay is a fresh engine. The planner prices only CacheSmith's batches while serving; for
     the presets' families this is what it would price."""
-    out = []
-    for key in sorted({(r["setting"], r["method"]) for r in rows}):
-        replay = sorted((r for r in rows if (r["setting"], r["method"]) == key), key=lambda r: r["batch_id"])
-        out += [{**r, "paced_rel_err": e} for r, e in zip(replay, paced_errors(replay))]
-    return out
+    replays: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(rows, key=lambda r: r["batch_id"]):
+        replays.setdefault((r["setting"], r["method"]), []).append(r)
+    return [{**r, "paced_rel_err": e} for replay in replays.values() for r, e in zip(replay, paced_errors(replay))]
 
 
 def _errors(errs: np.ndarray, prefix: str = "") -> dict:
@@ -178,7 +172,7 @@ def summary(rows: list[dict], key: str) -> list[dict]:
         mine = [r for r in rows if r[key] == name]
         errs = np.array([r["rel_err"] for r in mine])
         quiet = np.array([r["rel_err"] for r in mine if r["is_quiet"]])
-        paced = np.array([r["paced_rel_err"] for r in mine if "paced_rel_err" in r])
+        paced = np.array([r["paced_rel_err"] for r in mine])
         raw, calm, learned = _errors(errs), _errors(quiet, "quiet_"), _errors(paced, "paced_")
         out.append({key: name, "batches": len(errs), **raw, "median_rel_err": float(np.median(errs)),
                     "quiet_batches": len(quiet), **calm, "is_within": _is_within(raw, len(errs)),

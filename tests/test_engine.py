@@ -7,7 +7,7 @@ import pytest
 
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError
-from cachesmith.recompute import preset
+from cachesmith.recompute import parse_label, preset
 from cachesmith.request import Request
 from cachesmith.scheduler import SchedulerConfig
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
@@ -163,7 +163,7 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     plans = {(r.plan, r.num_prompt_tokens) for r in results}
     assert len(plans) >= 1
     for plan_label, num_tokens in plans:
-        probe = int(plan_label.strip("()").split(",")[2])
+        probe = parse_label(plan_label)[2]
         assert eng.planner.pace("kv_dev", probe, num_tokens) > 1.0
     # nothing of QCI ran: it reads the machine's pace over every batch, learned from kv_dev's
     assert eng.planner.pace("qci", 1, 1000) > 1.0

@@ -24,7 +24,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
-from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, preset
+from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, parse_label, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
@@ -77,8 +77,8 @@ class Outcome:
         """The measured fixed plans by (signal, w, p): [(coverage, verdict)] in coverage order."""
         out: dict[tuple[str, int, int], list[tuple[float, bool]]] = {}
         for label, verdict in self.plans.items():
-            s, w, p, c = label.strip("()").split(",")
-            out.setdefault((s, int(w), int(p)), []).append((float(c.rstrip("%")) / 100, verdict))
+            s, w, p, c = parse_label(label)
+            out.setdefault((s, w, p), []).append((c, verdict))
         return {k: sorted(v) for k, v in out.items()}
 
     @cached_property

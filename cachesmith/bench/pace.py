@@ -31,7 +31,7 @@ from cachesmith.planner.cost_model import execution_steps
 from cachesmith.planner.pace import PaceBook
 from cachesmith.profiler.costs import fit_relative
 from cachesmith.profiler.packaged import rescaled
-from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.recompute import RecomputeConfig, parse_label, preset
 from cachesmith.workloads.instance import WorkloadInstance
 
 PLANNER_PLANS = ((1, 1, 0.3), (1, 1, 0.7), (2, 4, 0.4))  # (w, p, r) the planner typically picks
@@ -43,8 +43,8 @@ def family(signal: str, warmup: int, probe: int) -> str:
 
 def calibration_plans(num_layers: int) -> list[RecomputeConfig]:
     """The outcome tables' fixed plans and a few plans of the planner's."""
-    return fixed_plans(num_layers) + [RecomputeConfig(s, w, p, r) for s in ("kv_dev", "qci") for w, p, r in PLANNER_PLANS
-                    if w + p < num_layers]
+    return fixed_plans(num_layers) + [RecomputeConfig(s, w, p, r) for s in ("kv_dev", "qci")
+                                      for w, p, r in PLANNER_PLANS if w + p < num_layers]
 
 
 def measure_paces(pipe: RagPipeline, profile: Profile, instances: list[WorkloadInstance], out: Path,
@@ -171,8 +171,7 @@ def trace_batches(records: list[dict], instances: list, profile: Profile) -> lis
         start = max(prev_end.get(method, 0.0), max(r["arrival_s"] for r in batch))
         prev_end[method] = end
         os_ = [instances[r["request_id"] % len(instances)] for r in batch]
-        signal, w, p, _ = batch[0]["plan"].strip("()").split(",")
-        w, p = int(w), int(p)
+        signal, w, p, _ = parse_label(batch[0]["plan"])
         shape = BatchShape(tuple(o.context_tokens for o in os_), tuple(o.suffix_tokens for o in os_),
                            tuple(o.prefix_tokens for o in os_))
         cov = np.array([[r["num_recomputed"] / max(1, r["num_context_tokens"]) for r in batch]])  # [1, R]
@@ -264,8 +263,8 @@ def paced_errors(batches: list[dict]) -> list[float]:
     this learns it from the whole batch."""
     book, out = PaceBook(), []
     for b in batches:
-        signal, _, probe = b["plan"].strip("()").split(",")[:3]
-        pace = book.pace(signal, int(probe), b["num_tokens"])
+        signal, _, probe, _ = parse_label(b["plan"])
+        pace = book.pace(signal, probe, b["num_tokens"])
         out.append(b["predicted_s"] * pace / b["measured_s"] - 1)
-        book.observe(signal, b["measured_s"] / b["predicted_s"], int(probe), b["num_tokens"])
+        book.observe(signal, b["measured_s"] / b["predicted_s"], probe, b["num_tokens"])
     return out

@@ -85,12 +85,10 @@ def _cool(pipe: RagPipeline, insts: list[WorkloadInstance]) -> None:
     them. The default memory tier holds about ten MIX requests' chunks, so a replay reads most from
     disk; probes reading the chunks just stored read memory, and on a 2-core machine they ran
     2-16% faster than from the page-cached disk (docs/decisions.md, session 24)."""
-    fastest, slower = pipe.store.tiers[0], pipe.store.tiers[1:]
     for inst in insts:
         keyed = pipe.keyed_request(pipe.instance_prompt(inst), 1)
         for key in [*keyed.chunk_keys, *([keyed.prefix_key] if keyed.prefix_key else [])]:
-            if any(tier.contains(key) for tier in slower):
-                fastest.delete(key)
+            pipe.store.demote(key)
 
 
 def reuse_factor(profile: Profile, probes: list[dict]) -> float:

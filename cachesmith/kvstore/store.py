@@ -165,6 +165,16 @@ class ChunkStore:
         for tier in self._shared():
             tier.announce_delete(key)
 
+    def demote(self, key: str) -> bool:
+        """Drop `key` from the fastest tier where a slower tier keeps it, so the next read comes from
+        the slower one (and fills the fastest again). Whether it was dropped."""
+        validate_key(key)
+        fastest, slower = self.tiers[0], self.tiers[1:]
+        if not fastest.contains(key) or not any(t.contains(key) for t in slower):
+            return False
+        fastest.delete(key)
+        return True
+
     def describe(self, key: str) -> tuple[EntryHeader, tuple[str, ...]] | None:
         """(header, names of the tiers holding it) without counting a hit or filling tiers; None if
         no tier holds a readable entry. Listing uses this, so foreign entries are never evicted."""

@@ -66,6 +66,13 @@ class RecomputeConfig:
         return f"({self.signal.value},{self.warmup},{self.probe},{self.coverage:.0%})"
 
 
+def parse_label(label: str) -> tuple[str, int, int, float]:
+    """(signal, w, p, coverage) of a plan label as `RecomputeConfig.label` writes it, e.g.
+    "(kv_dev,1,1,30%)" (run records and outcome tables keep plans so)."""
+    signal, w, p, coverage = label.strip("()").split(",")
+    return signal, int(w), int(p), float(coverage.rstrip("%")) / 100
+
+
 def check_coverage(coverage: float, field: str) -> float:
     if not isinstance(coverage, (int, float)) or math.isnan(coverage) or not 0.0 <= coverage <= 1.0:
         raise ConfigError(f"{field}={coverage!r} must be a fraction in [0, 1]")

@@ -10,6 +10,7 @@ from cachesmith.bench.setting import BenchConfig
 from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.planner import BatchShape, CostModel
+from cachesmith.recompute import parse_label
 from cachesmith.request import Request
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
@@ -44,8 +45,8 @@ def test_cachesmith_plans_from_table_entropies_and_gets_each_plans_verdict():
     results = engine.run(reqs)
     assert max(r.batch_size for r in results) > 1 and {r.mode for r in results} >= {"planned"}
     for r, o in zip(results, t.outcomes):
-        s, w, p, _ = r.plan.strip("()").split(",")
-        assert r.is_passed == t.passes(o, s, int(w), int(p), r.coverage)
+        s, w, p, _ = parse_label(r.plan)
+        assert r.is_passed == t.passes(o, s, w, p, r.coverage)
         assert r.qci_entropy == o.entropy and r.num_recomputed == round(r.coverage * o.context_tokens)
 
 
@@ -225,7 +226,7 @@ def test_the_learning_method_hears_the_verdict_of_every_planned_request():
     assert planned and len(heard) == len(planned)
 
     def verdict(r):
-        s, w, p, _ = r.plan.strip("()").split(",")
-        return s, int(w) + int(p), round(r.num_recomputed / r.num_context_tokens, 6), r.is_passed
+        s, w, p, _ = parse_label(r.plan)
+        return s, w + p, round(r.num_recomputed / r.num_context_tokens, 6), r.is_passed
     assert sorted(verdict(r) for r in planned) == sorted((s, d, round(c, 6), ok) for s, d, c, ok in heard)
     assert sim_engine("cachesmith", profile, t).planner.served_mix is None  # the default does not learn

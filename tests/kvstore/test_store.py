@@ -30,6 +30,18 @@ def test_read_through_fills_faster_tiers(model, tmp_path):
     assert store.stats.hits["memory"] == 1
 
 
+def test_demote_drops_only_a_copy_a_slower_tier_keeps(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path))
+    key = store.put(prefill_chunk(model, _ids()))
+    assert store.demote(key) and not store.tiers[0].contains(key) and store.tiers[1].contains(key)
+    assert not store.demote(key)  # nothing left to drop
+    store.get(key, model)
+    assert store.stats.hits["disk"] == 1 and store.tiers[0].contains(key)  # read from disk, memory filled again
+    memory_only = ChunkStore(StoreConfig(tiers=("memory",)))
+    only = memory_only.put(prefill_chunk(model, _ids(seed=1)))
+    assert not memory_only.demote(only) and memory_only.contains(only)  # its one copy stays
+
+
 def test_ensure_computes_once_and_keys_by_model_dtype_tokens(model, tmp_path):
     store = ChunkStore(StoreConfig(root=tmp_path))
     key, computed = store.ensure(model, _ids())

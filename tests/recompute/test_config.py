@@ -7,7 +7,7 @@ import pytest
 
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Decoder, prefill_chunk
-from cachesmith.recompute import BatchRunner, RecomputeConfig, RecomputeRequest, Signal, preset
+from cachesmith.recompute import BatchRunner, RecomputeConfig, RecomputeRequest, Signal, parse_label, preset
 from tests.recompute.helpers import make_request
 
 
@@ -58,3 +58,10 @@ def test_bad_requests_name_the_field(model):
     too_long = RecomputeRequest(chunks=[long_chunk, long_chunk], suffix_ids=[5, 6])
     with pytest.raises(InputError, match=r"requests\[0\].suffix_ids: 470 positions exceed"):
         runner.run([too_long], plan)
+
+
+@pytest.mark.parametrize("plan", [RecomputeConfig("kv_dev", 1, 11, 0.22), RecomputeConfig("position", 30, 0, 1.0),
+                                  RecomputeConfig("qci_last", 0, 1, 0.05), RecomputeConfig("position", 0, 0, 0.0)])
+def test_a_plan_label_reads_back_as_its_plan(plan):
+    signal, w, p, coverage = parse_label(plan.label())
+    assert RecomputeConfig(signal, w, p, coverage) == plan
