@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MIN_PACE, MAX_PACE = 0.5, 2.0  # one wild batch (a page-fault storm) must not swing the planner
-SIZE_UNIT_TOKENS = 2048  # size classes double from here: <2K, 2-4K, 4-8K, 8-16K, ...
+SIZE_UNIT_TOKENS = 1024  # size classes double from here: <1K, 1-2K, 2-4K, 4-8K, ...
 EVERY = ("",)  # the root level's key: every batch, whatever its signal
 
 

@@ -11,11 +11,11 @@ from cachesmith.planner import Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.pace import MAX_PACE, PaceBook, size_class
 from tests.planner.synthetic_profile import demand_curve, make_profile
 
-LARGE, SMALL = 9000, 1500  # prompt tokens of a batch: size classes 3 and 0
+LARGE, SMALL = 9000, 1500  # prompt tokens of a batch: size classes 4 and 1
 
 
-def test_size_classes_double_from_2k_tokens():
-    assert [size_class(n) for n in (1, 2047, 2048, 4095, 4096, 8192, 16384)] == [0, 0, 1, 1, 2, 3, 4]
+def test_size_classes_double_from_1k_tokens():
+    assert [size_class(n) for n in (1, 1023, 1024, 2047, 2048, 4095, 4096, 8192, 16384)] == [0, 0, 1, 1, 2, 2, 3, 4, 5]
     assert size_class(None) is None
 
 
