@@ -131,9 +131,9 @@ def planner_summary(rows: list[dict]) -> list[dict]:
     the plan it made) against the measured TTFT, per family; batches the runtime monitor re-planned
     ran part of the way on another plan and are counted apart. Replays recorded before the engine
     kept the price have none."""
-    out = []
-    for name in sorted({r["family"] for r in rows if r.get("planned_s") is not None}):
-        mine = [r for r in rows if r["family"] == name and r.get("planned_s") is not None]
+    out, priced = [], [r for r in rows if r.get("planned_s") is not None]
+    for name in sorted({r["family"] for r in priced}):
+        mine = [r for r in priced if r["family"] == name]
         kept = np.array([r["planned_s"] / r["measured_s"] - 1 for r in mine if not r["num_replans"]])
         errs = _errors(kept)
         out.append({"family": name, "batches": len(kept), **errs,
