@@ -30,6 +30,7 @@ from cachesmith.planner import PlannerConfig, Profile
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
 from cachesmith.bench.simulate import base_slo, simulate_run
+from cachesmith.bench.sim_executor import MachineNoise
 
 TASKS = ("pr", "msq", "vt", "mv", "mix")
 ARRIVALS = (("poisson", 1.0, 0.5), ("poisson", 1.0, 0.7), ("poisson", 1.0, 0.9),
@@ -79,6 +80,10 @@ class GridConfig:
     arrivals: tuple[tuple[str, float, float], ...] = ARRIVALS
     slo_scales: tuple[float, ...] = SLO_SCALES
     bandwidths: tuple[float, ...] = BANDWIDTHS
+    # the simulated machine's pace wanders batch to batch (`MachineNoise`); 0: it holds steady
+    noise_sigma: float = 0.0
+    noise_corr: float = 0.7
+    pace_margin_z: float = PlannerConfig.pace_margin_z  # CacheSmith's plans sized for a slower pace
 
     def __post_init__(self) -> None:
         unknown = set(self.studies) - set(STUDIES)
@@ -86,6 +91,8 @@ class GridConfig:
             raise ConfigError(f"studies: unknown {', '.join(sorted(unknown))}; known: {', '.join(STUDIES)}")
         if self.num_requests < 1:
             raise ConfigError(f"num_requests={self.num_requests} must be >= 1")
+        MachineNoise(self.noise_sigma, self.noise_corr)  # validates both
+        PlannerConfig(pace_margin_z=self.pace_margin_z)
 
 
 def runs(config: GridConfig) -> Iterator[Run]:
@@ -119,8 +126,10 @@ def run_one(table: OutcomeTable, profile: Profile, config: GridConfig, run: Run,
     bench = BenchConfig(run.task, None, None, config.num_requests, run.pattern, run.utilization, run.cv,
                         (run.slo_scale,), (run.method,), "task", config.seed, max_batch_size=config.max_batch_size,
                         bandwidth_gbps=run.bandwidth_gbps)
-    planner = PlannerConfig(r_min=run.r_min, r_max=run.r_max)
-    records, stats = simulate_run(table, profile, bench, base_s, run.method, run.slo_scale, planner, machine=machine)
+    planner = PlannerConfig(r_min=run.r_min, r_max=run.r_max, pace_margin_z=config.pace_margin_z)
+    noise = MachineNoise(config.noise_sigma, config.noise_corr, config.seed) if config.noise_sigma else None
+    records, stats = simulate_run(table, profile, bench, base_s, run.method, run.slo_scale, planner, machine=machine,
+                                  noise=noise)
     row = summarize(run.method, run.slo_scale, records, stats)
     return {**row, "key": run.key, "study": run.study, "task": run.task, "pattern": run.pattern, "cv": run.cv,
             "utilization": run.utilization, "bandwidth_gbps": run.bandwidth_gbps, "r_min": run.r_min,

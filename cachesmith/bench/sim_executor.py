@@ -14,10 +14,11 @@ batch ended with.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cachesmith.errors import ConfigError
 from cachesmith.executor import Admitted, BatchExecution, RequestOutput, TokenHook, check_request
 from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlanRequest
 from cachesmith.planner.cost_model import Step
@@ -33,14 +34,40 @@ from cachesmith.bench.pace import MachinePace, family
 INFINITE_GBPS = 1e9  # a link that never stalls: what compute alone takes
 
 
+@dataclass(frozen=True)
+class MachineNoise:
+    """A shared machine's wandering pace: batch n runs at exp(x_n) x its time, x an AR(1) over the
+    batches with stationary std `sigma` and lag-one correlation `corr` (slow minutes come in
+    runs: replays on shared 2-core machines drifted 1.3-1.6x within an hour and swung 0.5-3.6x
+    batch to batch). The median factor is 1."""
+    sigma: float = 0.0
+    corr: float = 0.7
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sigma <= 1:
+            raise ConfigError(f"noise sigma={self.sigma} must be in [0, 1]")
+        if not 0 <= self.corr < 1:
+            raise ConfigError(f"noise corr={self.corr} must be in [0, 1)")
+
+    def factors(self):
+        """An endless stream of per-batch slowdown factors."""
+        rng = np.random.default_rng(self.seed)
+        x = self.sigma * rng.standard_normal()
+        while True:
+            yield float(np.exp(x))
+            x = self.corr * x + self.sigma * np.sqrt(1 - self.corr ** 2) * rng.standard_normal()
+
+
 class SimExecutor:
     """`machine`: this machine's pace per plan family and reuse cost (`bench.pace`); a plain
     {family: pace} dict is taken too. Without one the batches run at the profile's speed."""
 
     def __init__(self, table: OutcomeTable, planner: Planner, link: CostModel,
-                 machine: MachinePace | dict | None = None) -> None:
+                 machine: MachinePace | dict | None = None, noise: MachineNoise | None = None) -> None:
         self.table, self.planner, self.link = table, planner, link
         self.pace = machine if isinstance(machine, MachinePace) else MachinePace.from_dict(machine)
+        self._slowdowns = (noise or MachineNoise()).factors()
         self._machines: dict[str, tuple[CostModel, CostModel]] = {}
 
     def machine(self, signal: str, warmup: int, probe: int, num_tokens: int = 0) -> tuple[CostModel, CostModel]:
@@ -61,17 +88,18 @@ class SimExecutor:
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         shape = batch_shape([a.queued for a in batch])
+        slowdown = next(self._slowdowns)
         if decision.mode != "planned":
             config = replace(decision.static_plan, coverage=decision.coverage)
             coverages = [decision.coverage] * len(batch)
-            seconds, stall = self._ttft(shape, config, np.array([coverages]))
+            seconds, stall = (slowdown * t for t in self._ttft(shape, config, np.array([coverages])))
             final, plan, replans = coverages, None, 0
         else:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
                                 a.request.instance.entropy, a.request.instance.task) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
-            seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s)
+            seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s, slowdown)
         signal, w, p = config.signal.value, config.warmup, config.probe
         verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, final)]
         return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
@@ -84,8 +112,8 @@ class SimExecutor:
         seconds = float(machine.ttft(shape, signal, w, p, cov)[0])
         return seconds, max(0.0, seconds - float(compute_only.ttft(shape, signal, w, p, cov)[0]))
 
-    def _monitored(self, plan: BatchPlan, shape: BatchShape,
-                   limit_s: float | None = None) -> tuple[float, float, list[float], int]:
+    def _monitored(self, plan: BatchPlan, shape: BatchShape, limit_s: float | None = None,
+                   slowdown: float = 1.0) -> tuple[float, float, list[float], int]:
         """(TTFT, stall, coverages at the end, monitor replans) of a planned batch: layer 0, the
         planner's decision, then the remaining passes one by one under the runtime monitor, on
         virtual time; a lowered coverage reprices the passes still to run. The planner learns the
@@ -97,7 +125,7 @@ class SimExecutor:
                                  time_scale=self.planner.pace(signal, p, shape.num_tokens), limit_s=limit_s)
         monitor.start(at=0.0)
         cov = np.array(plan.coverages, float)  # [R]
-        steps, durations = self._durations(machines, shape, plan, cov)  # [2, num_steps]
+        steps, durations = self._durations(machines, shape, plan, cov, slowdown)  # [2, num_steps]
         t = durations[:, 0] + plan.decision_s  # the plan is made after layer 0, as on the runner
         for j in range(1, len(steps)):
             now[0] = t[0]
@@ -107,20 +135,21 @@ class SimExecutor:
             lowered = monitor.after_layer(LayerInfo(steps[j].layer, _phase(steps[j], w), 0, 0))
             if lowered:
                 cov = np.array([lowered.get(i, c) for i, c in enumerate(cov)])
-                durations[:, j + 1:] = self._durations(machines, shape, plan, cov)[1][:, j + 1:]
+                durations[:, j + 1:] = self._durations(machines, shape, plan, cov, slowdown)[1][:, j + 1:]
         if monitor.pace is not None:
             self.planner.observe(signal, monitor.time_scale * monitor.pace, p, shape.num_tokens)
         return float(t[0]), max(0.0, float(t[0] - t[1])), cov.tolist(), monitor.num_replans
 
     @staticmethod
     def _durations(machines: tuple[CostModel, CostModel], shape: BatchShape, plan: BatchPlan,
-                   cov: np.ndarray) -> tuple[list[Step], np.ndarray]:
-        """(steps, each pass's time [2, num_steps] over the link and with compute alone)."""
+                   cov: np.ndarray, slowdown: float = 1.0) -> tuple[list[Step], np.ndarray]:
+        """(steps, each pass's time [2, num_steps] over the link and with compute alone, at the
+        batch's `slowdown`)."""
         out = []
         for m in machines:
             steps, ends = m.schedule(shape, plan.signal, plan.warmup, plan.probe, cov[None, :])
             out.append(np.diff(ends[:, 0], prepend=0.0))
-        return steps, np.array(out)
+        return steps, slowdown * np.array(out)
 
     def decode(self, batch: list[Admitted], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:

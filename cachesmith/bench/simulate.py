@@ -24,7 +24,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.planner import BatchShape, CostModel, PlannerConfig, Profile
 from cachesmith.request import Request
 from cachesmith.scheduler import SchedulerConfig
-from cachesmith.bench.sim_executor import SimExecutor
+from cachesmith.bench.sim_executor import MachineNoise, SimExecutor
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
 from cachesmith.bench.pace import MachinePace
 from cachesmith.workloads.trace import make_trace
@@ -47,17 +47,18 @@ def base_slo(table: OutcomeTable, profile: Profile, bandwidth_gbps: float | None
 
 def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float, method: str,
                  slo_scale: float, planner: PlannerConfig | None = None, pool: list[Outcome] | None = None,
-                 machine: MachinePace | dict | None = None, machine_profile: Profile | None = None
-                 ) -> tuple[list[dict], object]:
+                 machine: MachinePace | dict | None = None, machine_profile: Profile | None = None,
+                 noise: MachineNoise | None = None) -> tuple[list[dict], object]:
     """(records, engine stats) of one (method, SLO scale) run. `pool`: request i serves pool[i % len]
-    (a workload file's lines, as the replay bench cycles them) instead of the task's instances."""
+    (a workload file's lines, as the replay bench cycles them) instead of the task's instances.
+    `noise`: the machine's pace wanders batch to batch (`MachineNoise`); None: it holds steady."""
     if config.gate != "task":
         raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
     planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
     sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
     link = CostModel(machine_profile or profile, config.bandwidth_gbps)
     engine = Engine(None, profile, EngineConfig(method, "replay", config.gate, sched, planner), ReplayClock(),
-                    runtime=lambda p: SimExecutor(table, p, link, machine))
+                    runtime=lambda p: SimExecutor(table, p, link, machine, noise))
     trace = make_trace(trace_config(config, base_slo_s, slo_scale))
     requests = [Request(r.request_id, pool[r.request_id % len(pool)] if pool else
                         instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)

@@ -2,7 +2,8 @@
 executed batches, with what little is known about a specific kind shrunk toward its parent's.
 
 In: `observe(signal, pace, probe=, num_tokens=)` after each monitored batch. Out: `pace(signal,
-probe=, num_tokens=)`, the factor the cost model's TTFT is multiplied by for that kind of batch.
+probe=, num_tokens=)`, the factor the cost model's TTFT is multiplied by for that kind of batch,
+and `spread()`, how far the book's own prices have recently missed the batches that ran.
 
 Why per kind and not per signal: the offline cost fit's bias is not one number per signal. Plans
 that probe (the score needs extra layers over every token, or query-only probe passes) run other
@@ -20,9 +21,14 @@ all plans (the machine runs them all slower or faster), so a signal the planner 
 is priced at that pace, not at the raw model's. Without it, a planner choosing per batch between
 two signals priced the rarely chosen one at 1.0 while the machine ran it at 1.1-1.25: its batches
 ran late, and the choice did worse than either signal fixed (docs/decisions.md).
+Why a spread: a mean pace prices the typical batch, but a shared machine's pace swings (replays
+ran batches at 0.5x to 3.6x their price within minutes), and a plan sized to end at its budget at
+the mean pace ends past it about half the time. The planner sizes plans for a quantile of the
+pace instead (`Planner.margin`), read from the recent errors of the prices this book gave.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +65,10 @@ class _Level:
 class PaceBook:
     alpha: float = 0.3  # weight of the newest batch in a level's running mean
     prior: float = 2.0  # pseudo-observations of the parent level behind each level's estimate
+    spread_alpha: float = 0.1  # weight of the newest batch's squared log error in the spread
     _levels: dict[tuple, _Level] = field(default_factory=dict)
+    _error_sq: float = 0.0  # running mean of log(measured / priced)^2 over the batches priced
+    _num_errors: int = 0
 
     def observe(self, signal: str, pace: float, probe: int = 1, num_tokens: int | None = None) -> None:
         """A batch of this kind ran at `pace` x its predicted time (relative to the uncorrected
@@ -67,7 +76,13 @@ class PaceBook:
         if not pace > 0:
             return
         pace = min(max(pace, MIN_PACE), MAX_PACE)
-        for key in self._keys(signal, probe, size_class(num_tokens)):
+        size = size_class(num_tokens)
+        if EVERY in self._levels:  # the first batch was priced by the raw model: learning, not noise
+            error_sq = math.log(pace / self._pace(signal, probe, size)) ** 2
+            a = 1.0 if self._num_errors == 0 else self.spread_alpha
+            self._error_sq = (1 - a) * self._error_sq + a * error_sq
+            self._num_errors += 1
+        for key in self._keys(signal, probe, size):
             level = self._levels.setdefault(key, _Level())
             level.mean = pace if level.count == 0 else (1 - self.alpha) * level.mean + self.alpha * pace
             level.count += 1
@@ -88,6 +103,12 @@ class PaceBook:
             weight = level.count / (level.count + self.prior)
             estimate = weight * level.mean + (1 - weight) * estimate
         return estimate
+
+    def spread(self) -> float:
+        """The recent root-mean-square of log(measured / priced) over the batches this book priced,
+        shrunk toward 0 by `prior` pseudo-observations (two batches say little about a machine)."""
+        weight = self._num_errors / (self._num_errors + self.prior)
+        return math.sqrt(weight * self._error_sq)
 
     def paces(self, signal: str, probe: int, num_tokens: np.ndarray) -> np.ndarray:
         """`pace` for many batch sizes [M] at once (the scheduler's candidate batches)."""

@@ -19,6 +19,7 @@ Never touches tensors.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -58,6 +59,12 @@ class PlannerConfig:
     signal_rule: str = "passes"  # "passes": most expected passes; "entropy": the paper's threshold (ablation)
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
     is_mix_learned: bool = False  # price hint-free batches with the served mix learned from verdicts
+    # plans are sized to end inside the budget at the pace this many spreads of the pace book's
+    # recent price errors above the mean, up to max_pace_margin x. 0 (at the mean) by default: on a
+    # simulated swinging machine no z > 0 met more SLOs, the monitor absorbs slow batches already
+    # (docs/decisions.md, session 26)
+    pace_margin_z: float = 0.0
+    max_pace_margin: float = 1.5
 
     def __post_init__(self) -> None:
         if self.signal not in (None, *FIXABLE_SIGNALS):
@@ -71,6 +78,10 @@ class PlannerConfig:
             raise ConfigError(f"max_rank_fraction={self.max_rank_fraction} must be in (0, 1]")
         if self.num_splits < 1:
             raise ConfigError(f"num_splits={self.num_splits} must be >= 1")
+        if not 0 <= self.pace_margin_z <= 4:
+            raise ConfigError(f"pace_margin_z={self.pace_margin_z} must be in [0, 4]")
+        if not 1 <= self.max_pace_margin <= 4:
+            raise ConfigError(f"max_pace_margin={self.max_pace_margin} must be in [1, 4]")
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,14 @@ class Planner:
     def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
         """The learned measured / predicted factor for this kind of batch (1.0 before any)."""
         return self.paces.pace(signal, probe, num_tokens)
+
+    def margin(self) -> float:
+        """How much slower than the mean pace plans are sized for: `pace_margin_z` spreads of the
+        pace book's recent price errors. A plan sized at the mean pace ends past its budget about
+        half the time on a machine whose pace swings; the budget's share above the plan's price is
+        the runtime monitor's to spend on a slow batch (it targets the budget itself)."""
+        z, cap = self.config.pace_margin_z, self.config.max_pace_margin
+        return min(cap, math.exp(z * self.paces.spread()))
 
     @property
     def correction(self) -> dict[str, float]:
@@ -265,8 +284,9 @@ class Planner:
             raise InputError(f"budget_s={budget_s!r} must be a positive number of seconds")
         shape = self.shape(requests)
         task = self.batch_task(requests)
-        plans = [self._plan_signal(shape, s, budget_s, task) for s in self.candidate_signals(requests)]
-        return replace(pick(plans, budget_s), decision_s=time.perf_counter() - start)
+        sized = budget_s / self.margin()  # plans fit this at the mean pace; the monitor targets budget_s
+        plans = [self._plan_signal(shape, s, sized, task) for s in self.candidate_signals(requests)]
+        return replace(pick(plans, sized), budget_s=budget_s, decision_s=time.perf_counter() - start)
 
     def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
         w, p = self.band_pair(signal)

@@ -9,6 +9,7 @@ import pytest
 from cachesmith.bench.setting import BenchConfig
 from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
+from cachesmith.errors import ConfigError
 from cachesmith.planner import BatchShape, CostModel
 from cachesmith.recompute import parse_label
 from cachesmith.request import Request
@@ -230,3 +231,44 @@ def test_the_learning_method_hears_the_verdict_of_every_planned_request():
         return s, w + p, round(r.num_recomputed / r.num_context_tokens, 6), r.is_passed
     assert sorted(verdict(r) for r in planned) == sorted((s, d, round(c, 6), ok) for s, d, c, ok in heard)
     assert sim_engine("cachesmith", profile, t).planner.served_mix is None  # the default does not learn
+
+
+def test_machine_noise_wanders_with_the_std_and_correlation_asked_and_repeats_by_seed():
+    from itertools import islice
+
+    from cachesmith.bench.sim_executor import MachineNoise
+
+    assert set(islice(MachineNoise().factors(), 50)) == {1.0}  # no noise: the machine holds steady
+    x = np.log(list(islice(MachineNoise(0.3, 0.7, seed=5).factors(), 20000)))
+    assert np.std(x) == pytest.approx(0.3, rel=0.08) and abs(np.median(x)) < 0.03
+    assert np.corrcoef(x[:-1], x[1:])[0, 1] == pytest.approx(0.7, abs=0.05)
+    assert list(islice(MachineNoise(0.3, 0.7, seed=5).factors(), 5)) == list(np.exp(x[:5]))
+    with pytest.raises(ConfigError, match="sigma"):
+        MachineNoise(-0.1)
+    with pytest.raises(ConfigError, match="corr"):
+        MachineNoise(0.2, 1.0)
+    with pytest.raises(ConfigError, match="sigma"):
+        GridConfig(noise_sigma=2.0)
+
+
+def test_a_noisy_machine_slows_each_batch_by_its_draw_and_the_planner_hears_the_spread():
+    from itertools import islice
+
+    from cachesmith.bench.sim_executor import MachineNoise
+
+    profile, t = make_profile(), table(8)
+    noise = MachineNoise(0.3, 0.5, seed=2)
+    link, cost = CostModel(profile), CostModel(profile)
+    engine = Engine(None, profile, EngineConfig("full_prefill"), ReplayClock(),
+                    runtime=lambda p: SimExecutor(t, p, link, None, noise))
+    results = engine.run([Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:5])])  # alone
+    for r, o, factor in zip(results, t.outcomes, islice(noise.factors(), 5)):
+        shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
+        assert r.ttft_s == pytest.approx(factor * cost.full_prefill_ttft(shape), abs=5e-3)
+    spreads = {}
+    for sigma in (0.0, 0.3):
+        planned = Engine(None, profile, EngineConfig("cachesmith"), ReplayClock(),
+                         runtime=lambda p: SimExecutor(t, p, link, None, MachineNoise(sigma, 0.5, seed=3)))
+        planned.run([Request(i, t.outcomes[i % 8], 8.0, 10.0 * i) for i in range(40)])
+        spreads[sigma] = planned.planner.paces.spread()
+    assert spreads[0.0] < 0.02 and spreads[0.3] > 0.1

@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from cachesmith.errors import ConfigError
 from cachesmith.planner import Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.pace import MAX_PACE, PaceBook, size_class
 from tests.planner.synthetic_profile import demand_curve, make_profile
@@ -108,3 +109,67 @@ def test_plans_are_priced_at_their_own_familys_pace(shallow_planner):
         assert raw * (1.9 if plan.probe else 1.0) <= budget * 1.05  # the plan fits at its family's real pace
         families.add(plan.probe > 0)
     assert False in families  # the cheap family is chosen where the slow one would fit too little
+
+
+def test_the_spread_is_the_books_own_recent_price_error():
+    steady, swinging = PaceBook(), PaceBook()
+    steady.observe("kv_dev", 1.4, probe=1, num_tokens=SMALL)
+    assert steady.spread() == 0.0  # the first batch was priced by the raw model: learning, not noise
+    for _ in range(60):
+        steady.observe("kv_dev", 1.4, probe=1, num_tokens=SMALL)
+    assert steady.spread() < 1e-9  # every batch ran at the price the book gave it
+    rng = np.random.default_rng(0)
+    seen = []
+    for x in rng.normal(0.0, 0.3, 400):
+        swinging.observe("kv_dev", 1.4 * float(np.exp(x)), probe=1, num_tokens=SMALL)
+        seen.append(swinging.spread())
+    # the book's price follows the pace's recent mean, so its error is about the pace's own std (0.3) or above
+    # (each reading covers ~20 batches, so it wanders; their mean does not)
+    assert 0.27 < np.mean(seen[200:]) < 0.45 and 0.12 < min(seen[200:])
+
+
+def test_a_machine_that_steadies_lets_the_spread_fall_again():
+    book = PaceBook()
+    for i in range(100):
+        book.observe("qci", 1.0 if i % 2 else 1.5, probe=1, num_tokens=SMALL)
+    noisy = book.spread()
+    for _ in range(80):
+        book.observe("qci", 1.2, probe=1, num_tokens=SMALL)
+    assert noisy > 0.15 and book.spread() < 0.2 * noisy
+
+
+def test_plans_are_sized_for_a_slower_pace_than_the_mean_on_a_swinging_machine(shallow_planner):
+    """The plan's price at the mean pace leaves a margin of the budget that grows with the spread;
+    the plan keeps the scheduler's budget (the runtime monitor's target) as its own."""
+    calm = shallow_planner
+    swinging = Planner(calm.profile, replace(calm.config, pace_margin_z=1.5))
+    fixed = Planner(calm.profile, replace(calm.config, pace_margin_z=0.0))
+    rng = np.random.default_rng(1)
+    for x in rng.normal(0.0, 0.25, 200):
+        for planner in (swinging, fixed):
+            planner.observe("kv_dev", float(np.exp(x)), probe=1, num_tokens=SMALL)
+            planner.observe("kv_dev", float(np.exp(x)), probe=0, num_tokens=SMALL)
+    for _ in range(200):
+        calm.observe("kv_dev", 1.0, probe=1, num_tokens=SMALL)
+        calm.observe("kv_dev", 1.0, probe=0, num_tokens=SMALL)
+    assert calm.margin() == pytest.approx(1.0, abs=1e-9) and fixed.margin() == 1.0
+    margin = swinging.margin()
+    assert 1.2 < margin <= swinging.config.max_pace_margin
+    reqs = [PlanRequest(700, 40, 0)]
+    floor, saturation = calm.band(calm.shape(reqs), "kv_dev")
+    budget = fixed.pace("kv_dev", 1, 740) * (floor + 0.7 * (saturation - floor))
+    wide, narrow = fixed.plan(reqs, budget), swinging.plan(reqs, budget)
+    assert wide.status == "planned" and wide.predicted_ttft_s <= budget + 1e-9
+    assert narrow.budget_s == budget and narrow.predicted_ttft_s <= budget / margin + 1e-9
+    assert narrow.coverages[0] < wide.coverages[0]
+
+
+def test_the_margin_is_capped_and_its_settings_checked(shallow_planner):
+    planner = Planner(shallow_planner.profile, replace(shallow_planner.config, pace_margin_z=4.0, max_pace_margin=1.3))
+    for i in range(50):
+        planner.observe("kv_dev", 0.5 if i % 2 else 2.0, probe=1, num_tokens=SMALL)
+    assert planner.margin() == 1.3
+    with pytest.raises(ConfigError, match="pace_margin_z"):
+        PlannerConfig(pace_margin_z=-1.0)
+    with pytest.raises(ConfigError, match="max_pace_margin"):
+        PlannerConfig(max_pace_margin=0.9)
