@@ -113,7 +113,7 @@ def _report(args: argparse.Namespace) -> int:
         measured = {**measured, **json.loads(args.machine.read_text(encoding="utf-8"))}
         print(f"simulator machine: {args.machine}", file=sys.stderr)
     factor = args.speed_factor if args.speed_factor is not None else measured.get("speed_factor", 1.0)
-    grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies))
+    grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies), decision_ms=args.decision_ms)
     rows = args.rows or args.out.parent / "results" / "grid.jsonl"
     path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers,
                                     measured.get("machine") or measured.get("paces")))
@@ -156,4 +156,8 @@ def add_parsers(sub, add_model_args) -> None:
     rep.add_argument("--studies", nargs="+", default=["grid", "components", "signals", "band", "bandwidth"],
                      choices=["grid", "components", "signals", "band", "bandwidth"])
     rep.add_argument("--workers", type=int, default=2)
+    rep.add_argument("--decision-ms", type=float, default=None,
+                     help="every scheduling and plan decision costs this many ms of simulated time, so a rerun "
+                          "repeats row for row (default: their measured wall time); rows are cached by run, so "
+                          "give a fresh --rows file")
     rep.set_defaults(func=_report)

@@ -84,6 +84,9 @@ class GridConfig:
     noise_sigma: float = 0.0
     noise_corr: float = 0.7
     pace_margin_z: float = PlannerConfig.pace_margin_z  # CacheSmith's plans sized for a slower pace
+    # every scheduling and plan decision costs this many ms of virtual time, so a rerun repeats
+    # row for row; None: their measured wall time (runs differ by a request here and there)
+    decision_ms: float | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.studies) - set(STUDIES)
@@ -92,6 +95,8 @@ class GridConfig:
         if self.num_requests < 1:
             raise ConfigError(f"num_requests={self.num_requests} must be >= 1")
         MachineNoise(self.noise_sigma, self.noise_corr)  # validates both
+        if self.decision_ms is not None and not 0 <= self.decision_ms <= 1000:
+            raise ConfigError(f"decision_ms={self.decision_ms} must be in [0, 1000]")
         PlannerConfig(pace_margin_z=self.pace_margin_z)
 
 
@@ -128,8 +133,9 @@ def run_one(table: OutcomeTable, profile: Profile, config: GridConfig, run: Run,
                         bandwidth_gbps=run.bandwidth_gbps)
     planner = PlannerConfig(r_min=run.r_min, r_max=run.r_max, pace_margin_z=config.pace_margin_z)
     noise = MachineNoise(config.noise_sigma, config.noise_corr, config.seed) if config.noise_sigma else None
+    decision_s = None if config.decision_ms is None else config.decision_ms / 1e3
     records, stats = simulate_run(table, profile, bench, base_s, run.method, run.slo_scale, planner, machine=machine,
-                                  noise=noise)
+                                  noise=noise, decision_s=decision_s)
     row = summarize(run.method, run.slo_scale, records, stats)
     return {**row, "key": run.key, "study": run.study, "task": run.task, "pattern": run.pattern, "cv": run.cv,
             "utilization": run.utilization, "bandwidth_gbps": run.bandwidth_gbps, "r_min": run.r_min,

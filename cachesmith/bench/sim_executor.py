@@ -61,11 +61,14 @@ class MachineNoise:
 
 class SimExecutor:
     """`machine`: this machine's pace per plan family and reuse cost (`bench.pace`); a plain
-    {family: pace} dict is taken too. Without one the batches run at the profile's speed."""
+    {family: pace} dict is taken too. Without one the batches run at the profile's speed.
+    `decision_s`: each plan decision costs this much virtual time; None: its measured wall time
+    (the shipped planner on this machine, which makes two runs of one setting differ slightly)."""
 
     def __init__(self, table: OutcomeTable, planner: Planner, link: CostModel,
-                 machine: MachinePace | dict | None = None, noise: MachineNoise | None = None) -> None:
-        self.table, self.planner, self.link = table, planner, link
+                 machine: MachinePace | dict | None = None, noise: MachineNoise | None = None,
+                 decision_s: float | None = None) -> None:
+        self.table, self.planner, self.link, self.decision_s = table, planner, link, decision_s
         self.pace = machine if isinstance(machine, MachinePace) else MachinePace.from_dict(machine)
         self._slowdowns = (noise or MachineNoise()).factors()
         self._machines: dict[str, tuple[CostModel, CostModel]] = {}
@@ -98,6 +101,8 @@ class SimExecutor:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
                                 a.request.instance.entropy, a.request.instance.task) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
+            if self.decision_s is not None:
+                plan = replace(plan, decision_s=self.decision_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
             seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s, slowdown)
         signal, w, p = config.signal.value, config.warmup, config.probe

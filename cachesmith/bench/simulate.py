@@ -11,7 +11,7 @@ measured instances, seeded by the instance seed.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,11 +23,23 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError
 from cachesmith.planner import BatchShape, CostModel, PlannerConfig, Profile
 from cachesmith.request import Request
-from cachesmith.scheduler import SchedulerConfig
+from cachesmith.scheduler import QueuedRequest, ScheduleDecision, Scheduler, SchedulerConfig
 from cachesmith.bench.sim_executor import MachineNoise, SimExecutor
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
 from cachesmith.bench.pace import MachinePace
 from cachesmith.workloads.trace import make_trace
+
+
+@dataclass
+class FixedDecisionTime:
+    """A scheduler whose decisions cost `decision_s` of virtual time, not their measured wall time:
+    with the planner's decisions fixed too (`SimExecutor`), a simulated run repeats exactly."""
+    inner: Scheduler
+    decision_s: float
+
+    def next_batch(self, queue: list[QueuedRequest], now: float) -> ScheduleDecision | None:
+        decision = self.inner.next_batch(queue, now)
+        return None if decision is None else replace(decision, decision_s=self.decision_s)
 
 
 def instance_for(table: OutcomeTable, task: str, instance_seed: int) -> Outcome:
@@ -48,17 +60,23 @@ def base_slo(table: OutcomeTable, profile: Profile, bandwidth_gbps: float | None
 def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float, method: str,
                  slo_scale: float, planner: PlannerConfig | None = None, pool: list[Outcome] | None = None,
                  machine: MachinePace | dict | None = None, machine_profile: Profile | None = None,
-                 noise: MachineNoise | None = None) -> tuple[list[dict], object]:
+                 noise: MachineNoise | None = None, decision_s: float | None = None) -> tuple[list[dict], object]:
     """(records, engine stats) of one (method, SLO scale) run. `pool`: request i serves pool[i % len]
     (a workload file's lines, as the replay bench cycles them) instead of the task's instances.
-    `noise`: the machine's pace wanders batch to batch (`MachineNoise`); None: it holds steady."""
+    `noise`: the machine's pace wanders batch to batch (`MachineNoise`); None: it holds steady.
+    `decision_s`: every scheduling and plan decision costs this much virtual time, so the run
+    repeats exactly; None: their measured wall time."""
+    if decision_s is not None and not 0 <= decision_s <= 1:
+        raise ConfigError(f"decision_s={decision_s} must be in [0, 1] seconds")
     if config.gate != "task":
         raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
     planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
     sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
     link = CostModel(machine_profile or profile, config.bandwidth_gbps)
     engine = Engine(None, profile, EngineConfig(method, "replay", config.gate, sched, planner), ReplayClock(),
-                    runtime=lambda p: SimExecutor(table, p, link, machine, noise))
+                    runtime=lambda p: SimExecutor(table, p, link, machine, noise, decision_s))
+    if decision_s is not None:
+        engine.scheduler = FixedDecisionTime(engine.scheduler, decision_s)
     trace = make_trace(trace_config(config, base_slo_s, slo_scale))
     requests = [Request(r.request_id, pool[r.request_id % len(pool)] if pool else
                         instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)

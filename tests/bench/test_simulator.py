@@ -272,3 +272,23 @@ def test_a_noisy_machine_slows_each_batch_by_its_draw_and_the_planner_hears_the_
         planned.run([Request(i, t.outcomes[i % 8], 8.0, 10.0 * i) for i in range(40)])
         spreads[sigma] = planned.planner.paces.spread()
     assert spreads[0.0] < 0.02 and spreads[0.3] > 0.1
+
+
+def test_fixed_decision_times_make_a_simulated_run_repeat_exactly_and_cost_what_was_asked():
+    profile, t = make_profile(), table()
+    config = BenchConfig("mix", num_requests=40, pattern="gamma", cv=3.0, utilization=0.9)
+    base = base_slo(t, profile)
+    first, stats = simulate_run(t, profile, config, base, "cachesmith", 2.0, decision_s=0.002)
+    again, _ = simulate_run(t, profile, config, base, "cachesmith", 2.0, decision_s=0.002)
+    assert first == again and max(r["batch_size"] for r in first) > 1  # batched, planned, repeated
+    planned = {r["batch_id"] for r in first if r["mode"] == "planned"}
+    expected = [4.0 if b in planned else 2.0 for b in range(stats.num_batches)]  # scheduler 2 ms (+ planner 2 ms)
+    assert planned and stats.decision_ms == pytest.approx(expected)
+    lone = BenchConfig("pr", num_requests=1)
+    slow = simulate_run(t, profile, lone, 50.0, "cachesmith", 2.0, decision_s=0.05)[0][0]
+    fast = simulate_run(t, profile, lone, 50.0, "cachesmith", 2.0, decision_s=0.0)[0][0]
+    assert slow["ttft_s"] - fast["ttft_s"] == pytest.approx(0.1, abs=1e-9)  # scheduling + planning
+    with pytest.raises(ConfigError, match="decision_s"):
+        simulate_run(t, profile, lone, 50.0, "cachesmith", 2.0, decision_s=-1.0)
+    with pytest.raises(ConfigError, match="decision_ms"):
+        GridConfig(decision_ms=5000.0)
