@@ -29,7 +29,7 @@ from cachesmith.methods import default_methods
 from cachesmith.planner import PlannerConfig, Profile
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
-from cachesmith.bench.simulate import base_slo, simulate_run
+from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, simulate_run
 from cachesmith.bench.sim_executor import MachineNoise
 
 TASKS = ("pr", "msq", "vt", "mv", "mix")
@@ -95,8 +95,8 @@ class GridConfig:
         if self.num_requests < 1:
             raise ConfigError(f"num_requests={self.num_requests} must be >= 1")
         MachineNoise(self.noise_sigma, self.noise_corr)  # validates both
-        if self.decision_ms is not None and not 0 <= self.decision_ms <= 1000:
-            raise ConfigError(f"decision_ms={self.decision_ms} must be in [0, 1000]")
+        if self.decision_ms is not None and not 0 <= self.decision_ms <= 1e3 * MAX_DECISION_S:
+            raise ConfigError(f"decision_ms={self.decision_ms} must be in [0, {1e3 * MAX_DECISION_S:g}]")
         PlannerConfig(pace_margin_z=self.pace_margin_z)
 
 

@@ -30,12 +30,19 @@ from cachesmith.bench.pace import MachinePace
 from cachesmith.workloads.trace import make_trace
 
 
+MAX_DECISION_S = 1.0  # a pinned decision time past this is a unit slip (ms given as s), not a machine
+
+
 @dataclass
 class FixedDecisionTime:
     """A scheduler whose decisions cost `decision_s` of virtual time, not their measured wall time:
     with the planner's decisions fixed too (`SimExecutor`), a simulated run repeats exactly."""
     inner: Scheduler
     decision_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.decision_s <= MAX_DECISION_S:
+            raise ConfigError(f"decision_s={self.decision_s} must be in [0, {MAX_DECISION_S}] seconds")
 
     def next_batch(self, queue: list[QueuedRequest], now: float) -> ScheduleDecision | None:
         decision = self.inner.next_batch(queue, now)
@@ -66,8 +73,6 @@ def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, bas
     `noise`: the machine's pace wanders batch to batch (`MachineNoise`); None: it holds steady.
     `decision_s`: every scheduling and plan decision costs this much virtual time, so the run
     repeats exactly; None: their measured wall time."""
-    if decision_s is not None and not 0 <= decision_s <= 1:
-        raise ConfigError(f"decision_s={decision_s} must be in [0, 1] seconds")
     if config.gate != "task":
         raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
     planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
