@@ -29,7 +29,7 @@ from cachesmith.methods import default_methods
 from cachesmith.planner import PlannerConfig, Profile
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
-from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, simulate_run
+from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, check_measured, simulate_run
 from cachesmith.bench.sim_executor import MachineNoise
 
 TASKS = ("pr", "msq", "vt", "mv", "mix")
@@ -164,6 +164,8 @@ def run_grid(table_path: Path, profile_path: Path, speed_factor: float, out: Pat
     table, profile = _load(str(table_path), str(profile_path), speed_factor)
     done = load_keyed(out)
     todo = [r for r in runs(config) if r.key not in done]
+    for task, method in dict.fromkeys((r.task, r.method) for r in todo):  # before any worker starts
+        check_measured(table, method, table.by_task(task))
     base_s = base_slo(table, profile)  # one base for every link: the SLO stays as the link slows
     jobs = [(str(table_path), str(profile_path), speed_factor, config, r, base_s, machine) for r in todo]
     out.parent.mkdir(parents=True, exist_ok=True)

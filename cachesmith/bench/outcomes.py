@@ -156,6 +156,21 @@ class OutcomeTable:
         below = [v for c, v in o.static.get((signal, warmup, probe), []) if c <= coverage + 1e-9]
         return below[-1] if below else o.plans[preset("full_reuse", 0.0, self.num_layers).label()]
 
+    def check_measured(self, outcomes: list[Outcome], plan: RecomputeConfig, method: str) -> None:
+        """Raise where `outcomes` hold no measured coverage of a static `plan`'s family at or below
+        its coverage: `passes` would judge it as full reuse, silently (a flips-only table measures
+        CacheBlend's family and the fixed-split families only)."""
+        if not 0 < plan.coverage < 1.0 - 1e-9 or plan.warmup >= self.num_layers:
+            return  # full reuse and full prefill are in every table
+        family = (plan.signal.value, plan.warmup, plan.probe)
+        missing = [o for o in outcomes
+                   if not any(0 < c <= plan.coverage + 1e-9 for c, _ in o.static.get(family, []))]
+        if missing:
+            raise InputError(f"method={method!r}: the outcome table measured {plan.label()}'s family at no "
+                             f"coverage in (0, {plan.coverage:g}] for {len(missing)} of {len(outcomes)} "
+                             f"instances (e.g. {missing[0].task}/{missing[0].seed}); measure it with "
+                             f"`cachesmith outcomes --extend TABLE` or leave the method out")
+
     @staticmethod
     def _by_depth(o: Outcome, signal: str, depth: int, coverage: float) -> bool:
         anchors = o.anchors[signal]

@@ -9,16 +9,16 @@ import pytest
 from cachesmith.bench.setting import BenchConfig
 from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
-from cachesmith.errors import ConfigError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.planner import BatchShape, CostModel
-from cachesmith.recompute import parse_label
+from cachesmith.recompute import parse_label, preset
 from cachesmith.request import Request
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
 from cachesmith.bench.simulate import base_slo, instance_for, simulate, simulate_run
 from tests.planner.synthetic_profile import make_profile
-from tests.bench.sim_helpers import outcome, table
+from tests.bench.sim_helpers import NUM_LAYERS, outcome, table
 
 
 def sim_engine(method: str, profile, t, gbps: float | None = None) -> Engine:
@@ -292,3 +292,28 @@ def test_fixed_decision_times_make_a_simulated_run_repeat_exactly_and_cost_what_
         simulate_run(t, profile, lone, 50.0, "cachesmith", 2.0, decision_s=-1.0)
     with pytest.raises(ConfigError, match="decision_ms"):
         GridConfig(decision_ms=5000.0)
+
+
+def test_a_preset_the_table_never_measured_is_refused_not_judged_as_full_reuse(tmp_path):
+    profile, t = make_profile(), table(8)
+    epic_plans = {preset("epic", c, NUM_LAYERS).label() for c in (0.15, 0.3)}
+    for o in t.outcomes[2:]:  # flips-only instances, as the demand table holds: no EPIC
+        o.plans = {k: v for k, v in o.plans.items() if k not in epic_plans}
+        o.__dict__.pop("static", None)
+    config = BenchConfig("mix", num_requests=6)
+    with pytest.raises(InputError, match=r"epic@0.15.*6 of 8 instances"):
+        simulate_run(t, profile, config, 2.0, "epic@0.15", 2.0)
+    with pytest.raises(InputError, match="epic@0.3"):
+        simulate(t, profile, BenchConfig("mix", num_requests=6, methods=("full_reuse", "epic@0.3")), 2.0)
+    # what every instance measured still runs, and a pool of measured instances serves EPIC
+    for method in ("cacheblend@0.15", "full_reuse", "full_prefill", "cachesmith"):
+        assert len(simulate_run(t, profile, config, 2.0, method, 2.0)[0]) == 6
+    assert len(simulate_run(t, profile, config, 2.0, "epic@0.15", 2.0, pool=t.outcomes[:2])[0]) == 6
+    # the grid refuses before any run, so no row of a half-judged grid is cached
+    t.save(tmp_path / "t.json")
+    profile.save(tmp_path / "p.json")
+    out = tmp_path / "rows.jsonl"
+    cfg = GridConfig(num_requests=6, studies=("grid",), tasks=("pr",), methods=("full_reuse", "epic@0.3"))
+    with pytest.raises(InputError, match="epic@0.3"):
+        run_grid(tmp_path / "t.json", tmp_path / "p.json", 1.0, out, cfg, num_workers=1, show_progress=False)
+    assert not out.exists() or out.read_text() == ""
