@@ -14,7 +14,7 @@ those. Decision times are pinned (`GridConfig.decision_ms`), so a rerun repeats 
 per (demand, evaluation): `variant_lines`' wins, per-task wins, trail and mean QSA; then the
 cross-fit estimate: per setting, the two held-out directions' QSA weighted by each evaluation
 sample's instances of that task (the procedure "fit demand on one sample, serve the other",
-judged on every instance once). Every run is cached under `--out-dir` (resumable); about 8
+judged on every instance once). Every run is cached under `--out-dir` (resumable); about 9
 minutes on 2 cores. `--out` writes the JSON.
 """
 from __future__ import annotations
