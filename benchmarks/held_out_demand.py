@@ -20,7 +20,6 @@ minutes on 2 cores. `--out` writes the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import replace
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
-from cachesmith.bench.grid import GridConfig, run_grid  # noqa: E402
+from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
 from cachesmith.bench.outcomes import OutcomeTable, demand_curves  # noqa: E402
 from cachesmith.bench.results import FOUR_TASKS, arrival, settings, variant_lines  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
@@ -53,11 +52,7 @@ def demand_profile(table: OutcomeTable, packaged: Path, out: Path) -> Path:
 
 def grid_rows(args: argparse.Namespace, samples: dict[str, Path], profiles: dict[str, Path]) -> dict:
     """(demand, evaluated_on) -> the grid rows of the variants plus that evaluation's statics."""
-    measured = {}
-    for path in (args.validation, args.machine):  # the simulator's machine, as `cachesmith report` reads it
-        if path.exists():
-            measured.update(json.loads(path.read_text(encoding="utf-8")))
-    factor, machine = measured.get("speed_factor", 1.0), measured.get("machine") or measured.get("paces")
+    factor, machine = simulator_machine(args.validation, args.machine)
     base = dict(studies=("grid",), tasks=FOUR_TASKS, decision_ms=args.decision_ms, num_requests=args.num_requests)
     show = not args.json
     out = {}

@@ -13,14 +13,13 @@ JSON. About 3 minutes per noise level for the statics and 1.5 per z on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
-from cachesmith.bench.grid import GridConfig, run_grid  # noqa: E402
+from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
 from cachesmith.bench.results import variant_lines  # noqa: E402
 from cachesmith.methods import default_methods  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
@@ -31,11 +30,7 @@ COLUMNS = ["sigma", "z", "method", "above_best_static", "at_or_above_fp", "per_t
 
 
 def study(args: argparse.Namespace) -> list[dict]:
-    measured = {}
-    for path in (args.validation, args.machine):  # the simulator's machine, as `cachesmith report` reads it
-        if path.exists():
-            measured.update(json.loads(path.read_text(encoding="utf-8")))
-    factor, machine = measured.get("speed_factor", 1.0), measured.get("machine") or measured.get("paces")
+    factor, machine = simulator_machine(args.validation, args.machine)
     profile = PACKAGED_DIR / args.table.name.removeprefix("outcomes-")
     statics = tuple(m for m in default_methods() if not m.startswith("cachesmith"))
     out = []

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -99,24 +98,21 @@ def _write_demand(table, path: Path) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from cachesmith.bench.evaluation import ReportInputs, make_report
-    from cachesmith.bench.grid import GridConfig
+    from cachesmith.bench.grid import GridConfig, simulator_machine
     from cachesmith.profiler.packaged import PACKAGED_DIR
 
     table = args.table
     if not table.exists():
         raise CachesmithError(f"--table {table}: no outcome table there (measure one: cachesmith outcomes)")
     profile = args.profile or PACKAGED_DIR / table.name.removeprefix("outcomes-")
-    measured = {}
-    if args.validation and args.validation.exists():  # this machine's speed, measured beside the replays
-        measured = json.loads(args.validation.read_text(encoding="utf-8"))
-    if args.machine is not None and args.machine.exists():  # the machine refit against this profile
-        measured = {**measured, **json.loads(args.machine.read_text(encoding="utf-8"))}
+    measured_factor, machine = simulator_machine(args.validation, args.machine)
+    if args.machine is not None and args.machine.exists():
         print(f"simulator machine: {args.machine}", file=sys.stderr)
-    factor = args.speed_factor if args.speed_factor is not None else measured.get("speed_factor", 1.0)
+    factor = args.speed_factor if args.speed_factor is not None else measured_factor
     grid = GridConfig(num_requests=args.num_requests, studies=tuple(args.studies), decision_ms=args.decision_ms)
     rows = args.rows or args.out.parent / "results" / "grid.jsonl"
     path = make_report(ReportInputs(table, profile, factor, args.validation, rows, args.out, grid, args.workers,
-                                    measured.get("machine") or measured.get("paces")))
+                                    machine))
     print(f"wrote {path} (figures in {path.parent / 'results'})", file=sys.stderr)
     return 0
 

@@ -29,7 +29,7 @@ from cachesmith.methods import default_methods
 from cachesmith.planner import PlannerConfig, Profile
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
-from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, check_measured, simulate_run
+from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, simulate_run
 from cachesmith.bench.sim_executor import MachineNoise
 
 TASKS = ("pr", "msq", "vt", "mv", "mix")
@@ -157,6 +157,16 @@ def _load(table_path: str, profile_path: str, factor: float) -> tuple[OutcomeTab
     return _CACHE[key]
 
 
+def simulator_machine(validation: Path | None, machine: Path | None) -> tuple[float, dict | None]:
+    """(speed factor, machine paces) the simulator runs at: the simulator validation's measured
+    payload, overlaid by the machine refit against the profile, each where its file exists."""
+    measured = {}
+    for path in (validation, machine):
+        if path is not None and path.exists():
+            measured.update(json.loads(path.read_text(encoding="utf-8")))
+    return measured.get("speed_factor", 1.0), measured.get("machine") or measured.get("paces")
+
+
 def run_grid(table_path: Path, profile_path: Path, speed_factor: float, out: Path, config: GridConfig,
              num_workers: int = 2, show_progress: bool = True, machine: dict | None = None) -> list[dict]:
     """Every run of the studies, resuming from `out` (JSONL rows); returns all rows. The rows are
@@ -165,7 +175,7 @@ def run_grid(table_path: Path, profile_path: Path, speed_factor: float, out: Pat
     done = load_keyed(out)
     todo = [r for r in runs(config) if r.key not in done]
     for task, method in dict.fromkeys((r.task, r.method) for r in todo):  # before any worker starts
-        check_measured(table, method, table.by_task(task))
+        table.check_measured(method, table.by_task(task))
     base_s = base_slo(table, profile)  # one base for every link: the SLO stays as the link slows
     jobs = [(str(table_path), str(profile_path), speed_factor, config, r, base_s, machine) for r in todo]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cachesmith.errors import InputError
-from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE
+from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE, parse_method
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
@@ -156,12 +156,14 @@ class OutcomeTable:
         below = [v for c, v in o.static.get((signal, warmup, probe), []) if c <= coverage + 1e-9]
         return below[-1] if below else o.plans[preset("full_reuse", 0.0, self.num_layers).label()]
 
-    def check_measured(self, outcomes: list[Outcome], plan: RecomputeConfig, method: str) -> None:
-        """Raise where `outcomes` hold no measured coverage of a static `plan`'s family at or below
-        its coverage: `passes` would judge it as full reuse, silently (a flips-only table measures
-        CacheBlend's family and the fixed-split families only)."""
-        if not 0 < plan.coverage < 1.0 - 1e-9 or plan.warmup >= self.num_layers:
-            return  # full reuse and full prefill are in every table
+    def check_measured(self, method: str, outcomes: list[Outcome]) -> None:
+        """Raise where `method` is a static preset whose family `outcomes` measured at no coverage
+        at or below its own: `passes` would judge it as full reuse, silently (a flips-only table
+        measures CacheBlend's family and the fixed-split families only)."""
+        served = parse_method(method)
+        plan = served.plan(self.num_layers) if served.is_static else None
+        if plan is None or not 0 < plan.coverage < 1.0 - 1e-9 or plan.warmup >= self.num_layers:
+            return  # CacheSmith plans from flips; full reuse and full prefill are in every table
         family = (plan.signal.value, plan.warmup, plan.probe)
         missing = [o for o in outcomes
                    if not any(0 < c <= plan.coverage + 1e-9 for c, _ in o.static.get(family, []))]

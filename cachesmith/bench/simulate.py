@@ -21,7 +21,6 @@ from cachesmith.bench.setting import BenchConfig, trace_config
 from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError
-from cachesmith.methods import parse_method
 from cachesmith.planner import BatchShape, CostModel, PlannerConfig, Profile
 from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision, Scheduler, SchedulerConfig
@@ -65,14 +64,6 @@ def base_slo(table: OutcomeTable, profile: Profile, bandwidth_gbps: float | None
                                                              (o.prefix_tokens,))) for o in table.outcomes]))
 
 
-def check_measured(table: OutcomeTable, method: str, outcomes: list[Outcome]) -> None:
-    """Raise where `method` is a static preset some of `outcomes` never measured (a flips-only
-    table has CacheBlend's alone), which the table would otherwise judge as full reuse."""
-    served = parse_method(method)
-    if served.is_static:
-        table.check_measured(outcomes, served.plan(table.num_layers), method)
-
-
 def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, base_slo_s: float, method: str,
                  slo_scale: float, planner: PlannerConfig | None = None, pool: list[Outcome] | None = None,
                  machine: MachinePace | dict | None = None, machine_profile: Profile | None = None,
@@ -84,7 +75,7 @@ def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, bas
     repeats exactly; None: their measured wall time."""
     if config.gate != "task":
         raise ConfigError(f"gate={config.gate!r}: the outcome tables hold task-gate verdicts only")
-    check_measured(table, method, pool or table.by_task(config.task))
+    table.check_measured(method, pool or table.by_task(config.task))
     planner = replace(planner or PlannerConfig(), bandwidth_gbps=config.bandwidth_gbps)
     sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
     link = CostModel(machine_profile or profile, config.bandwidth_gbps)

@@ -317,3 +317,14 @@ def test_a_preset_the_table_never_measured_is_refused_not_judged_as_full_reuse(t
     with pytest.raises(InputError, match="epic@0.3"):
         run_grid(tmp_path / "t.json", tmp_path / "p.json", 1.0, out, cfg, num_workers=1, show_progress=False)
     assert not out.exists() or out.read_text() == ""
+
+
+def test_the_simulators_machine_is_the_validation_overlaid_by_the_refit_where_each_exists(tmp_path):
+    from cachesmith.bench.grid import simulator_machine
+
+    validation, machine = tmp_path / "v.json", tmp_path / "m.json"
+    assert simulator_machine(validation, machine) == (1.0, None) and simulator_machine(None, None) == (1.0, None)
+    validation.write_text(json.dumps({"speed_factor": 1.9, "paces": {"kv_dev": 1.2}}))
+    assert simulator_machine(validation, machine) == (1.9, {"kv_dev": 1.2})
+    machine.write_text(json.dumps({"speed_factor": 2.1, "machine": {"reuse": 0.3}}))
+    assert simulator_machine(validation, machine) == (2.1, {"reuse": 0.3})
