@@ -11,11 +11,14 @@ profile is used (rescaled to this machine's measured speed) unless `cachesmith p
 Rows: {setting, seed, method, qsa, gate_rate, ttft_attainment}; the summary per setting gives each
 method's mean QSA over the seeds, the best static method and CacheSmith's lead over it in points
 (target: >= +5). `--json` prints the payload; `--out-json FILE` writes it. Timing matters here: run
-it on a quiet machine (it takes hours on 2 cores).
+it on a quiet machine (it takes hours on 2 cores). `--pool A.json B.json ...` runs nothing: it
+summarizes the rows of earlier payloads together (more seeds than one session replays), counting a
+method in a setting only where every seed of that setting has it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -50,6 +53,30 @@ def summarize_setting(rows: list[dict], name: str) -> dict:
             "lead_pts": lead, "is_target_met": lead >= 5.0, "means": means}
 
 
+POOLED_KEYS = ("num_requests", "utilization", "slo_scale")
+
+
+def pooled_rows(paths: list[Path]) -> tuple[list[dict], dict]:
+    """(rows, what every payload shares) of earlier payloads: one row per (setting, seed, method)
+    (a later file's wins), less the methods some seed of their setting lacks, so every mean is over
+    the same traces. Payloads of different request counts, utilizations or SLO scales are refused."""
+    rows, shared = {}, None
+    for path in paths:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        mine = {k: payload[k] for k in POOLED_KEYS}
+        if shared not in (None, mine):
+            raise SystemExit(f"--pool: {path} was run with {mine}, the others with {shared}")
+        shared = mine
+        for r in payload["rows"]:
+            rows[(r["setting"], r["seed"], r["method"])] = r
+    seeds: dict[str, set] = {}
+    for setting, seed, _ in rows:
+        seeds.setdefault(setting, set()).add(seed)
+    everywhere = {(setting, m) for setting, _, m in rows
+                  if all((setting, s, m) in rows for s in seeds[setting])}
+    return [r for key, r in rows.items() if (key[0], key[2]) in everywhere], shared
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="3,4", help="trace seeds per setting (comma-separated)")
@@ -62,7 +89,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/bench/replay_confirm"), help="replay runs (cached)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-json", default=None)
+    ap.add_argument("--pool", type=Path, nargs="+", default=None, help="summarize these payloads together")
     args = ap.parse_args()
+    if args.pool:
+        rows, shared = pooled_rows(args.pool)
+        for name in dict.fromkeys(r["setting"] for r in rows):
+            have = {r["method"] for r in rows if r["setting"] == name}
+            if "cachesmith" not in have or not have & set(STATIC):
+                ap.error(f"--pool: {name} needs cachesmith and a static method on every one of its seeds")
+        vars(args).update(shared)
+        return report(rows, tuple(dict.fromkeys(r["method"] for r in rows)), args)
 
     methods = tuple(args.methods.split(","))
     if "cachesmith" not in methods or not set(methods) & set(STATIC):
@@ -84,6 +120,10 @@ def main() -> None:
                      for r in result.rows if r["method"] in methods]
     if not rows:
         ap.error(f"--settings {args.settings}: none of {', '.join(setting_name(p, c, args.utilization) for p, c in SETTINGS)}")
+    report(rows, methods, args)
+
+
+def report(rows: list[dict], methods: tuple[str, ...], args: argparse.Namespace) -> None:
     summary = [summarize_setting(rows, name) for name in dict.fromkeys(r["setting"] for r in rows)]
     emit({"num_requests": args.num_requests, "utilization": args.utilization, "slo_scale": args.slo_scale,
           "methods": list(methods), "rows": rows, "summary": summary,
