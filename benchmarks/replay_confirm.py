@@ -62,13 +62,16 @@ def pooled_rows(paths: list[Path]) -> tuple[list[dict], dict]:
     the same traces. Payloads of different request counts, utilizations or SLO scales are refused."""
     rows, shared = {}, None
     for path in paths:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-        mine = {k: payload[k] for k in POOLED_KEYS}
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            mine = {k: payload[k] for k in POOLED_KEYS}
+            keyed = {(r["setting"], r["seed"], r["method"]): r for r in payload["rows"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--pool: {path} is not a replay_confirm payload ({type(exc).__name__}: {exc})") from None
         if shared not in (None, mine):
             raise SystemExit(f"--pool: {path} was run with {mine}, the others with {shared}")
         shared = mine
-        for r in payload["rows"]:
-            rows[(r["setting"], r["seed"], r["method"])] = r
+        rows.update(keyed)
     seeds: dict[str, set] = {}
     for setting, seed, _ in rows:
         seeds.setdefault(setting, set()).add(seed)

@@ -47,3 +47,6 @@ def test_a_later_payload_replaces_the_same_run_and_other_settings_are_refused(re
     other = payload(tmp_path / "other.json", [(4, "cachesmith", 0.5), (4, "cacheblend@0.15", 0.4)], slo_scale=3.0)
     with pytest.raises(SystemExit, match="slo_scale"):
         replay_confirm.pooled_rows([a, other])
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match="bad.json is not a replay_confirm payload"):
+        replay_confirm.pooled_rows([a, tmp_path / "bad.json"])
