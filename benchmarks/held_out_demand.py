@@ -30,14 +30,13 @@ from common import emit, print_table  # noqa: E402
 
 from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
 from cachesmith.bench.outcomes import OutcomeTable, demand_curves  # noqa: E402
-from cachesmith.bench.results import FOUR_TASKS, arrival, settings, variant_lines  # noqa: E402
+from cachesmith.bench.results import FOUR_TASKS, arrival, fixed_signal_trail, settings, variant_lines  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.planner import Profile  # noqa: E402
 from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
 
 VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith+task")
 STATICS = ("full_prefill", "full_reuse", "cacheblend@0.15", "cacheblend@0.3")
-FIXED = ("cachesmith:kv_dev", "cachesmith:qci")
 COLUMNS = ["demand", "evaluated_on", "method", "above_best_static", "at_or_above_fp", "per_task", "trail_pts",
            "mean_qsa"]
 SETTING_COLUMNS = ["task", "arrival", "slo_scale", "held_out_a", "held_out_b", "crossfit"]
@@ -85,7 +84,7 @@ def crossfit(rows: dict, counts: dict[str, dict[str, int]]) -> tuple[list[dict],
 
 def trail(qsa: dict[str, float]) -> float:
     """Points the default trails the better of its two fixed-signal ablations (negative: leads)."""
-    return 100 * (max(qsa[f] for f in FIXED) - qsa["cachesmith"])
+    return 100 * fixed_signal_trail(qsa)
 
 
 def main() -> None:

@@ -100,8 +100,7 @@ def main() -> None:
             have = {r["method"] for r in rows if r["setting"] == name}
             if "cachesmith" not in have or not have & set(STATIC):
                 ap.error(f"--pool: {name} needs cachesmith and a static method on every one of its seeds")
-        vars(args).update(shared)
-        return report(rows, tuple(dict.fromkeys(r["method"] for r in rows)), args)
+        return report(rows, tuple(dict.fromkeys(r["method"] for r in rows)), shared, args)
 
     methods = tuple(args.methods.split(","))
     if "cachesmith" not in methods or not set(methods) & set(STATIC):
@@ -123,13 +122,13 @@ def main() -> None:
                      for r in result.rows if r["method"] in methods]
     if not rows:
         ap.error(f"--settings {args.settings}: none of {', '.join(setting_name(p, c, args.utilization) for p, c in SETTINGS)}")
-    report(rows, methods, args)
+    report(rows, methods, {k: getattr(args, k) for k in POOLED_KEYS}, args)
 
 
-def report(rows: list[dict], methods: tuple[str, ...], args: argparse.Namespace) -> None:
+def report(rows: list[dict], methods: tuple[str, ...], run: dict, args: argparse.Namespace) -> None:
+    """Print or write the payload: `run` holds the trace parameters (POOLED_KEYS) the rows share."""
     summary = [summarize_setting(rows, name) for name in dict.fromkeys(r["setting"] for r in rows)]
-    emit({"num_requests": args.num_requests, "utilization": args.utilization, "slo_scale": args.slo_scale,
-          "methods": list(methods), "rows": rows, "summary": summary,
+    emit({**run, "methods": list(methods), "rows": rows, "summary": summary,
           "num_target_met": sum(s["is_target_met"] for s in summary)},
          args.json, args.out_json, lambda: (print_table(rows, COLUMNS), print(), print_table(summary, SUMMARY)))
 

@@ -15,9 +15,10 @@ from cachesmith.bench import figures
 from cachesmith.bench.grid import GridConfig, run_grid
 from cachesmith.bench.outcomes import OutcomeTable
 from cachesmith.bench.pace import MachinePace
-from cachesmith.bench.results import (FOUR_TASKS, TASK_NAMES, band_md, bandwidth_md, best_static_configs, comparisons,
-                                      per_task_wins, study_table, table_md, table_summary, validation_md,
-                                      variant_lines, win_summary)
+from cachesmith.bench.results import (FIXED_SIGNALS, FOUR_TASKS, TASK_NAMES, band_md, bandwidth_md,
+                                      best_static_configs, comparisons, fixed_signal_trail, per_task_wins,
+                                      study_table, table_md, table_summary, validation_md, variant_lines,
+                                      win_summary)
 from cachesmith.bench.simulate import base_slo
 from cachesmith.planner import BatchShape, CostModel, Profile
 from cachesmith.profiler.packaged import rescaled
@@ -162,9 +163,8 @@ def _signal_gaps(rows: list[dict]) -> dict[str, float]:
             by.setdefault((r["task"], r["pattern"], r["cv"]), {})[r["method"]] = r["qsa"]
     gaps: dict[str, list[float]] = {}
     for (task, _, _), ms in by.items():
-        if {"cachesmith", "cachesmith:kv_dev", "cachesmith:qci"} <= set(ms):
-            gaps.setdefault(task, []).append(100 * (ms["cachesmith"] - max(ms["cachesmith:kv_dev"],
-                                                                             ms["cachesmith:qci"])))
+        if {"cachesmith", *FIXED_SIGNALS} <= set(ms):
+            gaps.setdefault(task, []).append(-100 * fixed_signal_trail(ms))
     return {t: sum(v) / len(v) for t, v in gaps.items()}
 
 
