@@ -1,17 +1,25 @@
-# The two entry points of the README. Both create or reuse .venv and install what they need.
+# The two entry points of the README. Both create or reuse .venv and install the locked versions.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements.lock
+# torch's CPU build: these machines carry its wheel (a plain range may pull a CUDA build of several GB)
+TORCH := torch==2.13.0
+PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
+               --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test setup system-deps bench clean
+.PHONY: demo test setup system-deps bench lock latest clean
 
-$(STAMP): pyproject.toml
+# Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
+# leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
+# install when the lock and pyproject.toml's ranges disagree.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, pinned to the CPU wheel these machines carry (the range alone may pull a CUDA build).
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps "$(TORCH)"
+	$(BIN)/pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -33,5 +41,22 @@ test: $(STAMP) system-deps
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
 
+# Refresh the lock: resolve pyproject.toml's ranges (and requirements.in's torch pin) anew, with hashes.
+lock:
+	test -x .venv-lock/bin/pip-compile || { $(PY) -m venv .venv-lock && .venv-lock/bin/pip install -q pip-tools; }
+	.venv-lock/bin/pip-compile $(PIP_COMPILE) --output-file $(LOCK) pyproject.toml requirements.in
+
+# Moving the lock forward on purpose (not part of CI): the newest versions the ranges allow, in a
+# venv of their own, then the fast tests and a short bench on the packaged model. Passes: `make lock`.
+latest:
+	rm -rf .venv-latest && $(PY) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --upgrade pip
+	.venv-latest/bin/pip install -q --upgrade --upgrade-strategy eager -c requirements.in -e ".[test]"
+	.venv-latest/bin/pip list --format=freeze > .venv-latest/versions.txt
+	CACHESMITH_HOME=$$(mktemp -d) sh -c '.venv-latest/bin/cachesmith models fetch smollm2-135m && \
+	  .venv-latest/bin/python -m pytest -q -m "not real_model" && \
+	  .venv-latest/bin/cachesmith bench --task mix --num-requests 6 --base-samples 2 \
+	    --methods cachesmith full_prefill cacheblend@0.15 --out bench-results/latest'
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-lock .venv-latest build *.egg-info

@@ -19,7 +19,8 @@ from cachesmith.model.layers import DecoderLayer, RMSNorm
 from cachesmith.model.linear import Linear, send_native, send_one_row_packed, tune_native, tune_one_row
 from cachesmith.model.rope import RotaryEmbedding
 from cachesmith.model.row_attention import tune_native_attention
-from cachesmith.model.weights import fingerprint, load_weights
+from cachesmith.model.identity import model_identity
+from cachesmith.model.weights import load_weights
 
 # weights this large do not fit a CPU's caches, so a decode step reads them from memory: only then is
 # the one-row kernel worth timing (a tiny model's would be timed from cache, and its load kept fast)
@@ -57,7 +58,7 @@ class Decoder:
         self.hf_config = load_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(self.hf_config)
         weights = load_weights(self.model_dir, self.config, self.device, self.dtype)
-        self.fingerprint = fingerprint(self.model_dir)
+        self.fingerprint = model_identity(self.model_dir, self.config, self.hf_config)
         self.embed_weight = weights.embed  # [vocab, hidden]
         self.head_weight = weights.head  # [vocab, hidden]
         self.head_proj = Linear(weights.head)

@@ -1,12 +1,10 @@
 """Read HF-format safetensors weights into per-layer dicts with a fused QKV matrix.
 
 In: a model directory (config.json + *.safetensors). Out: `ModelWeights` on the requested device and
-dtype, plus a content fingerprint used to key stored chunk KV so it is never served to another model.
+dtype (the model's identity, which keys stored chunk KV, is `model.identity`'s).
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,10 +13,6 @@ from safetensors import safe_open
 
 from cachesmith.errors import ModelAssetError
 from cachesmith.model.config import ModelConfig
-
-_FINGERPRINT_SAMPLES = 16
-_FINGERPRINT_SAMPLE_BYTES = 1 << 16
-
 
 @dataclass
 class ModelWeights:
@@ -33,25 +27,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ModelAssetError(f"{model_dir} holds no *.safetensors weight file")
     return files
-
-
-def fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json, each weight file's header and size, and sampled blocks of its data.
-
-    Hashing every byte of a multi-GB model would cost seconds per load; the header fixes names,
-    shapes and offsets, and the samples catch a different checkpoint of the same shape.
-    """
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
-    for path in weight_files(model_dir):
-        size = path.stat().st_size
-        digest.update(path.name.encode() + struct.pack("<Q", size))
-        with path.open("rb") as fh:
-            header_len = struct.unpack("<Q", fh.read(8))[0]
-            digest.update(fh.read(min(header_len, size)))
-            for i in range(_FINGERPRINT_SAMPLES):
-                fh.seek(size * i // _FINGERPRINT_SAMPLES)
-                digest.update(fh.read(_FINGERPRINT_SAMPLE_BYTES))
-    return digest.hexdigest()[:32]
 
 
 def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:

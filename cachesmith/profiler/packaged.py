@@ -20,7 +20,7 @@ from pathlib import Path
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
-from cachesmith.profiler.run import default_path
+from cachesmith.profiler.run import QUICK_COSTS, default_path, kv_bytes_per_token_layer, run_costs_profile
 from cachesmith.recompute.config import epic
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -34,20 +34,42 @@ def _key(pipe: RagPipeline) -> tuple[str, str, str]:
     return pipe.model.fingerprint, str(pipe.model.dtype).removeprefix("torch."), pipe.model.device.type
 
 
+def _architecture(profile: Profile) -> tuple[int, int]:
+    return profile.num_layers, profile.kv_bytes_per_token_layer
+
+
 def find_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
     """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device;
-    the default measured one falls back to the packaged one when it is missing or unusable."""
+    the default measured one falls back to the packaged one when it is missing or unusable. A
+    packaged profile keyed by another model identity never stops a run: with the same architecture
+    it is used (costs depend on shapes; a warning says so), otherwise costs are measured now
+    (`QUICK_COSTS`, about a minute) and saved as this machine's measured profile."""
     key = _key(pipe)
     if path is not None:
         return Profile.load(Path(path), *key), "measured"
-    return measured_or_packaged(default_path(pipe), key)
+    own = default_path(pipe)
+    profile, source = measured_or_packaged(own, key, is_identity_checked=False)
+    if source == "measured" or profile.model_fingerprint == key[0]:
+        return profile, source
+    loaded = (pipe.model.num_layers, kv_bytes_per_token_layer(pipe))
+    if _architecture(profile) == loaded:
+        log.warning("the packaged profile %s was measured for model %s, the loaded model is %s; its "
+                    "architecture is the same (%d layers, %d KV bytes per token and layer), so the packaged "
+                    "profile serves", own.name, profile.model_fingerprint, key[0], *loaded)
+        return profile, source
+    log.warning("the packaged profile %s was measured for another architecture (%d layers, %d KV bytes per "
+                "token and layer; the loaded model has %d, %d): measuring this model's costs now, saved to %s",
+                own.name, *_architecture(profile), *loaded, own)
+    return run_costs_profile(pipe, QUICK_COSTS, own, demand_from=PACKAGED_DIR / own.name), "measured"
 
 
-def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None) -> tuple[Profile, str]:
+def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None,
+                         is_identity_checked: bool = True) -> tuple[Profile, str]:
     """The profile `cachesmith profile` wrote at `own`, checked against `key` (model fingerprint,
-    dtype, device; None: unchecked), else the packaged one of the same file name. A file that is
-    there but unusable (other format version, model, dtype or device, missing fields, corrupt JSON)
-    is logged, naming the fault, before the fallback; the caller rescales a packaged profile."""
+    dtype, device; None: unchecked), else the packaged one of the same file name (its model identity
+    checked only where `is_identity_checked`). A file that is there but unusable (other format
+    version, model, dtype or device, missing fields, corrupt JSON) is logged, naming the fault,
+    before the fallback; the caller rescales a packaged profile."""
     problem = f"no measured profile at {own}"
     if own.exists():
         try:
@@ -58,6 +80,8 @@ def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None) -> 
     shipped = PACKAGED_DIR / own.name
     if not shipped.exists():
         raise ProfileError(f"{problem}, and none is packaged for {own.stem}: run `cachesmith profile` first")
+    if key is not None and not is_identity_checked:
+        key = (None, *key[1:])
     return Profile.load(shipped, *(key or ())), "packaged"
 
 

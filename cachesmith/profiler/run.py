@@ -68,6 +68,12 @@ class ProfileConfig:
         return functools.partial(QuietRun, self.quiet_max_busy, max_wait_s=600.0)
 
 
+# what a serving run measures when no profile fits the loaded model's architecture: a small cost grid
+# on the memory tier (about a minute for the packaged model on 2 cores); demand comes from elsewhere
+QUICK_COSTS = ProfileConfig(num_requests=1, max_tokens=2048, num_shapes=6, plans_per_shape=3,
+                            num_pool_chunks=16, tiers=("memory",))
+
+
 def default_path(pipe: RagPipeline) -> Path:
     dtype = str(pipe.model.dtype).removeprefix("torch.")
     return cachesmith_home() / "profiles" / f"{pipe.model.model_dir.name}-{dtype}-{pipe.model.device.type}.json"
@@ -104,7 +110,7 @@ def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, 
                    gate=config.gate())
     model = pipe.model
     costs, overhead = fit_costs(runs, model.num_layers)
-    fitted = scaffold(costs, overhead, model.num_layers, _kv_bytes(pipe), max(gbps.values(), default=10.0))
+    fitted = scaffold(costs, overhead, model.num_layers, kv_bytes_per_token_layer(pipe), max(gbps.values(), default=10.0))
     factors = session_factors(runs, fitted)
     errs = np.abs(relative_errors([r.scaled(factors[r.session]) for r in runs], fitted))
     return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead),
@@ -115,7 +121,7 @@ def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, 
                      "fit_p90_abs_rel_err": float(np.quantile(errs, 0.9))}}
 
 
-def _kv_bytes(pipe: RagPipeline) -> int:
+def kv_bytes_per_token_layer(pipe: RagPipeline) -> int:
     cfg = pipe.model.config
     return 2 * cfg.num_kv_heads * cfg.head_dim * pipe.model.dtype.itemsize
 
@@ -154,7 +160,7 @@ def _base(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bo
         gbps = _part(out, "bandwidth", lambda: tier_bandwidth(model, config.tiers, redis_url=config.redis_url))
         costs = _part(out, "costs", lambda: _costs(pipe, config, out, gbps, bench_of, show_progress))
         base = Profile(model.fingerprint, model.model_dir.name, dtype, model.device.type, model.num_layers,
-                       _kv_bytes(pipe), {k: PhaseCost(**v) for k, v in costs["layer_costs"].items()},
+                       kv_bytes_per_token_layer(pipe), {k: PhaseCost(**v) for k, v in costs["layer_costs"].items()},
                        PhaseCost(**costs["overhead"]), gbps)
         validation = _part(out, "validation", lambda: _validate(bench_of(), base, config))
     finally:
@@ -210,4 +216,4 @@ def run_costs_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None
     return profile
 
 
-__all__ = ["ProfileConfig", "default_path", "read_demand", "run_costs_profile", "run_profile"]
+__all__ = ["QUICK_COSTS", "ProfileConfig", "default_path", "read_demand", "run_costs_profile", "run_profile"]

@@ -189,14 +189,55 @@ def test_costs_only_profile_keeps_the_demand_it_is_given(tmp_path, monkeypatch):
         run_mod.run_costs_profile(pipe, config, out, demand_from=tmp_path / "missing.json")
 
 
-def test_quiet_gate_reads_the_machine_load():
-    busy = cpu_busy(0.05)
+class FakeMachine:
+    """/proc/stat's counters on a fake clock: `load(t)` of all cores busy at time t, of which this
+    process uses `own` cores; sleeping advances the clock. The gate's logic, not the load of the
+    machine running the test, decides what the assertions see."""
+
+    def __init__(self, load, own: float = 0.0, num_cpus: int = 2) -> None:
+        self.load, self.own, self.num_cpus, self.now = load, own, num_cpus, 0.0
+        self.busy_s = self.own_s = 0.0
+
+    def advance(self, dt: float) -> None:
+        steps = max(1, int(dt / 0.01))
+        for _ in range(steps):
+            self.busy_s += self.load(self.now) * self.num_cpus * dt / steps
+            self.own_s += self.own * dt / steps
+            self.now += dt / steps
+
+    def install(self, monkeypatch) -> "FakeMachine":
+        from cachesmith.profiler import quiet
+
+        monkeypatch.setattr(quiet, "NUM_CPUS", self.num_cpus)
+        monkeypatch.setattr(quiet, "_machine", lambda: (self.busy_s, self.now * self.num_cpus))
+        monkeypatch.setattr(quiet, "_own_cpu_s", lambda: self.own_s)
+        monkeypatch.setattr(quiet.time, "sleep", self.advance)
+        monkeypatch.setattr(quiet.time, "monotonic", lambda: self.now)
+        return self
+
+
+def test_cpu_busy_reads_a_share_of_all_cores():
+    busy = cpu_busy(0.05)  # the real /proc/stat: a share, whatever the load
     assert busy is None or 0.0 <= busy <= 1.0
-    wait = wait_for_quiet(max_busy=1.0, window_s=0.05)  # any load is quiet enough
-    assert wait.is_quiet and wait.waited_s < 5
-    late = wait_for_quiet(max_busy=-1.0, window_s=0.05, max_wait_s=0.1)  # never quiet: gives up
-    assert busy is None or (not late.is_quiet and math.isfinite(late.waited_s))
-    with QuietRun(max_busy=1.0, max_other=1.0) as run:  # any neighbour is tolerated
-        sum(i * i for i in range(300_000))
-    assert run.is_quiet and (run.other is None or 0.0 <= run.other <= 1.0)
-    assert set(run.record()) == {"waited_s", "other", "is_quiet"}
+
+
+def test_quiet_gate_waits_for_the_load_to_drop_and_gives_up_at_its_limit(monkeypatch):
+    machine = FakeMachine(lambda t: 0.5 if t < 6.0 else 0.05).install(monkeypatch)
+    assert cpu_busy(0.5) == pytest.approx(0.5)
+    assert wait_for_quiet(max_busy=0.6, window_s=0.5).waited_s == pytest.approx(1.0)  # two windows
+    late = wait_for_quiet(max_busy=0.2, window_s=0.5, max_wait_s=2.0)
+    assert not late.is_quiet and late.busy == pytest.approx(0.5) and 2.0 <= late.waited_s < 3.0
+    calm = wait_for_quiet(max_busy=0.2, window_s=0.5)  # quiet from t = 6 on
+    assert calm.is_quiet and machine.now >= 6.0 + 1.0 and calm.busy == pytest.approx(0.05)
+
+
+def test_quiet_run_measures_the_other_processes_share(monkeypatch):
+    machine = FakeMachine(lambda t: 0.8, own=1.0).install(monkeypatch)  # own 1 core of 1.6 busy
+    with QuietRun(max_busy=1.0, max_other=0.5) as run:
+        machine.advance(2.0)
+    assert run.other == pytest.approx(0.3) and run.is_quiet
+    with QuietRun(max_busy=1.0, max_other=0.2) as strict:
+        machine.advance(2.0)
+    assert not strict.is_quiet and strict.record() == {"waited_s": strict.wait.waited_s, "other": strict.other,
+                                                       "is_quiet": False}
+

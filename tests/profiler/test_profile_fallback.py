@@ -20,9 +20,11 @@ from cachesmith.profiler.packaged import PACKAGED_DIR, find_profile, measured_or
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 
 
-def _pipe(name: str = "smollm2-135m", dtype=torch.float32):
-    fingerprint = json.loads(SHIPPED.read_text())["model_fingerprint"]
-    model = SimpleNamespace(fingerprint=fingerprint, dtype=dtype, device=torch.device("cpu"), model_dir=Path(name))
+def _pipe(name: str = "smollm2-135m", dtype=torch.float32, fingerprint: str | None = None, num_layers: int = 30,
+          num_kv_heads: int = 3):
+    fingerprint = fingerprint or json.loads(SHIPPED.read_text())["model_fingerprint"]
+    model = SimpleNamespace(fingerprint=fingerprint, dtype=dtype, device=torch.device("cpu"), model_dir=Path(name),
+                            num_layers=num_layers, config=SimpleNamespace(num_kv_heads=num_kv_heads, head_dim=64))
     return SimpleNamespace(model=model)
 
 
@@ -49,7 +51,7 @@ def _without(field: str) -> dict:
 
 @pytest.mark.parametrize("content, fault", [
     (json.dumps(_measured(format_version=0)), rf"format_version 0, this cachesmith reads {PROFILE_FORMAT}"),
-    (json.dumps(_measured(model_fingerprint="0" * 32)), r"measured for model '0{32}', not '80819fb7"),
+    (json.dumps(_measured(model_fingerprint="0" * 32)), r"measured for model '0{32}', not 'f4c0dd9a"),
     (json.dumps(_measured(dtype="bfloat16")), r"measured for dtype 'bfloat16', not 'float32'"),
     (json.dumps(_measured(device="cuda")), r"measured for device 'cuda', not 'cpu'"),
     (json.dumps(_without("layer_costs")), r"missing field\(s\) layer_costs"),
@@ -104,3 +106,30 @@ def test_explicit_profile_path_must_be_usable(tmp_path):
     path.write_text(json.dumps(_measured(format_version=0)))
     with pytest.raises(ProfileError, match="format_version 0"):
         find_profile(_pipe(), path)
+
+
+def test_packaged_profile_of_another_identity_serves_a_model_of_the_same_architecture(own, caplog):
+    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+        profile, source = find_profile(_pipe(fingerprint="1" * 32))
+    assert source == "packaged" and profile == Profile.load(SHIPPED)
+    shipped_id = Profile.load(SHIPPED).model_fingerprint
+    assert f"measured for model {shipped_id}, the loaded model is {'1' * 32}" in caplog.text
+    assert "architecture is the same (30 layers, 1536 KV bytes" in caplog.text
+
+
+@pytest.mark.parametrize("num_layers, num_kv_heads", [(12, 3), (30, 5)], ids=["layers", "kv_heads"])
+def test_packaged_profile_of_another_architecture_measures_costs_now(own, caplog, monkeypatch, num_layers,
+                                                                     num_kv_heads):
+    calls = []
+
+    def costs_profile(pipe, config, out, demand_from):
+        calls.append((config, out, demand_from))
+        return Profile.load(SHIPPED)
+
+    monkeypatch.setattr(packaged, "run_costs_profile", costs_profile)
+    pipe = _pipe(fingerprint="2" * 32, num_layers=num_layers, num_kv_heads=num_kv_heads)
+    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+        profile, source = find_profile(pipe)
+    assert source == "measured" and calls == [(packaged.QUICK_COSTS, own, SHIPPED)]
+    assert f"the loaded model has {num_layers}, {2 * num_kv_heads * 64 * 4}" in caplog.text
+    assert "measuring this model's costs now" in caplog.text and str(own) in caplog.text
