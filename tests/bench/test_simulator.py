@@ -16,32 +16,37 @@ from cachesmith.request import Request
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
-from cachesmith.bench.simulate import base_slo, instance_for, simulate, simulate_run
+from cachesmith.bench.simulate import FixedDecisionTime, base_slo, instance_for, simulate, simulate_run
 from tests.planner.synthetic_profile import make_profile
 from tests.bench.sim_helpers import NUM_LAYERS, outcome, table
 
 
-def sim_engine(method: str, profile, t, gbps: float | None = None) -> Engine:
+def sim_engine(method: str, profile, t, gbps: float | None = None, decision_s: float | None = None) -> Engine:
+    """`decision_s`: every decision costs this much virtual time (None: its measured wall time)."""
     link = CostModel(profile, gbps)
-    return Engine(None, profile, EngineConfig(method), ReplayClock(), runtime=lambda p: SimExecutor(t, p, link))
+    engine = Engine(None, profile, EngineConfig(method), ReplayClock(),
+                    runtime=lambda p: SimExecutor(t, p, link, decision_s=decision_s))
+    if decision_s is not None:
+        engine.scheduler = FixedDecisionTime(engine.scheduler, decision_s)
+    return engine
 
 
 def test_full_prefill_alone_takes_the_cost_models_ttft_and_the_tables_verdict():
     profile, t = make_profile(), table()
-    engine = sim_engine("full_prefill", profile, t)
+    engine = sim_engine("full_prefill", profile, t, decision_s=0.0)
     reqs = [Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:6])]  # far apart: alone
     results = engine.run(reqs)
     cost = CostModel(profile)
     for r, o in zip(results, t.outcomes):
         expected = cost.full_prefill_ttft(BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,)))
-        assert r.ttft_s == pytest.approx(expected, abs=5e-3)  # + the scheduler's real decision time
+        assert r.ttft_s == pytest.approx(expected, rel=1e-9)
         assert r.is_passed == o.plans["(position,30,0,100%)"] and r.batch_size == 1 and r.answer == ""
     assert engine.stats.stall_s == pytest.approx(0.0, abs=1e-9)  # the profile's link outpaces compute
 
 
 def test_cachesmith_plans_from_table_entropies_and_gets_each_plans_verdict():
     profile, t = make_profile(), table()
-    engine = sim_engine("cachesmith", profile, t)
+    engine = sim_engine("cachesmith", profile, t, decision_s=0.002)
     reqs = [Request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)]  # a burst: real batches
     results = engine.run(reqs)
     assert max(r.batch_size for r in results) > 1 and {r.mode for r in results} >= {"planned"}
@@ -260,11 +265,12 @@ def test_a_noisy_machine_slows_each_batch_by_its_draw_and_the_planner_hears_the_
     noise = MachineNoise(0.3, 0.5, seed=2)
     link, cost = CostModel(profile), CostModel(profile)
     engine = Engine(None, profile, EngineConfig("full_prefill"), ReplayClock(),
-                    runtime=lambda p: SimExecutor(t, p, link, None, noise))
+                    runtime=lambda p: SimExecutor(t, p, link, None, noise, decision_s=0.0))
+    engine.scheduler = FixedDecisionTime(engine.scheduler, 0.0)
     results = engine.run([Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:5])])  # alone
     for r, o, factor in zip(results, t.outcomes, islice(noise.factors(), 5)):
         shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
-        assert r.ttft_s == pytest.approx(factor * cost.full_prefill_ttft(shape), abs=5e-3)
+        assert r.ttft_s == pytest.approx(factor * cost.full_prefill_ttft(shape), rel=1e-9)
     spreads = {}
     for sigma in (0.0, 0.3):
         planned = Engine(None, profile, EngineConfig("cachesmith"), ReplayClock(),

@@ -89,45 +89,49 @@ def test_bandwidth_cap_slows_loads(model, tmp_path):
     assert capped.stats.effective_gbps < 0.001 < free.stats.effective_gbps
 
 
-class _SlowWarmUp(RunnerHooks):
-    """WarmUp layers that take a fixed extra time: compute that prefetched loads can hide behind."""
+class _WarmUpWatch(RunnerHooks):
+    """At the end of the WarmUp layers (before the runner asks for any cached KV), waits up to
+    `max_wait_s` for the link to have moved `want_bytes`, and records how much it had moved. What
+    the assertions read is a byte count, so a busy machine can only make the wait longer."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, engine: TransferEngine, last_warmup_layer: int, want_bytes: int, max_wait_s: float) -> None:
+        self.engine, self.layer, self.want, self.max_wait_s = engine, last_warmup_layer, want_bytes, max_wait_s
+        self.loaded_before: int | None = None
 
     def after_layer(self, info):
-        if info.phase == "warmup":
-            time.sleep(self.seconds)
+        if info.phase == "warmup" and info.layer == self.layer:
+            deadline = time.monotonic() + self.max_wait_s
+            while self.engine.stats.bytes_loaded < self.want and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.loaded_before = self.engine.stats.bytes_loaded
 
 
 def test_prefetch_hides_loads_behind_warmup_compute(model, tmp_path):
     """kv_dev with w=2, p=0 on the 3-layer model: the only cached KV read is layer 2's (the scoring
-    layer, full KV), known before any layer runs. With prefetch it streams in while layers 0-1 run;
-    without, it is issued at layer 2 and the runner waits for all of it.
-
-    The gap is made large on purpose: the link takes link_s for the whole load and the two WarmUp
-    layers sleep 2 * warmup_s = 1.5 * link_s (in `after_layer`, outside the stall the staged batch
-    measures in its own `before_layer`). So prefetch-on should stall ~0 s and prefetch-off ~link_s:
-    the assertion (on <= 0.7 * off) only fails if a loader thread is held off the CPU for ~0.3 s,
-    which a busy 2-core machine does not normally do, while a prefetch that does nothing always fails it.
-    """
+    layer, full KV), known before any layer runs. With prefetch it streams in while layers 0-1 run
+    (all of it has crossed the link before layer 2 asks, and the runner then never waits); without,
+    nothing is issued until layer 2, and the runner waits for the whole capped load."""
     store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
     _, keyed = _stored(model, store)
     plan = RecomputeConfig(Signal.KV_DEV, 2, 0, 0.2)
-    link_s, warmup_s = 0.4, 0.3
+    link_s = 0.4
 
-    def stall(cfg: TransferConfig) -> tuple[float, TransferEngine]:
+    def staged(cfg: TransferConfig, want_bytes: int, max_wait_s: float) -> tuple[float, _WarmUpWatch]:
         engine = TransferEngine(store, model, cfg)
+        watch = _WarmUpWatch(engine, 1, want_bytes, max_wait_s)
         with engine.stage(keyed, plan) as batch:
-            BatchRunner(model).run(batch.requests, plan, HookChain(batch, _SlowWarmUp(warmup_s)))
-        return batch.stall_s, engine
+            BatchRunner(model).run(batch.requests, plan, HookChain(batch, watch))
+        return batch.stall_s, watch
 
-    _, free = stall(TransferConfig())  # how many bytes the plan moves
-    gbps = free.stats.bytes_loaded / link_s / 1e9
-    stall_on, _ = stall(TransferConfig(bandwidth_gbps=gbps))
-    stall_off, _ = stall(TransferConfig(bandwidth_gbps=gbps, is_prefetch=False))
-    assert stall_off > 0.8 * link_s  # nothing was loaded before the runner reached layer 2
-    assert stall_on <= 0.7 * stall_off, (stall_on, stall_off)
+    _, free = staged(TransferConfig(), 0, 0.0)  # how many bytes the plan moves
+    total = free.engine.stats.bytes_loaded
+    assert total > 0
+    gbps = total / link_s / 1e9
+    stall_on, on = staged(TransferConfig(bandwidth_gbps=gbps), total, 60.0)
+    stall_off, off = staged(TransferConfig(bandwidth_gbps=gbps, is_prefetch=False), total, 0.2)
+    assert on.loaded_before == total and off.loaded_before == 0
+    assert stall_off > 0.8 * link_s  # the capped link sleeps: a lower bound however busy the machine
+    assert stall_on < 0.25 * stall_off, (stall_on, stall_off)
 
 
 def test_link_slowed_mid_batch_only_slows_it(model, tmp_path):

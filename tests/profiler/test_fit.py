@@ -15,8 +15,8 @@ from cachesmith.planner import BatchShape, CostModel, Profile, ProfileError
 from cachesmith.planner.cost_model import overhead_features, phase_seconds
 from cachesmith.planner.profile import LAYER_KINDS, PROFILE_FORMAT, PhaseCost
 from cachesmith.profiler import run as run_mod
-from cachesmith.profiler.costs import (ALL, PROFILE_PLANS, RunSpec, RunTiming, _samples, default_grid, design_row,
-                                       fit_costs, predicted_ttft, session_factors)
+from cachesmith.profiler.costs import (ALL, HELD_OUT, PROFILE_PLANS, VALIDATION_PLANS, RunSpec, RunTiming, _samples,
+                                       default_grid, design_row, fit_costs, predicted_ttft, session_factors)
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
 from tests.planner.synthetic_profile import make_profile
@@ -37,13 +37,14 @@ def _profile(costs=TRUE_COSTS, overhead=TRUE_OVERHEAD, gbps=1e6) -> Profile:
     return Profile("fp", "m", "float32", "cpu", L, KV_BYTES, dict(costs), overhead, {"memory": gbps})
 
 
-def _runs(truth: Profile, noise: float = 0.0, seed: int = 0) -> list[RunTiming]:
-    """Runs of the profiling grid priced by `truth`: every pass at its true cost and the TTFT at the
-    cost model's walk (with `noise`: each pass and each TTFT times 1 +- noise, independently)."""
+def _runs(truth: Profile, noise: float = 0.0, seed: int = 0, specs=None) -> list[RunTiming]:
+    """Runs of `specs` (default: the profiling grid) priced by `truth`: every pass at its true cost
+    and the TTFT at the cost model's walk (with `noise`: each pass and each TTFT times 1 +- noise,
+    independently)."""
     rng = np.random.default_rng(seed)
     cost = CostModel(truth)
     runs = []
-    for spec in default_grid(16_384, num_shapes=24, plans_per_shape=6):
+    for spec in specs or default_grid(16_384, num_shapes=24, plans_per_shape=6):
         rng_shape = np.random.default_rng(spec.seed)
         R = len(spec.contexts)
         shape = BatchShape(spec.contexts, tuple(int(x) for x in rng_shape.integers(16, 49, R)), (24,) * R)
@@ -89,6 +90,22 @@ def test_fit_recovers_the_costs_beside_the_link_waits_a_run_measured():
     for kind, want in TRUE_COSTS.items():
         _close(costs[kind], want, 1e-6)
     _close(overhead, TRUE_OVERHEAD, 1e-6)
+
+
+def test_held_out_batch_shapes_are_priced_by_a_noisy_fit():
+    """The validation the profiler runs, on timings priced by known costs with 10% noise per pass
+    and per run: batch shapes and plans the grid never held are priced within a few percent of
+    the truth. (How well the fit prices this machine's wall time is `benchmarks/cost_model.py`'s.)"""
+    truth = _profile()
+    costs, overhead = fit_costs(_runs(truth, noise=0.1, seed=3), L)
+    fitted = CostModel(replace(truth, layer_costs=costs, overhead=overhead))
+    held_out = [RunSpec(shape, plan, 1000 + i) for i, shape in enumerate(HELD_OUT) for plan in VALIDATION_PLANS]
+    errors = [abs(predicted_ttft(fitted, run) / run.total_s - 1) for run in _runs(truth, specs=held_out)]
+    assert len(errors) == len(HELD_OUT) * len(VALIDATION_PLANS)
+    assert float(np.mean(errors)) < 0.03 and max(errors) < 0.08, errors
+    # a fit in wrong units is off by far more
+    wrong = CostModel(replace(truth, layer_costs={k: c.scaled(2.0) for k, c in costs.items()}, overhead=overhead))
+    assert min(abs(predicted_ttft(wrong, run) / run.total_s - 1) for run in _runs(truth, specs=held_out)) > 0.3
 
 
 def test_noisy_fit_keeps_the_per_request_and_placed_row_terms():

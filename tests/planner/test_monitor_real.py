@@ -1,51 +1,28 @@
-"""The fitted cost model on the packaged model (CPU), timed through the serving path (stored chunk
-KV staged by the transfer engine): held-out batch shapes priced within 30% on average, and the runtime
-monitor keeping a batch inside its budget when layers run late. The accuracy bar itself is a
-benchmark's (`cachesmith profile` validation, `benchmarks/cost_model.py`); here a broken fit (wrong
-features, wrong units) must fail, while a shared machine's noise must not."""
+"""The runtime monitor keeping a batch inside its budget when layers run late, on the packaged
+model (CPU): the runner and monitor run for real while the clock they read is priced by a known
+cost model. How well a fit prices this machine's wall time is a benchmark's (`cachesmith profile`
+validation, `benchmarks/cost_model.py`); the fit itself is checked on known costs in test_fit.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from cachesmith.model import Decoder, resolve_model
-from cachesmith.planner import BatchShape, CostModel, Planner, PlannerConfig, PlanRequest, Profile
+from cachesmith.planner import BatchShape, Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
-from cachesmith.profiler.costs import PLANNER_PLANS, PRESET_PLANS, RunSpec, TimingBench, fit_costs, measure, \
-    validation_error
 from cachesmith.profiler.synthetic import random_request
 from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RunnerHooks
 from tests.planner.synthetic_profile import make_profile
 from tests.planner.test_monitor import durations
 
 pytestmark = pytest.mark.real_model
-SHAPES = [(256,), (512,), (1024,), (256, 256), (512, 512)]
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def profile():
     model = Decoder(resolve_model("smollm2-135m"), "cpu", torch.float32)
-    bench = TimingBench(model, tmp_path_factory.mktemp("kv"), num_chunks=16, chunk_tokens=(96, 256))
-    specs = [RunSpec(s, plan, i) for i, s in enumerate(SHAPES) for plan in PRESET_PLANS + PLANNER_PLANS[:3]]
     cfg = model.config
-    kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    costs, overhead = fit_costs(measure(bench, specs, show_progress=False), model.num_layers)
-    synthetic = make_profile()
-    yield model, Profile(model.fingerprint, "smollm2-135m", "float32", "cpu", model.num_layers, kv_bytes, costs,
-                         overhead, {"memory": 1e6}, synthetic.demand, 0.6), bench
-    bench.close()
-
-
-def test_held_out_batch_shapes_are_priced_by_the_fit(profile):
-    model, prof, bench = profile
-    cost = CostModel(prof)
-
-    rows = validation_error(bench, cost, shapes=((384,), (768, 256), (640,)), repeats=3)
-    errors = [r["rel_err"] for r in rows]
-    # 30% on average, 50% at most: the same run measured a 19% mean after other tests had run in the
-    # process and under 15% alone (2 shared cores); a fit in wrong units or missing a layer kind
-    # is off by far more
-    assert sum(errors) / len(errors) < 0.30 and max(errors) < 0.50, rows
+    return model, make_profile(model.num_layers, 2 * cfg.num_kv_heads * cfg.head_dim * 4)
 
 
 class VirtualTime(RunnerHooks):
@@ -83,7 +60,7 @@ def test_replanning_keeps_the_batch_within_budget_under_a_slowdown(profile):
     """The real runner under the monitor: a slow link on the second half of the layers would end
     the batch past its budget; the monitor cuts coverage, the runner recomputes fewer rows, and the
     batch ends within the budget's tolerance."""
-    model, prof, _ = profile
+    model, prof = profile
     planner = Planner(prof, PlannerConfig(signal="qci"))  # the band below is QCI's
     contexts = (768, 512)
     plan_reqs = [PlanRequest(c, 32, 0, 0.2) for c in contexts]
