@@ -150,16 +150,44 @@ def _workload_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_workload(pipe, args: argparse.Namespace) -> int:
+    from cachesmith.profiler.run import default_path
+    from cachesmith.profiler.workload import run_workload_demand, workload_path
+
+    out = workload_path(args.out or default_path(pipe))
+    limit = None if args.num_requests_given is None else args.num_requests
+    demand = run_workload_demand(pipe, args.workload, out, args.gate, limit)
+    print(f"demand of {demand.workload}: {demand.num_requests} requests, {demand.gate} gate, "
+          f"{demand.seconds:.0f} s ({demand.seconds / demand.num_requests:.1f} s per request); "
+          f"entropy threshold {demand.entropy_threshold:.3f}; wrote {out} (serve, bench and ask use it)")
+    _print_demand(demand.demand)
+    return 0
+
+
+def _print_demand(curves) -> None:
+    from cachesmith.planner.demand import DemandModel
+
+    demand = DemandModel(curves)
+    print(f"{'task':<6} {'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}")
+    for curve in curves:
+        med = demand.quantile(curve.signal, curve.rank_depth, 0.5, curve.task)
+        p90 = demand.quantile(curve.signal, curve.rank_depth, 0.9, curve.task)
+        print(f"{curve.task or 'mix':<6} {curve.signal:<8} {curve.rank_depth:>5} {med:>7.0%} {p90:>6.0%}")
+
+
 def _profile(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import ChunkStore, StoreConfig
     from cachesmith.pipeline import RagPipeline
     from cachesmith.profiler.run import ProfileConfig, run_costs_profile, run_profile
 
+    args.num_requests = 200 if args.num_requests_given is None else args.num_requests_given
     config = ProfileConfig(num_requests=args.num_requests, task=args.task, variant=args.variant,
                            max_tokens=args.max_tokens, num_shapes=args.num_shapes,
                            plans_per_shape=args.plans_per_shape, tiers=tuple(args.tiers), redis_url=args.redis_url,
                            quiet_max_busy=args.quiet)
     pipe = RagPipeline(args.model, args.device, args.dtype, store=ChunkStore(StoreConfig(tiers=("memory",))))
+    if args.workload is not None:
+        return _profile_workload(pipe, args)
     if args.costs_only:
         profile = run_costs_profile(pipe, config, args.out, args.demand_from)
     else:
@@ -168,14 +196,7 @@ def _profile(args: argparse.Namespace) -> int:
           f"mean {profile.fit_error['ttft_rel_err_mean']:.1%}, max {profile.fit_error['ttft_rel_err_max']:.1%}; "
           f"tiers " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in profile.tier_gbps.items())
           + f"; entropy threshold {profile.entropy_threshold:.3f}")
-    from cachesmith.planner.demand import DemandModel
-
-    demand = DemandModel(profile.demand)
-    print(f"{'task':<6} {'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}")
-    for curve in profile.demand:
-        med = demand.quantile(curve.signal, curve.rank_depth, 0.5, curve.task)
-        p90 = demand.quantile(curve.signal, curve.rank_depth, 0.9, curve.task)
-        print(f"{curve.task or 'mix':<6} {curve.signal:<8} {curve.rank_depth:>5} {med:>7.0%} {p90:>6.0%}")
+    _print_demand(profile.demand)
     return 0
 
 
@@ -372,8 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     cli_eval.add_parsers(sub, _add_model_args)
     prof = sub.add_parser("profile", help="measure the planner's profile (costs, bandwidth, demand)")
     _add_model_args(prof)
-    prof.add_argument("--num-requests", type=int, default=200, help="profiling requests for demand")
-    prof.add_argument("--task", default="pr")
+    prof.add_argument("--num-requests", type=int, default=None, dest="num_requests_given",
+                      help="profiling requests for demand (default: 200 of the task; all of a --workload file)")
+    prof.add_argument("--task", default="mix", help="built-in task (or mix, the served mix) whose demand to measure")
+    prof.add_argument("--workload", type=Path, default=None,
+                      help="measure demand on this JSONL workload file (README \"Workload files\") instead; "
+                           "written beside the profile and used by serve, bench and ask")
+    prof.add_argument("--gate", choices=["task", "fidelity"], default=None,
+                      help="with --workload: task (needs gold) or fidelity (answer equals full prefill's; "
+                           "default where a request has no gold)")
     prof.add_argument("--variant", default=None)
     prof.add_argument("--max-tokens", type=int, default=16_384, help="largest batch in the cost grid")
     prof.add_argument("--num-shapes", type=int, default=36, help="batch shapes in the cost grid")

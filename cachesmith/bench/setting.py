@@ -12,10 +12,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cachesmith.errors import ConfigError, InputError
+from cachesmith.errors import ConfigError
 from cachesmith.methods import default_methods, parse_method
 from cachesmith.request import Request
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.workloads.instance import WorkloadInstance, load_workload_file
 from cachesmith.workloads.tasks import generate
 from cachesmith.workloads.trace import PATTERNS, TraceConfig, make_trace, rate_for_utilization
 
@@ -76,25 +76,11 @@ class BenchConfig:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_workload_file(path: str) -> list[WorkloadInstance | str]:
-    """Instances of a JSONL workload file; a bad line becomes its error message (kept in place)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"workload file {path}: cannot be read ({exc})") from exc
-    out: list[WorkloadInstance | str] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(WorkloadInstance.from_dict(json.loads(line), where=f"{path} line {n}"))
-        except json.JSONDecodeError as exc:
-            out.append(f"{path} line {n}: not JSON ({exc.msg})")
-        except InputError as exc:
-            out.append(str(exc))
-    if not out:
-        raise InputError(f"workload file {path}: no requests")
-    return out
+def _gated(line: WorkloadInstance | str, gate: str) -> WorkloadInstance | str:
+    """A line without gold cannot be judged by the task gate: refused by name, not failed silently."""
+    if isinstance(line, WorkloadInstance) and gate == "task" and not line.gold:
+        return f"{line.name}: no gold answer, which the task gate needs (use the fidelity gate: --gate fidelity)"
+    return line
 
 
 def trace_config(config: BenchConfig, base_slo_s: float, slo_scale: float) -> TraceConfig:
@@ -106,7 +92,7 @@ def trace_config(config: BenchConfig, base_slo_s: float, slo_scale: float) -> Tr
 def instances(config: BenchConfig) -> list[WorkloadInstance | str]:
     """The instance behind each request id (an error string for an unreadable file line)."""
     if config.task == "file":
-        lines = load_workload_file(config.workload_file)
+        lines = [_gated(line, config.gate) for line in load_workload_file(config.workload_file)]
         return [lines[i % len(lines)] for i in range(config.num_requests)]
     trace = make_trace(trace_config(config, 1.0, 1.0))
     return [generate(config.task, r.instance_seed, config.variant) for r in trace.requests]

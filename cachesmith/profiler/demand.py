@@ -5,9 +5,11 @@ cheapest ranking) and for the fixed-split families (qci_last and fused, (1, L - 
 layer-0 QCI entropy; and the entropy threshold that best routes requests to the signal that needs
 less coverage.
 
-In: a `RagPipeline` and workload instances (default: the served mix, MIX). Out: `DemandCurve`s (over
-all instances and, where they hold several tasks, per task) and theta. The gate reads the whole
-answer, as serving's does.
+In: a `RagPipeline` and workload instances (default: the served mix, MIX; or a user's workload file)
+and a gate: `task` (the task's metric against the gold) or `fidelity` (the answer's canonical form
+equals full prefill's: no gold needed, so any served workload can be profiled). Out: `DemandCurve`s
+(over all instances and, where they hold several tasks, per task) and theta. The gate reads the
+whole answer, as serving's does.
 Long and offline: every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
 so a stopped run resumes, and a progress bar counts requests. The searches of one request run in
 lockstep, so each round's plans share their rankings and their decoding (`Verdicts`).
@@ -21,10 +23,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cachesmith.errors import ConfigError
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
+from cachesmith.workloads.card import instance_digest
+from cachesmith.workloads.gates import GATES, make_gate
 from cachesmith.workloads.instance import WorkloadInstance
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
@@ -41,9 +46,24 @@ class DemandProfiler:
     pipe: RagPipeline
     cache_path: Path
     max_new_tokens: int = 1 << 30  # the instance's own answer length: the gate reads all of it
+    gate: str = "task"
 
     def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(GATES)}")
         self.verdicts = Verdicts(self.pipe, Path(self.cache_path), self.max_new_tokens)
+        self._gate = make_gate(self.gate)
+        self._reference: tuple[str, str] | None = None  # (instance digest, full prefill's answer)
+
+    def passed(self, inst: WorkloadInstance, record: dict) -> bool:
+        """The gate's verdict on one measured record (fidelity: against full prefill's answer)."""
+        if not self._gate.needs_reference:
+            return bool(record["passed"])
+        digest = instance_digest(inst)
+        if self._reference is None or self._reference[0] != digest:
+            full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
+            self._reference = (digest, self.measure(inst, [(full, "full_prefill")])[0]["text"])
+        return self._gate.passes(inst, record["text"], self._reference[1])
 
     def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """Each trial's record `{"passed", "entropy", ...}`, measured together (`Verdicts`)."""
@@ -62,7 +82,7 @@ class DemandProfiler:
         found = {}
         while pending:
             trials = [(plan_at(s, d, step), f"{s}/{d}/{step}") for (s, d), step in pending.items()]
-            verdicts = [bool(r["passed"]) for r in self.measure(inst, trials)]
+            verdicts = [self.passed(inst, r) for r in self.measure(inst, trials)]
             nxt = {}
             for (key, _), passed in zip(pending.items(), verdicts):
                 try:
@@ -76,7 +96,8 @@ class DemandProfiler:
         """[from, until) per (signal, rank depth) where the request passes on the 5% grid:
         (minimum sufficient coverage, NEVER) when full prefill passes, (0, the first failing
         coverage) when only the low side does, (NEVER, NEVER) when neither."""
-        high = bool(self.evaluate(inst, preset("full_prefill", 1.0, self.pipe.model.num_layers), "full_prefill")["passed"])
+        full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
+        high = self.passed(inst, self.evaluate(inst, full, "full_prefill"))
         return {k: flip_interval(low, high, at) for k, (low, at) in self.flips(inst, keys, high).items()}
 
     def entropy(self, inst: WorkloadInstance) -> float:

@@ -21,6 +21,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
 from cachesmith.profiler.run import QUICK_COSTS, default_path, kv_bytes_per_token_layer, run_costs_profile
+from cachesmith.profiler.workload import with_workload_demand
 from cachesmith.recompute.config import epic
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -40,14 +41,22 @@ def _architecture(profile: Profile) -> tuple[int, int]:
 
 def find_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
     """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device;
-    the default measured one falls back to the packaged one when it is missing or unusable. A
-    packaged profile keyed by another model identity never stops a run: with the same architecture
-    it is used (costs depend on shapes; a warning says so), otherwise costs are measured now
-    (`QUICK_COSTS`, about a minute) and saved as this machine's measured profile."""
+    the default measured one falls back to the packaged one when it is missing or unusable, and
+    carries the demand `cachesmith profile --workload` measured for the served workload, where
+    there is one (`profiler.workload`)."""
     key = _key(pipe)
     if path is not None:
         return Profile.load(Path(path), *key), "measured"
     own = default_path(pipe)
+    profile, source = _default_profile(pipe, own, key)
+    return with_workload_demand(profile, own, key[0], key[1]), source
+
+
+def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) -> tuple[Profile, str]:
+    """The measured profile, else the packaged one. A packaged profile keyed by another model
+    identity never stops a run: with the same architecture it is used (costs depend on shapes; a
+    warning says so), otherwise costs are measured now (`QUICK_COSTS`, about a minute) and saved as
+    this machine's measured profile."""
     profile, source = measured_or_packaged(own, key, is_identity_checked=False)
     if source == "measured" or profile.model_fingerprint == key[0]:
         return profile, source

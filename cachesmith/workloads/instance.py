@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cachesmith.errors import InputError
 
-_REQUIRED = ("question", "gold")
+_REQUIRED = ("question",)  # gold is optional: the fidelity gate needs none
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class WorkloadInstance:
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise InputError(f"{where}: missing field(s) {', '.join(missing)}")
-        docs, gold, ids = raw.get("documents", []), raw["gold"], raw.get("chunk_ids", [])
+        docs, gold, ids = raw.get("documents", []), raw.get("gold", []), raw.get("chunk_ids", [])
         if not isinstance(docs, list) or not all(isinstance(d, str) and d.strip() for d in docs):
             raise InputError(f"{where}: documents must be a list of non-empty strings")
         if not isinstance(ids, list) or not all(isinstance(k, str) and k for k in ids):
@@ -61,8 +62,8 @@ class WorkloadInstance:
                              f"with at least one chunk")
         if isinstance(gold, str):
             gold = [gold]
-        if not isinstance(gold, list) or not gold or not all(isinstance(g, str) for g in gold):
-            raise InputError(f"{where}: gold must be a string or a non-empty list of strings")
+        if "gold" in raw and (not isinstance(gold, list) or not gold or not all(isinstance(g, str) for g in gold)):
+            raise InputError(f"{where}: gold must be a string or a non-empty list of strings (or left out)")
         if not isinstance(raw["question"], str) or not raw["question"].strip():
             raise InputError(f"{where}: question must be a non-empty string")
         known = {f for f in cls.__dataclass_fields__}
@@ -76,3 +77,24 @@ class WorkloadInstance:
             raise InputError(f"{where}: history must be a list of [role, content] turns (role user or assistant)")
         return cls(**{**raw, "documents": tuple(docs), "gold": tuple(gold), "chunk_ids": tuple(ids),
                       "task": raw.get("task", "custom"), "history": tuple(tuple(t) for t in history)})
+
+
+def load_workload_file(path: str) -> list[WorkloadInstance | str]:
+    """Instances of a JSONL workload file; a bad line becomes its error message (kept in place)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"workload file {path}: cannot be read ({exc})") from exc
+    out: list[WorkloadInstance | str] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(WorkloadInstance.from_dict(json.loads(line), where=f"{path} line {n}"))
+        except json.JSONDecodeError as exc:
+            out.append(f"{path} line {n}: not JSON ({exc.msg})")
+        except InputError as exc:
+            out.append(str(exc))
+    if not out:
+        raise InputError(f"workload file {path}: no requests")
+    return out

@@ -72,7 +72,7 @@ def _score_pr(inst: WorkloadInstance, answer: str) -> Score:
 def _score_qa(inst: WorkloadInstance, answer: str) -> Score:
     short = normalize_answer(short_answer(answer))
     em = float(any(short == normalize_answer(g) for g in inst.gold))
-    f1 = max(token_f1(short_answer(answer), g) for g in inst.gold)
+    f1 = max((token_f1(short_answer(answer), g) for g in inst.gold), default=0.0)  # no gold: fidelity only
     return Score(bool(em), em, short, f1)
 
 

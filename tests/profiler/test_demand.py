@@ -1,27 +1,35 @@
 """The demand profiler's passing interval per request, against known verdict curves (no model)."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from cachesmith.errors import ConfigError
 from cachesmith.planner.profile import NEVER
 from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
 from cachesmith.recompute import RecomputeConfig
+from cachesmith.workloads.gates import make_gate
+from cachesmith.workloads.instance import WorkloadInstance
 
 
 class FakeProfiler(DemandProfiler):
     """Verdicts from `curve(coverage, tag)`; full prefill's is `curve(1.0, "full_prefill")`.
     Records each measuring call's trials (one call = one round measured together)."""
 
-    def __init__(self, curve) -> None:
+    def __init__(self, curve, gate: str = "task") -> None:
         self.pipe = SimpleNamespace(model=SimpleNamespace(num_layers=30))
+        self.gate, self._gate, self._reference = gate, make_gate(gate), None
         self.curve, self.calls, self.rounds = curve, [], []
 
     def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         self.rounds.append([tag for _, tag in trials])
         self.calls += [plan.coverage for plan, _ in trials]
-        return [{"passed": self.curve(plan.coverage, tag)} for plan, tag in trials]
+        if self.gate == "task":
+            return [{"passed": self.curve(plan.coverage, tag)} for plan, tag in trials]
+        # fidelity: the curve gives the answer text; the task verdict says nothing (no gold)
+        return [{"passed": False, "text": self.curve(plan.coverage, tag)} for plan, tag in trials]
 
 
 @pytest.mark.parametrize("curve, interval", [
@@ -71,3 +79,18 @@ def test_task_curves_keep_until_only_where_a_request_fails_again():
     assert by["pr"].demands == (0.1,) and by["pr"].until is None  # none of its requests fails again
     assert by["vt"].until == (0.3, NEVER)
     assert task_curves(demands, ["pr"] * 4)[0].until is None  # no `until` given: none fails again
+
+
+def test_the_fidelity_gate_profiles_requests_without_gold():
+    """An answer passes when its canonical form equals full prefill's; the gold is never read."""
+    inst = WorkloadInstance("custom", ("a passage",), "Where?", ())
+
+    def answer(r, tag):  # below 45% the model names another town; from there on, full prefill's
+        return "Port Lantern, a town." if tag == "full_prefill" or r >= 0.45 - 1e-9 else "Oakridge."
+
+    profiler = FakeProfiler(answer, gate="fidelity")
+    assert profiler.pass_intervals(inst, [("kv_dev", 6)])[("kv_dev", 6)] == pytest.approx((0.45, NEVER))
+    same = FakeProfiler(lambda r, tag: "port lantern" if r < 1 else "Port Lantern.", gate="fidelity")
+    assert same.pass_intervals(inst, [("qci", 2)])[("qci", 2)] == pytest.approx((0.0, NEVER))  # same canonical form
+    with pytest.raises(ConfigError, match="gate='exact'"):
+        DemandProfiler(None, Path("unused.jsonl"), gate="exact")
