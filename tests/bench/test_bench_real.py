@@ -25,9 +25,10 @@ def test_bench_cli_on_the_packaged_model(tmp_path, capsys, monkeypatch):
     assert rc == 0 and "| cachesmith |" in printed and "BestStatic (full_reuse)" in printed
     summary = json.loads((out / "summary.json").read_text())
     # sane factors, not a speed test: 2-core CI machines have measured 0.9-4.0 against the packaged
-    # profile (a shared host drifts within the hour); a unit slip would read 1000x
-    assert summary["profile_source"] == "packaged" and 0.1 < summary["speed_factor"] < 10
-    assert 0.1 < summary["reuse_factor"] < 10  # the packaged profile's reuse path, measured here too
+    # profile (a shared host drifts within the hour) and 11 with another process on one core; a
+    # unit slip would read 1000x
+    assert summary["profile_source"] == "packaged" and 0.1 < summary["speed_factor"] < 100
+    assert 0.1 < summary["reuse_factor"] < 100  # the packaged profile's reuse path, measured here too
     rows = {r["method"]: r for r in summary["summary"]}
     assert rows["full_reuse"]["recompute_fraction"] == 0.0 and rows["cachesmith"]["recompute_fraction"] > 0.04
     assert all(r["error"] is None and r["ttft_s"] > 0 for r in summary["records"])
