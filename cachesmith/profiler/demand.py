@@ -47,13 +47,10 @@ class DemandProfiler:
     cache_path: Path
     max_new_tokens: int = 1 << 30  # the instance's own answer length: the gate reads all of it
     gate: str = "task"
-    search: str = "bisect"  # how each flip is found (`SEARCHES`)
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
             raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(GATES)}")
-        if self.search not in SEARCHES:
-            raise ConfigError(f"search={self.search!r}: must be one of {', '.join(SEARCHES)}")
         self.verdicts = Verdicts(self.pipe, Path(self.cache_path), self.max_new_tokens)
         self._gate = make_gate(self.gate)
         self._reference: tuple[str, str] | None = None  # (instance digest, full prefill's answer)
@@ -80,7 +77,7 @@ class DemandProfiler:
         verdict `high` takes over (1.0 when low == high), one flip assumed. The keys' binary
         searches run in lockstep: each round measures one step of every unfinished search together.
         Rank depth 1 is CacheBlend's family (kv_dev, 1, 0); every other depth is (S, depth - 1, 1)."""
-        searches = {k: SEARCHES[self.search](high) for k in keys}
+        searches = {k: flip_search(high) for k in keys}
         pending = {k: next(g) for k, g in searches.items()}
         found = {}
         while pending:
@@ -147,29 +144,6 @@ def flip_search(high: bool) -> Generator[int, bool, tuple[bool, float]]:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if (yield mid) == high else (mid, hi)
     return low, hi / GRID_STEPS
-
-
-def gallop_search(high: bool) -> Generator[int, bool, tuple[bool, float]]:
-    """As `flip_search`, finding the flip from below: steps 1, 2, 4, 8, 16 until the verdict turns,
-    then a binary search inside that bracket. A trial costs about its coverage (its Patch rows),
-    and most requests flip low, so this spends far less recompute than bisecting from 50% (a flip
-    at 15%: 5 + 10 + 20 + 15 = 50% probed, against 50 + 25 + 10 + 15 + 20 = 120%)."""
-    low = yield 0
-    if low == high:
-        return low, 1.0
-    lo, hi, step = 0, GRID_STEPS, 1
-    while step < GRID_STEPS:
-        if (yield step) == high:
-            hi = step
-            break
-        lo, step = step, 2 * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if (yield mid) == high else (mid, hi)
-    return low, hi / GRID_STEPS
-
-
-SEARCHES = {"bisect": flip_search, "gallop": gallop_search}
 
 
 def flip_interval(low: bool, high: bool, at: float) -> tuple[float, float]:

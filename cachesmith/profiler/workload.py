@@ -87,8 +87,7 @@ class WorkloadDemand:
 
 
 def run_workload_demand(pipe: RagPipeline, workload: Path, out: Path, gate: str | None = None,
-                        num_requests: int | None = None, show_progress: bool = True,
-                        search: str = "gallop") -> WorkloadDemand:
+                        num_requests: int | None = None, show_progress: bool = True) -> WorkloadDemand:
     """Measure the demand of the workload file's requests and save it at `out`."""
     instances, digest = read_workload(workload, num_requests)
     gate = gate or default_gate(instances)
@@ -96,8 +95,7 @@ def run_workload_demand(pipe: RagPipeline, workload: Path, out: Path, gate: str 
         raise InputError(f"{workload}: some requests have no gold answer, which the task gate needs; "
                          f"use the fidelity gate (--gate fidelity)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # from below: a user's requests are unseen, and low flips are the cheap ones to find
-    profiler = DemandProfiler(pipe, out.with_name(out.stem + ".verdicts.jsonl"), gate=gate, search=search)
+    profiler = DemandProfiler(pipe, out.with_name(out.stem + ".verdicts.jsonl"), gate=gate)
     start = time.perf_counter()
     curves, theta, _ = profiler.run(instances, show_progress=show_progress)
     demand = WorkloadDemand(pipe.model.fingerprint, str(pipe.model.dtype).removeprefix("torch."),

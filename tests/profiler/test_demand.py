@@ -18,9 +18,9 @@ class FakeProfiler(DemandProfiler):
     """Verdicts from `curve(coverage, tag)`; full prefill's is `curve(1.0, "full_prefill")`.
     Records each measuring call's trials (one call = one round measured together)."""
 
-    def __init__(self, curve, gate: str = "task", search: str = "bisect") -> None:
+    def __init__(self, curve, gate: str = "task") -> None:
         self.pipe = SimpleNamespace(model=SimpleNamespace(num_layers=30))
-        self.gate, self._gate, self._reference, self.search = gate, make_gate(gate), None, search
+        self.gate, self._gate, self._reference = gate, make_gate(gate), None
         self.curve, self.calls, self.rounds = curve, [], []
 
     def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
@@ -94,18 +94,3 @@ def test_the_fidelity_gate_profiles_requests_without_gold():
     assert same.pass_intervals(inst, [("qci", 2)])[("qci", 2)] == pytest.approx((0.0, NEVER))  # same canonical form
     with pytest.raises(ConfigError, match="gate='exact'"):
         DemandProfiler(None, Path("unused.jsonl"), gate="exact")
-
-
-@pytest.mark.parametrize("threshold", [0.05, 0.15, 0.35, 0.6, 0.95, 1.0])
-def test_galloping_finds_the_same_flip_probing_less_coverage_where_it_is_low(threshold):
-    bisect = FakeProfiler(lambda r, _: r >= threshold - 1e-9)
-    gallop = FakeProfiler(lambda r, _: r >= threshold - 1e-9, search="gallop")
-    want = bisect.flips(None, [("kv_dev", 6)], high=True)
-    assert gallop.flips(None, [("kv_dev", 6)], high=True) == want == {("kv_dev", 6): (False, threshold)}
-    assert len(gallop.calls) <= 1 + 2 * GRID_STEPS.bit_length()
-    if threshold <= 0.15:  # a low flip: less recompute probed than bisection from 50% (even at 35%)
-        assert sum(gallop.calls) < 0.7 * sum(bisect.calls)
-    down = FakeProfiler(lambda r, _: r < threshold - 1e-9, search="gallop")  # fails from there on
-    assert down.flips(None, [("qci", 2)], high=False) == {("qci", 2): (True, threshold)}
-    with pytest.raises(ConfigError, match="search='linear'"):
-        DemandProfiler(None, Path("unused.jsonl"), search="linear")
