@@ -1,5 +1,5 @@
 """`make demo`: the main job on the packaged model: a short bench on MIX comparing CacheSmith with
-every baseline on the replay clock (about 10 minutes on 2 CPU cores, after the model and corpus
+every baseline on the replay clock (about 4 minutes on 2 CPU cores, after the model and corpus
 are fetched).
 
 Requests from the four tasks (PR, MSQ, VT, MV, in equal shares) arrive as a bursty Gamma process
