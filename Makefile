@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
 
 # Refresh the lock: resolve pyproject.toml's ranges (and requirements.in's torch pin) anew, with hashes.
+# pip-compile then warns that torch is not pinned in the lock: expected, the install pins it first.
 lock:
 	test -x .venv-lock/bin/pip-compile || { $(PY) -m venv .venv-lock && .venv-lock/bin/pip install -q pip-tools; }
 	.venv-lock/bin/pip-compile $(PIP_COMPILE) --output-file $(LOCK) pyproject.toml requirements.in
