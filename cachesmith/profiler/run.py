@@ -69,7 +69,7 @@ class ProfileConfig:
 
 
 # what a serving run measures when no profile fits the loaded model's architecture: a small cost grid
-# on the memory tier (about a minute for the packaged model on 2 cores); demand comes from elsewhere
+# on the memory tier (40 s for the packaged model on 2 cores); demand comes from elsewhere
 QUICK_COSTS = ProfileConfig(num_requests=1, max_tokens=2048, num_shapes=6, plans_per_shape=3,
                             num_pool_chunks=16, tiers=("memory",))
 
