@@ -155,8 +155,7 @@ def _profile_workload(pipe, args: argparse.Namespace) -> int:
     from cachesmith.profiler.workload import run_workload_demand, workload_path
 
     out = workload_path(args.out or default_path(pipe))
-    limit = None if args.num_requests_given is None else args.num_requests
-    demand = run_workload_demand(pipe, args.workload, out, args.gate, limit)
+    demand = run_workload_demand(pipe, args.workload, out, args.gate, args.num_requests)
     print(f"demand of {demand.workload}: {demand.num_requests} requests, {demand.gate} gate, "
           f"{demand.seconds:.0f} s ({demand.seconds / demand.num_requests:.1f} s per request); "
           f"entropy threshold {demand.entropy_threshold:.3f}; wrote {out} (serve, bench and ask use it)")
@@ -180,8 +179,8 @@ def _profile(args: argparse.Namespace) -> int:
     from cachesmith.pipeline import RagPipeline
     from cachesmith.profiler.run import ProfileConfig, run_costs_profile, run_profile
 
-    args.num_requests = 200 if args.num_requests_given is None else args.num_requests_given
-    config = ProfileConfig(num_requests=args.num_requests, task=args.task, variant=args.variant,
+    num_requests = 200 if args.num_requests is None else args.num_requests
+    config = ProfileConfig(num_requests=num_requests, task=args.task, variant=args.variant,
                            max_tokens=args.max_tokens, num_shapes=args.num_shapes,
                            plans_per_shape=args.plans_per_shape, tiers=tuple(args.tiers), redis_url=args.redis_url,
                            quiet_max_busy=args.quiet)
@@ -393,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_eval.add_parsers(sub, _add_model_args)
     prof = sub.add_parser("profile", help="measure the planner's profile (costs, bandwidth, demand)")
     _add_model_args(prof)
-    prof.add_argument("--num-requests", type=int, default=None, dest="num_requests_given",
+    prof.add_argument("--num-requests", type=int, default=None,
                       help="profiling requests for demand (default: 200 of the task; all of a --workload file)")
     prof.add_argument("--task", default="mix", help="built-in task (or mix, the served mix) whose demand to measure")
     prof.add_argument("--workload", type=Path, default=None,

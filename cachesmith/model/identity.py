@@ -8,7 +8,7 @@ RoPE parameters, and every weight tensor's name, shape, dtype and sampled rows o
 Not hashed: serializer metadata (`transformers_version`, key order, whitespace, `dtype` notes),
 tensor order inside a file, how the tensors are split across files, and fields the decoder never
 reads. A library upgrade that re-serializes the same weights must not orphan every stored entry
-(docs/decisions.md, "Model identity").
+(docs/decisions.md, 2026-12-03, "a model identity from the model's math").
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from cachesmith.errors import ModelAssetError
 from cachesmith.model.config import ModelConfig
+from cachesmith.model.weights import weight_files
 
 IDENTITY_SCHEME = "cachesmith-model/2"
 _SAMPLED_ROWS = 8  # rows of a matrix hashed, evenly spaced, first and last included
@@ -77,11 +78,8 @@ def _sampled_bytes(handle, name: str) -> tuple[list[int], str, bytes]:
 
 def weights_digest(model_dir: Path) -> bytes:
     """sha256 over every tensor's (name, shape, dtype, sampled rows), in name order across files."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelAssetError(f"{model_dir} holds no *.safetensors weight file")
     records: dict[str, tuple[list[int], str, bytes]] = {}
-    for path in files:
+    for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():

@@ -23,13 +23,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cachesmith.errors import ConfigError
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
-from cachesmith.workloads.card import instance_digest
-from cachesmith.workloads.gates import GATES, make_gate
+from cachesmith.workloads.gates import make_gate
 from cachesmith.workloads.instance import WorkloadInstance
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
@@ -49,21 +47,16 @@ class DemandProfiler:
     gate: str = "task"
 
     def __post_init__(self) -> None:
-        if self.gate not in GATES:
-            raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(GATES)}")
-        self.verdicts = Verdicts(self.pipe, Path(self.cache_path), self.max_new_tokens)
         self._gate = make_gate(self.gate)
-        self._reference: tuple[str, str] | None = None  # (instance digest, full prefill's answer)
+        self.verdicts = Verdicts(self.pipe, Path(self.cache_path), self.max_new_tokens)
 
     def passed(self, inst: WorkloadInstance, record: dict) -> bool:
         """The gate's verdict on one measured record (fidelity: against full prefill's answer)."""
         if not self._gate.needs_reference:
             return bool(record["passed"])
-        digest = instance_digest(inst)
-        if self._reference is None or self._reference[0] != digest:
-            full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
-            self._reference = (digest, self.measure(inst, [(full, "full_prefill")])[0]["text"])
-        return self._gate.passes(inst, record["text"], self._reference[1])
+        full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
+        reference = self.measure(inst, [(full, "full_prefill")])[0]["text"]  # cached after its first run
+        return self._gate.passes(inst, record["text"], reference)
 
     def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """Each trial's record `{"passed", "entropy", ...}`, measured together (`Verdicts`)."""

@@ -55,8 +55,8 @@ def find_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, 
 def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) -> tuple[Profile, str]:
     """The measured profile, else the packaged one. A packaged profile keyed by another model
     identity never stops a run: with the same architecture it is used (costs depend on shapes; a
-    warning says so), otherwise costs are measured now (`QUICK_COSTS`: 40 s for the packaged model on 2 cores) and saved as
-    this machine's measured profile."""
+    warning says so), otherwise costs are measured now (`QUICK_COSTS`: 40 s for the packaged model
+    on 2 cores) and saved as this machine's measured profile."""
     profile, source = measured_or_packaged(own, key, is_identity_checked=False)
     if source == "measured" or profile.model_fingerprint == key[0]:
         return profile, source

@@ -110,7 +110,8 @@ def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, 
                    gate=config.gate())
     model = pipe.model
     costs, overhead = fit_costs(runs, model.num_layers)
-    fitted = scaffold(costs, overhead, model.num_layers, kv_bytes_per_token_layer(pipe), max(gbps.values(), default=10.0))
+    fitted = scaffold(costs, overhead, model.num_layers, kv_bytes_per_token_layer(pipe),
+                      max(gbps.values(), default=10.0))
     factors = session_factors(runs, fitted)
     errs = np.abs(relative_errors([r.scaled(factors[r.session]) for r in runs], fitted))
     return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead),

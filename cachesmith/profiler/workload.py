@@ -34,7 +34,6 @@ def workload_path(profile_path: Path) -> Path:
 def read_workload(path: Path, num_requests: int | None = None) -> tuple[list[WorkloadInstance], str]:
     """(the first `num_requests` requests of a workload file, the file's sha256). A line that
     cannot be read stops the profile, naming it: a demand curve must not drop requests silently."""
-    data = Path(path).read_bytes() if Path(path).is_file() else b""
     lines = load_workload_file(str(path))
     bad = [line for line in lines if isinstance(line, str)]
     if bad:
@@ -43,7 +42,7 @@ def read_workload(path: Path, num_requests: int | None = None) -> tuple[list[Wor
         if num_requests < 1:
             raise InputError(f"num_requests={num_requests} must be >= 1")
         lines = lines[:num_requests]
-    return lines, hashlib.sha256(data).hexdigest()[:16]
+    return lines, hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def default_gate(instances: list[WorkloadInstance]) -> str:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cachesmith.errors import ConfigError
+from cachesmith.errors import InputError
 from cachesmith.planner.profile import NEVER
 from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
 from cachesmith.recompute import RecomputeConfig
@@ -20,7 +20,7 @@ class FakeProfiler(DemandProfiler):
 
     def __init__(self, curve, gate: str = "task") -> None:
         self.pipe = SimpleNamespace(model=SimpleNamespace(num_layers=30))
-        self.gate, self._gate, self._reference = gate, make_gate(gate), None
+        self.gate, self._gate = gate, make_gate(gate)
         self.curve, self.calls, self.rounds = curve, [], []
 
     def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
@@ -92,5 +92,5 @@ def test_the_fidelity_gate_profiles_requests_without_gold():
     assert profiler.pass_intervals(inst, [("kv_dev", 6)])[("kv_dev", 6)] == pytest.approx((0.45, NEVER))
     same = FakeProfiler(lambda r, tag: "port lantern" if r < 1 else "Port Lantern.", gate="fidelity")
     assert same.pass_intervals(inst, [("qci", 2)])[("qci", 2)] == pytest.approx((0.0, NEVER))  # same canonical form
-    with pytest.raises(ConfigError, match="gate='exact'"):
+    with pytest.raises(InputError, match="gate='exact'"):
         DemandProfiler(None, Path("unused.jsonl"), gate="exact")
