@@ -49,11 +49,16 @@ def describe_request(rng: random.Random, passages: list) -> dict:
             "answer_prefix": f"{target.title} is", "max_new_tokens": 16}
 
 
+def outside_passages(corpus) -> list:
+    """Passages of 30-120 words whose description has a 5+ letter word not in the title (else a
+    title names its description, or a description is too short to point at one passage)."""
+    return [p for p in corpus.passages if 30 <= len(p.text.split()) <= 120 and any(
+        len(w) >= 5 and w.lower() not in p.title.lower() for w in p.description.split())]
+
+
 def outside_requests(corpus, num_requests: int, seed: int) -> list[dict]:
     """The workload's lines, the two tasks in turn, seeded."""
-    # a title that names its description, or a description too short to point at one passage
-    passages = [p for p in corpus.passages if 30 <= len(p.text.split()) <= 120 and any(
-        len(w) >= 5 and w.lower() not in p.title.lower() for w in p.description.split())]
+    passages = outside_passages(corpus)
     rng = random.Random(seed)
     return [kv_request(rng, passages) if i % 2 == 0 else describe_request(rng, passages) for i in range(num_requests)]
 

@@ -155,7 +155,8 @@ def _profile_workload(pipe, args: argparse.Namespace) -> int:
     from cachesmith.profiler.workload import run_workload_demand, workload_path
 
     out = workload_path(args.out or default_path(pipe))
-    demand = run_workload_demand(pipe, args.workload, out, args.gate, args.num_requests)
+    demand = run_workload_demand(pipe, args.workload, out, args.gate, args.num_requests,
+                                 max_coverage=args.max_coverage)
     print(f"demand of {demand.workload}: {demand.num_requests} requests, {demand.gate} gate, "
           f"{demand.seconds:.0f} s ({demand.seconds / demand.num_requests:.1f} s per request); "
           f"entropy threshold {demand.entropy_threshold:.3f}; wrote {out} (serve, bench and ask use it)")
@@ -401,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--gate", choices=["task", "fidelity"], default=None,
                       help="with --workload: task (needs gold) or fidelity (answer equals full prefill's; "
                            "default where a request has no gold)")
+    prof.add_argument("--max-coverage", type=float, default=None,
+                      help="with --workload: coverage above which a request's demand is not searched for "
+                           "(recorded as full prefill's); default 0.5, the planner's saturation coverage")
     prof.add_argument("--variant", default=None)
     prof.add_argument("--max-tokens", type=int, default=16_384, help="largest batch in the cost grid")
     prof.add_argument("--num-shapes", type=int, default=36, help="batch shapes in the cost grid")

@@ -22,6 +22,7 @@ from cachesmith.errors import InputError
 from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.shadow import ShadowCalibrator, ShadowConfig, shadow_calibrator
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import ScheduleDecision, SchedulerConfig
@@ -38,6 +39,7 @@ class EngineConfig:
     gate: str = "task"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)  # learning methods only (`+learn`)
 
     def __post_init__(self) -> None:
         parse_method(self.method)  # names the bad part now, not at the first batch
@@ -70,7 +72,8 @@ class Engine:
     instead of the model's `BatchExecutor`, with no pipeline at all."""
 
     def __init__(self, pipeline: RagPipeline | None, profile: Profile, config: EngineConfig | None = None,
-                 clock: Clock | None = None, runtime: Callable[[Planner], Executor] | None = None) -> None:
+                 clock: Clock | None = None, runtime: Callable[[Planner], Executor] | None = None,
+                 shadow: ShadowCalibrator | None = None) -> None:
         self.pipeline = pipeline
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
@@ -91,6 +94,10 @@ class Engine:
         # planned requests whose verdict may still come from outside (`feedback`): the plan each ran
         self._awaiting_verdict: OrderedDict[int, tuple[str, int, int, float]] = OrderedDict()
         self._verdicts: deque[tuple[tuple, bool]] = deque()  # (plan ran, passed) from any thread
+        # a learning method measures the served workload's demand from its own requests in idle time
+        if shadow is None and pipeline is not None and self.is_learning and config.shadow.fraction > 0:
+            shadow = shadow_calibrator(pipeline, self.planner, config.shadow)
+        self.shadow = shadow
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, request: Request) -> Admitted:
@@ -160,6 +167,8 @@ class Engine:
         req, inst = adm.request, adm.request.instance
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
         self._hear_verdict(req.request_id, pre.run.plan, out, passed)
+        if self.shadow is not None:
+            self.shadow.offer(inst)
         return RequestResult(
             req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
             passed, pre.decision.mode, pre.run.plan_label, out.coverage,
@@ -237,6 +246,8 @@ class Engine:
                     results[refused.request_id] = refused
                 i += 1
             if not self._queue:
+                if self.shadow is not None:  # idle: shadow work that ends before the next arrival
+                    self.shadow.run_idle(self.clock, admitted[i].request.arrival_s)
                 self.clock.wait_until(admitted[i].request.arrival_s)
                 continue
             for res in self.step():

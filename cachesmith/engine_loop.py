@@ -133,18 +133,37 @@ class EngineLoop:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._has_work():
+                while not self._has_work() and not self._is_shadow_due():
                     self._cond.wait()
-                if self.engine.queue_depth == 0:  # closing, and nothing left to serve
-                    self._is_prefill_done = True
-                    self._cond.notify_all()
-                    return
-                decided = self.engine.next_decision()
-                self._is_prefilling = decided is not None
-                if decided is not None:
-                    self._note(f"prefill {self._num_decoding}")
-            if decided is not None:
+                is_shadow = not self._has_work()  # idle: one unit of shadow work, then look again
+                decided = None
+                if not is_shadow:
+                    if self.engine.queue_depth == 0:  # closing, and nothing left to serve
+                        self._is_prefill_done = True
+                        self._cond.notify_all()
+                        return
+                    decided = self.engine.next_decision()
+                    self._is_prefilling = decided is not None
+                    if decided is not None:
+                        self._note(f"prefill {self._num_decoding}")
+            if is_shadow:
+                self._shadow_unit()
+            elif decided is not None:
                 self._prefill(*decided)
+
+    def _is_shadow_due(self) -> bool:
+        """Caller holds the condition: shadow work waits, and nothing is queued, admitted or decoding."""
+        shadow = self.engine.shadow
+        return (shadow is not None and shadow.has_work and not self._is_closing and self._num_admitting == 0
+                and self._num_decoding == 0)
+
+    def _shadow_unit(self) -> None:
+        try:
+            with self._admit_lock:  # it reads the store; an admission arriving now waits for this unit
+                self.engine.shadow.run_idle(self.engine.clock)
+        except Exception:  # shadow work must never take serving down: it stops instead
+            log.exception("shadow calibration failed; it is switched off")
+            self.engine.shadow = None
 
     def _has_work(self) -> bool:
         """Caller holds the condition: a batch to run (with room to decode it), or time to stop."""

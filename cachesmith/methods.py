@@ -5,11 +5,13 @@ Names: `cachesmith`, `full_prefill`, `full_reuse`, `<preset>@<coverage>` (e.g. `
 and a `+qa` suffix for the queue-aware FCFS baseline (`epic@0.3+qa`: requests past saving go to
 full reuse). `cachesmith+task` plans each batch whose requests all name one task with that task's
 demand curves (the request's `task` as a hint; plain `cachesmith` is hint-free, the paper's
-setting); `cachesmith+learn` stays hint-free but prices plans with the served mix's demand learned
-from the quality verdicts of the requests it has served (`planner.served_mix`; the server's
-verdicts come from clients, `POST /v1/feedback`), and `cachesmith+task+learn` does both. The
+setting); `cachesmith+learn` stays hint-free but prices plans with the served workload's demand
+learned while serving: shadow samples of its own requests measured in idle time
+(`profiler.shadow`, `planner.learned_demand`) and the quality verdicts of the requests it has
+served (the server's come from clients, `POST /v1/feedback`); `cachesmith+task+learn` does both. The
 ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to `kv_dev` or
-`qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule),
+`qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule), `cachesmith:passes` (the
+signal with the most expected passes under the served mix, without the robust rule's margin),
 `planner:<preset>@<coverage>` (the planner alone: arrival-order batches under the preset's own
 TTFT as a fixed budget, the preset's signal family) and `planner+slo:<signal>`
 (arrival-order batches under budgets from the queue's deadlines). In: a name. Out: a `Method` and
@@ -40,7 +42,7 @@ class Method:
     is_queue_aware: bool = False
     signal: str | None = None  # the planner's selection signal, fixed (None: chosen per batch)
     scheduling: str = "slo_aware"  # "slo_aware", "fcfs" (static), "fcfs_planned" or "fcfs_slo"
-    signal_rule: str = "passes"  # how the planner chooses the signal when it is not fixed
+    signal_rule: str = "robust"  # how the planner chooses the signal when it is not fixed
     use_task_hint: bool = False  # plan with the demand of the task the batch's requests name
     is_mix_learned: bool = False  # price hint-free batches with the mix learned from served verdicts
 
@@ -72,8 +74,8 @@ def parse_method(name: str) -> Method:
                           f"(planner+slo), e.g. planner:cacheblend@0.15")
     if kind in CACHESMITH_KINDS:
         hint, learn = "+task" in kind, kind.endswith("+learn")
-        if arg == "entropy":
-            return Method(text, signal_rule="entropy", use_task_hint=hint, is_mix_learned=learn)
+        if arg in ("entropy", "passes"):
+            return Method(text, signal_rule=arg, use_task_hint=hint, is_mix_learned=learn)
         return Method(text, signal=_signal(text, arg) if colon else None, use_task_hint=hint,
                       is_mix_learned=learn)
     if kind == "planner+slo":

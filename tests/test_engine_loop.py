@@ -12,6 +12,7 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import ConfigError
 from cachesmith.model.sampling import SamplingParams
+from cachesmith.profiler.shadow import ShadowConfig
 from cachesmith.workloads.instance import WorkloadInstance
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
@@ -198,3 +199,20 @@ def test_sampled_requests_repeat_with_their_seed_and_report_logprobs(pipe):
     assert len(first.logprobs) == first.num_output_tokens == len(first.output_token_ids)
     # greedy: every chosen token is the most likely one, and its logprob is the top one's
     assert all(r.token_id == r.top[0][0] and r.logprob == r.top[0][1] for r in greedy.logprobs)
+
+
+def test_idle_time_measures_shadow_samples_and_a_new_request_still_runs(pipe):
+    """`cachesmith+learn` shadow-evaluates its served requests when nothing else runs (the real
+    demand searches on the tiny model, fidelity gate), and the planner learns from them."""
+    config = EngineConfig("cachesmith+learn", "live", shadow=ShadowConfig(fraction=1.0))
+    engine = Engine(pipe, make_profile(num_layers=pipe.model.num_layers), config, LiveClock())
+    loop = EngineLoop(engine)
+    assert all(f.result(timeout=60).error is None for f in [loop.submit(instance(i), 30.0) for i in range(2)])
+    deadline = time.monotonic() + 120
+    while engine.shadow.stats.num_samples < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = engine.shadow.stats
+    assert (st.num_sampled, st.num_samples) == (2, 2) and st.num_units >= 4 and st.max_unit_s > 0
+    assert engine.planner.learned.is_active and engine.planner.learned.num_samples == 2
+    assert loop.submit(instance(7), 30.0).result(timeout=60).error is None  # serving goes on
+    assert loop.close(timeout=30)

@@ -62,7 +62,8 @@ def test_bad_ablation_names_are_named(name, match):
 
 def test_task_hint_and_entropy_rule_names():
     hinted = parse_method("cachesmith+task")
-    assert (hinted.use_task_hint, hinted.signal, hinted.signal_rule) == (True, None, "passes")
+    assert (hinted.use_task_hint, hinted.signal, hinted.signal_rule) == (True, None, "robust")
+    assert parse_method("cachesmith:passes").signal_rule == "passes"  # the rule without its margin
     assert parse_method("cachesmith").use_task_hint is False  # hint-free is the paper's setting
     entropy = parse_method("cachesmith:entropy")
     assert (entropy.signal_rule, entropy.signal, entropy.use_task_hint) == ("entropy", None, False)

@@ -142,10 +142,15 @@ def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str
 
 
 def run_bench(pipe: RagPipeline, config: BenchConfig, out: Path, profile_path: Path | None = None,
-              show_progress: bool = True) -> BenchResult:
+              show_progress: bool = True, workload_demand: Path | None = None,
+              is_workload_demand_used: bool = True) -> BenchResult:
+    """Every method of `config` at every SLO scale, each run cached under `out`. The profile is
+    `find_profile`'s (with `workload_demand`: that workload demand file's curves; with
+    `is_workload_demand_used=False`: the profile's own, whatever `cachesmith profile --workload`
+    wrote)."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    profile, source = find_profile(pipe, profile_path)
+    profile, source = find_profile(pipe, profile_path, workload_demand, is_workload_demand_used)
     insts = instances(config)
     base, factor, reuse = _base(pipe, config, insts, profile, source, out, show_progress)
     if source == "packaged":

@@ -32,7 +32,9 @@ from cachesmith.planner.demand import DemandModel, read_at
 from cachesmith.planner.grid import ttft_grid, ttft_rows
 from cachesmith.planner.pace import PaceBook
 from cachesmith.planner.profile import Profile
+from cachesmith.planner.learned_demand import LearnedDemand
 from cachesmith.planner.served_mix import ServedMix
+from cachesmith.planner.signal_choice import Evidence, robust_pick
 from cachesmith.recompute import RecomputeConfig, fixed_splits
 
 COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
@@ -44,7 +46,7 @@ COVERAGE_GRID = np.round(np.arange(0, 51) * 0.02, 2)
 # on the real model (docs/decisions.md, sessions 15 and 16)
 SIGNALS = ("kv_dev", "qci", "qci_last")
 FIXABLE_SIGNALS = (*SIGNALS, "fused")
-SIGNAL_RULES = ("passes", "entropy")
+SIGNAL_RULES = ("robust", "passes", "entropy")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,11 @@ class PlannerConfig:
     entropy_threshold: float | None = None  # None: the profile's
     bandwidth_gbps: float | None = None  # None: the profile's fastest tier (the monitor updates it)
     signal: str | None = None  # fix the selection signal (ablation); None: chosen per batch by signal_rule
-    signal_rule: str = "passes"  # "passes": most expected passes; "entropy": the paper's threshold (ablation)
+    # "robust": KV deviation unless another signal expects more passes under every demand the
+    # profile knows by signal_margin_z standard errors (`signal_choice`); "passes": the most
+    # expected passes under the batch's demand; "entropy": the paper's threshold (ablations)
+    signal_rule: str = "robust"
+    signal_margin_z: float = 1.0
     use_task_hint: bool = True  # a batch whose requests all name one task plans with that task's demand
     is_mix_learned: bool = False  # price hint-free batches with the served mix learned from verdicts
     # plans are sized to end inside the budget at the pace this many spreads of the pace book's
@@ -78,6 +84,8 @@ class PlannerConfig:
             raise ConfigError(f"max_rank_fraction={self.max_rank_fraction} must be in (0, 1]")
         if self.num_splits < 1:
             raise ConfigError(f"num_splits={self.num_splits} must be >= 1")
+        if not 0 <= self.signal_margin_z <= 4:
+            raise ConfigError(f"signal_margin_z={self.signal_margin_z} must be in [0, 4]")
         if not 0 <= self.pace_margin_z <= 4:
             raise ConfigError(f"pace_margin_z={self.pace_margin_z} must be in [0, 4]")
         if not 1 <= self.max_pace_margin <= 4:
@@ -137,6 +145,8 @@ class Planner:
         self.demand = DemandModel(profile.demand)
         # hint-free batches' demand, learned from served requests' verdicts (`observe_verdict`)
         self.served_mix = ServedMix(self.demand) if self.config.is_mix_learned else None
+        # the served workload's own curves, from shadow samples and verdicts (`observe_sample`)
+        self.learned = LearnedDemand(self.demand) if self.config.is_mix_learned else None
         self.theta = self.config.entropy_threshold if self.config.entropy_threshold is not None \
             else profile.entropy_threshold
         L = profile.num_layers
@@ -147,7 +157,7 @@ class Planner:
         self._envelopes: dict[tuple[str, int, str | None], tuple] = {}  # (signal, depth, task) -> (cdf, envelope)
         # the learned mix's, for its current weights only: (signal, depth) -> (cdf, envelope)
         self._mix_envelopes: dict[tuple[str, int], tuple] = {}
-        self._mix_version = -1
+        self._mix_version: tuple[str, int] | None = None
         # measured / predicted TTFT per kind of batch, learned from executed batches (`observe`):
         # the offline cost fit is biased per signal, plan family and batch size (planner/pace.py)
         self.paces = PaceBook()
@@ -172,6 +182,12 @@ class Planner:
         with: the learned served mix (if any) takes it in."""
         if self.served_mix is not None:
             self.served_mix.observe(signal, warmup + probe, coverage, passed)
+            self.learned.observe_verdict(signal, warmup + probe, coverage, passed)
+
+    def observe_sample(self, intervals: dict[tuple[str, int], tuple[float, float]]) -> None:
+        """A shadow sample: one served request's passing interval per (signal, anchor depth)."""
+        if self.learned is not None:
+            self.learned.observe_sample(intervals)
 
     def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
         """The learned measured / predicted factor for this kind of batch (1.0 before any)."""
@@ -236,16 +252,23 @@ class Planner:
 
     def _is_mixed(self, task: str | None) -> bool:
         """Whether this batch is priced with the learned served mix (hint-free, learning on)."""
-        return task is None and self.served_mix is not None and self.served_mix.is_active
+        return task is None and self.served_mix is not None and (self.served_mix.is_active or self.learned.is_active)
+
+    def _mix_source(self):
+        """What prices hint-free batches while learning: the workload's own curves once a shadow
+        sample has come in, else the profiled tasks re-weighted by the verdicts."""
+        return self.learned if self.learned.is_active else self.served_mix
 
     def _cdf(self, signal: str, depth: int, task: str | None) -> np.ndarray:
         """The pass probability on the demand grid [21] this batch is priced with."""
-        return self.served_mix.cdf(signal, depth) if self._is_mixed(task) else self.demand.cdf(signal, depth, task)
+        return self._mix_source().cdf(signal, depth) if self._is_mixed(task) else self.demand.cdf(signal, depth, task)
 
     def _envelope(self, signal: str, depth: int, task: str | None = None):
         if self._is_mixed(task):
-            if self._mix_version != self.served_mix.version:  # the weights moved: rebuild them all
-                self._mix_envelopes, self._mix_version = {}, self.served_mix.version
+            source = self._mix_source()
+            version = (type(source).__name__, source.version)
+            if self._mix_version != version:  # the weights or curves moved: rebuild them all
+                self._mix_envelopes, self._mix_version = {}, version
             cache, key = self._mix_envelopes, (signal, depth)
         else:
             cache, key = self._envelopes, (signal, depth, task)
@@ -286,7 +309,20 @@ class Planner:
         task = self.batch_task(requests)
         sized = budget_s / self.margin()  # plans fit this at the mean pace; the monitor targets budget_s
         plans = [self._plan_signal(shape, s, sized, task) for s in self.candidate_signals(requests)]
-        return replace(pick(plans, sized), budget_s=budget_s, decision_s=time.perf_counter() - start)
+        if self.config.signal_rule == "robust" and len(plans) > 1:
+            chosen = robust_pick(plans, sized, self.evidence(task), self.config.signal_margin_z, pick)
+        else:
+            chosen = pick(plans, sized)
+        return replace(chosen, budget_s=budget_s, decision_s=time.perf_counter() - start)
+
+    def evidence(self, task: str | None) -> list[Evidence]:
+        """The demands a batch's signal choice must hold under: the hinted task's, or the served
+        mix's and every task's the profile has curves for."""
+        def under(t: str | None):
+            return lambda plan: read_at(self._cdf(plan.signal, plan.rank_depth, t), plan.coverages)
+        # a learned mix is the stream's own demand: the tasks' curves it re-weights are not tested apart
+        groups = [task] if task is not None or self._is_mixed(task) else [None, *self.demand.tasks]
+        return [Evidence(t, self.demand.task_size(t), under(t)) for t in groups]
 
     def _plan_signal(self, shape: BatchShape, signal: str, budget_s: float, task: str | None) -> BatchPlan:
         w, p = self.band_pair(signal)

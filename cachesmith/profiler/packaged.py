@@ -21,7 +21,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
 from cachesmith.profiler.run import QUICK_COSTS, default_path, kv_bytes_per_token_layer, run_costs_profile
-from cachesmith.profiler.workload import with_workload_demand
+from cachesmith.profiler.workload import load_workload_demand, with_workload_demand
 from cachesmith.recompute.config import epic
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -39,17 +39,23 @@ def _architecture(profile: Profile) -> tuple[int, int]:
     return profile.num_layers, profile.kv_bytes_per_token_layer
 
 
-def find_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
+def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: Path | None = None,
+                 is_workload_demand_used: bool = True) -> tuple[Profile, str]:
     """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device;
     the default measured one falls back to the packaged one when it is missing or unusable, and
     carries the demand `cachesmith profile --workload` measured for the served workload, where
-    there is one (`profiler.workload`)."""
+    there is one (`profiler.workload`): the file beside it, or `workload_demand` (which must be
+    this model's and readable); `is_workload_demand_used=False` keeps the profile's own demand."""
     key = _key(pipe)
     if path is not None:
-        return Profile.load(Path(path), *key), "measured"
-    own = default_path(pipe)
-    profile, source = _default_profile(pipe, own, key)
-    return with_workload_demand(profile, own, key[0], key[1]), source
+        profile, source = Profile.load(Path(path), *key), "measured"
+    else:
+        profile, source = _default_profile(pipe, default_path(pipe), key)
+    if workload_demand is not None:
+        return load_workload_demand(Path(workload_demand), key[0], key[1]).applied(profile), source
+    if path is None and is_workload_demand_used:
+        return with_workload_demand(profile, default_path(pipe), key[0], key[1]), source
+    return profile, source
 
 
 def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) -> tuple[Profile, str]:

@@ -1,14 +1,15 @@
-"""Quality-gate verdicts of one workload instance under many plans, measured together.
+"""Quality-gate verdicts of workload instances under many plans, measured together.
 
-In: a `RagPipeline`, a `WorkloadInstance` and its trials, each a (plan, tag). Out: per trial a
+In: a `RagPipeline`, one or several `WorkloadInstance`s and their trials, each a (plan, tag). Out: per trial a
 record `{"key", "passed", "entropy", "text"}` (key = instance digest / tag), appended to a JSONL cache, so
 a stopped run resumes where it was.
 
 Offline searches over coverage (demand profiles, outcome tables) evaluate the same instance under
 dozens of plans that differ only in their coverage. Plans sharing (S, w, p) are ranked once
 (`BatchRunner.fork`, equal to separate runs bit for bit) and only their Patch phase runs per
-coverage; every trial of one call is then decoded in one `Decoding`, so the answers share each pass
-over the weights. The chunks come from the store in memory (the staged path's identity with it is
+coverage; every trial of one call, of every instance in it, is then decoded in one `Decoding`, so
+the answers share each pass over the weights (a decoding step costs about the same for one
+sequence as for dozens on a CPU: it reads every weight once). The chunks come from the store in memory (the staged path's identity with it is
 tested), and each answer is read whole by the gate, as serving's is.
 """
 from __future__ import annotations
@@ -26,40 +27,69 @@ from cachesmith.workloads.scoring import score
 
 
 class Verdicts:
-    def __init__(self, pipe: RagPipeline, cache_path: Path, max_new_tokens: int = 1 << 30) -> None:
+    def __init__(self, pipe: RagPipeline, cache_path: Path | None, max_new_tokens: int = 1 << 30,
+                 max_held: int = 4) -> None:
+        """`cache_path` None keeps the records in memory only (shadow work: `forget` drops them)."""
         self.pipe = pipe
-        self.cache_path = Path(cache_path)
-        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        self.cache = load_keyed(self.cache_path)
+        self.cache_path = None if cache_path is None else Path(cache_path)
+        if self.cache_path is not None:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        self.cache = {} if self.cache_path is None else load_keyed(self.cache_path)
         self.max_new_tokens = max_new_tokens
-        self._digest: str | None = None  # the instance the forks below belong to
-        self._forks: dict[tuple[Signal, int, int], PatchFork] = {}
+        # per instance digest, the forks holding its ranked state, for the `max_held` instances
+        # used last (a fork holds a whole KV cache: memory stays that of a few requests)
+        self._forks: dict[str, dict[tuple[Signal, int, int], PatchFork]] = {}
+        self._requests: dict[str, RecomputeRequest] = {}  # the held instances' chunks, read once
+        self.max_held = max_held
 
     def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """The record of every trial, measuring the ones the cache lacks together."""
-        digest = instance_digest(inst)
-        missing = [(plan, tag) for plan, tag in trials if f"{digest}/{tag}" not in self.cache]
-        if missing:
-            self._measure(inst, digest, missing)
-        return [self.cache[f"{digest}/{tag}"] for _, tag in trials]
+        return self.measure_many([(inst, trials)])[0]
 
-    def _measure(self, inst: WorkloadInstance, digest: str, trials: list[tuple[RecomputeConfig, str]]) -> None:
-        if digest != self._digest:  # one instance at a time: its forks hold its ranked state
-            self._digest, self._forks = digest, {}
-        max_new = min(inst.max_new_tokens, self.max_new_tokens)
-        request = self._request(inst, max_new)
-        outputs = [self._prefill(request, plan) for plan, _ in trials]
+    def measure_many(self, batch: list[tuple[WorkloadInstance, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
+        """`measure` for several instances at once: their missing trials are decoded together, so
+        the instances share each decoding pass over the weights."""
+        digests = [instance_digest(inst) for inst, _ in batch]
+        for d in digests:  # the most recently used last
+            self._forks[d] = self._forks.pop(d, {})
+        while len(self._forks) > max(self.max_held, len(set(digests))):
+            oldest = next(iter(self._forks))
+            del self._forks[oldest]
+            self._requests.pop(oldest, None)
+        missing = [(inst, d, plan, tag) for (inst, trials), d in zip(batch, digests) for plan, tag in trials
+                   if f"{d}/{tag}" not in self.cache]
+        if missing:
+            self._measure(list({(d, tag): m for m in missing for d, tag in [(m[1], m[3])]}.values()))
+        return [[self.cache[f"{d}/{tag}"] for _, tag in trials] for (_, trials), d in zip(batch, digests)]
+
+    def _measure(self, trials: list[tuple[WorkloadInstance, str, RecomputeConfig, str]]) -> None:
+        requests = {digest: self._requests.get(digest) or self._request(inst, min(inst.max_new_tokens, self.max_new_tokens))
+                    for inst, digest, _, _ in trials}
+        self._requests.update(requests)  # the chunks stay in hand while the instance's forks do
+        self._fork_missing(trials, requests)
+        outputs = self._prefill_all(trials, requests)
         decoding = Decoding(self.pipe.model)
-        gens = [decoding.start(out.logits, out.cache, max_new) for out in outputs]
+        gens = [decoding.start(out.logits, out.cache, min(inst.max_new_tokens, self.max_new_tokens))
+                for (inst, *_), out in zip(trials, outputs)]
         decoding.run()
-        with self.cache_path.open("a", encoding="utf-8") as f:
-            for (plan, tag), out, gen in zip(trials, outputs, gens):
-                text = self.pipe.tokenizer.decode(gen.token_ids).strip()
-                rec = {"key": f"{digest}/{tag}", "passed": score(inst, text).passed, "entropy": out.qci_entropy,
-                       "text": text}
-                f.write(json.dumps(rec) + "\n")
-                self.cache[rec["key"]] = rec
-                out.cache.release()
+        records = []
+        for (inst, digest, _, tag), out, gen in zip(trials, outputs, gens):
+            text = self.pipe.tokenizer.decode(gen.token_ids).strip()
+            records.append({"key": f"{digest}/{tag}", "passed": score(inst, text).passed,
+                            "entropy": out.qci_entropy, "text": text})
+            out.cache.release()
+        self.cache.update((rec["key"], rec) for rec in records)
+        if self.cache_path is not None:
+            with self.cache_path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(rec) + "\n" for rec in records)
+
+    def forget(self, inst: WorkloadInstance) -> None:
+        """Drop one instance's records and forks (memory-only use)."""
+        digest = instance_digest(inst)
+        self._forks.pop(digest, None)
+        self._requests.pop(digest, None)
+        for key in [k for k in self.cache if k.startswith(f"{digest}/")]:
+            del self.cache[key]
 
     def _request(self, inst: WorkloadInstance, max_new: int) -> RecomputeRequest:
         parts = self.pipe.instance_prompt(inst)
@@ -67,11 +97,33 @@ class Verdicts:
                                 self.pipe.chunk(parts.prefix_ids) if parts.prefix_ids else None,
                                 extra_capacity=max_new)
 
-    def _prefill(self, request: RecomputeRequest, plan: RecomputeConfig) -> RecomputeOutput:
-        runner = self.pipe.runner
-        if not plan.has_patch(self.pipe.model.num_layers):  # all full layers: nothing to share
-            return runner.run([request], plan)[0]
-        key = (plan.signal, plan.warmup, plan.probe)
-        if key not in self._forks:
-            self._forks[key] = runner.fork([request], plan)
-        return self._forks[key].run([plan.coverage])[0]
+    def _fork_missing(self, trials, requests: dict[str, RecomputeRequest]) -> None:
+        """Every fork this call's trials need and lack, per instance in one `fork_many` (their
+        WarmUp layers walked once)."""
+        num_layers = self.pipe.model.num_layers
+        needed: dict[str, dict[tuple[Signal, int, int], RecomputeConfig]] = {}
+        for _, digest, plan, _ in trials:
+            key = (plan.signal, plan.warmup, plan.probe)
+            if plan.has_patch(num_layers) and key not in self._forks[digest]:
+                needed.setdefault(digest, {})[key] = plan
+        for digest, plans in needed.items():
+            forks = self.pipe.runner.fork_many([requests[digest]], list(plans.values()))
+            self._forks[digest].update(zip(plans, forks))
+
+    def _prefill_all(self, trials, requests: dict[str, RecomputeRequest]) -> list[RecomputeOutput]:
+        """Each trial's prefill: full-layer plans alone, Patch plans from their forks, one batch per
+        (S, w, p) across the instances of this call (their rows share each layer's projections)."""
+        num_layers = self.pipe.model.num_layers
+        outputs: list[RecomputeOutput | None] = [None] * len(trials)
+        groups: dict[tuple[Signal, int, int], list[int]] = {}
+        for j, (_, digest, plan, _) in enumerate(trials):
+            if plan.has_patch(num_layers):
+                groups.setdefault((plan.signal, plan.warmup, plan.probe), []).append(j)
+            else:  # all full layers: nothing to share
+                outputs[j] = self.pipe.runner.run([requests[digest]], plan)[0]
+        for key, members in groups.items():
+            forks = [self._forks[trials[j][1]][key] for j in members]
+            runs = PatchFork.run_together(forks, [[trials[j][2].coverage] for j in members])
+            for j, run in zip(members, runs):
+                outputs[j] = run[0]
+        return outputs

@@ -19,11 +19,19 @@ from pathlib import Path
 
 from cachesmith.errors import InputError
 from cachesmith.pipeline import RagPipeline
+from cachesmith.planner.planner import SIGNALS as PLANNED_SIGNALS
+from cachesmith.planner.planner import PlannerConfig
 from cachesmith.planner.profile import DemandCurve, Profile, ProfileError
 from cachesmith.profiler.demand import DemandProfiler
+from cachesmith.recompute import FIXED_FAMILIES
 from cachesmith.workloads.instance import WorkloadInstance, load_workload_file
 
 WORKLOAD_FORMAT = 1
+# the planner plans by demand up to its saturation coverage; above it, the most the budget fits
+DEFAULT_MAX_COVERAGE = PlannerConfig().r_max
+# the fixed-split families the planner plans by default (qci_last); fused is planned only as an
+# ablation and keeps the profile's own curve (`WorkloadDemand.applied`)
+PLANNED_FAMILIES = tuple(s for s in PLANNED_SIGNALS if s in FIXED_FAMILIES)
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +68,7 @@ class WorkloadDemand:
     demand: tuple[DemandCurve, ...]
     entropy_threshold: float
     seconds: float  # wall time of the measurement that completed it
+    max_coverage: float = 1.0  # flips above it were recorded at 1.0 (`flip_search`)
     format_version: int = WORKLOAD_FORMAT
 
     def save(self, path: Path) -> None:
@@ -82,25 +91,47 @@ class WorkloadDemand:
             raise ProfileError(f"workload demand {path}: unreadable ({type(exc).__name__}: {exc})") from exc
 
     def applied(self, profile: Profile) -> Profile:
-        return replace(profile, demand=self.demand, entropy_threshold=self.entropy_threshold)
+        """`profile` priced with this workload's demand; a signal the workload was not profiled for
+        (an ablation's) keeps the profile's served-mix curves."""
+        measured = {c.signal for c in self.demand}
+        kept = tuple(c for c in profile.demand if c.signal not in measured and c.task is None)
+        return replace(profile, demand=self.demand + kept, entropy_threshold=self.entropy_threshold)
 
 
 def run_workload_demand(pipe: RagPipeline, workload: Path, out: Path, gate: str | None = None,
-                        num_requests: int | None = None, show_progress: bool = True) -> WorkloadDemand:
-    """Measure the demand of the workload file's requests and save it at `out`."""
+                        num_requests: int | None = None, show_progress: bool = True,
+                        max_coverage: float | None = None) -> WorkloadDemand:
+    """Measure the demand of the workload file's requests and save it at `out`. Flips above
+    `max_coverage` (default: the planner's saturation coverage) are not searched for."""
+    max_coverage = DEFAULT_MAX_COVERAGE if max_coverage is None else max_coverage
     instances, digest = read_workload(workload, num_requests)
     gate = gate or default_gate(instances)
     if gate == "task" and not all(inst.gold for inst in instances):
         raise InputError(f"{workload}: some requests have no gold answer, which the task gate needs; "
                          f"use the fidelity gate (--gate fidelity)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    profiler = DemandProfiler(pipe, out.with_name(out.stem + ".verdicts.jsonl"), gate=gate)
+    profiler = DemandProfiler(pipe, out.with_name(out.stem + ".verdicts.jsonl"), gate=gate,
+                              max_coverage=max_coverage)
     start = time.perf_counter()
-    curves, theta, _ = profiler.run(instances, show_progress=show_progress)
+    curves, theta, _ = profiler.run(instances, show_progress=show_progress, fixed_families=PLANNED_FAMILIES)
     demand = WorkloadDemand(pipe.model.fingerprint, str(pipe.model.dtype).removeprefix("torch."),
                             f"{Path(workload).name} sha256:{digest}", gate, len(instances), curves, theta,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, max_coverage)
     demand.save(out)
+    return demand
+
+
+def workload_keys(profiler: DemandProfiler) -> list[tuple[str, int]]:
+    """The (signal, rank depth) searches of a workload's demand: what the planner prices."""
+    return profiler.keys(fixed_families=PLANNED_FAMILIES)
+
+
+def load_workload_demand(path: Path, fingerprint: str, dtype: str) -> WorkloadDemand:
+    """A workload demand file named explicitly: it must be readable and this model's."""
+    demand = WorkloadDemand.load(path)
+    if (demand.model_fingerprint, demand.dtype) != (fingerprint, dtype):
+        raise ProfileError(f"workload demand {path} was measured for model {demand.model_fingerprint} "
+                           f"({demand.dtype}), not {fingerprint} ({dtype})")
     return demand
 
 
@@ -112,13 +143,9 @@ def with_workload_demand(profile: Profile, profile_path: Path, fingerprint: str,
     if not path.exists():
         return profile
     try:
-        demand = WorkloadDemand.load(path)
+        demand = load_workload_demand(path, fingerprint, dtype)
     except ProfileError as exc:
         log.warning("%s; serving with the profile's own demand", exc)
-        return profile
-    if (demand.model_fingerprint, demand.dtype) != (fingerprint, dtype):
-        log.warning("workload demand %s was measured for model %s (%s), not %s (%s); serving with the "
-                    "profile's own demand", path, demand.model_fingerprint, demand.dtype, fingerprint, dtype)
         return profile
     log.info("demand of workload %s (%d requests, %s gate) from %s", demand.workload, demand.num_requests,
              demand.gate, path)

@@ -88,12 +88,35 @@ class BatchRunner:
         """The batch run through WarmUp and Probe once, ready to be patched at any coverages
         (`PatchFork.run`), each run equal to `run` at those coverages: the rankings do not depend
         on the coverage, so an offline search over coverages pays for them once."""
-        config.validate_for(self.model.num_layers)
-        if not config.has_patch(self.model.num_layers):
-            raise ConfigError(f"{config.label()} has no Patch phase to fork")
-        seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
+        return self.fork_many(requests, [config])[0]
+
+    def fork_many(self, requests: list[RecomputeRequest], configs: list[RecomputeConfig]) -> list["PatchFork"]:
+        """`fork` of several plans of one batch, their WarmUp layers walked once: a WarmUp layer
+        computes every row exactly whatever the plan, so each plan branches off the shared walk
+        where its WarmUp ends (a copy of the hidden rows and of the cache's layers so far) and
+        equals its own `fork` bit for bit. A search over rank depths pays for the deepest WarmUp
+        only."""
+        for config in configs:
+            config.validate_for(self.model.num_layers)
+            if not config.has_patch(self.model.num_layers):
+                raise ConfigError(f"{config.label()} has no Patch phase to fork")
+        seqs = [build_sequence(self.model, r, configs[0].coverage, i) for i, r in enumerate(requests)]
+        forks: list[PatchFork | None] = [None] * len(configs)
+        hooks = RunnerHooks()
         with torch.inference_mode():
-            return PatchFork(self, self._rank(seqs, config, RunnerHooks(), None))
+            h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
+            layer = 0
+            order = sorted(range(len(configs)), key=lambda i: configs[i].warmup)
+            for n, j in enumerate(order, 1):
+                while layer < configs[j].warmup:
+                    h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
+                    layer += 1
+                if n == len(order):  # the deepest takes the walk itself
+                    forks[j] = PatchFork(self, self._after_warmup(configs[j], seqs, h, hooks))
+                    break
+                branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(layer)) for s in seqs]
+                forks[j] = PatchFork(self, self._after_warmup(configs[j], branch, h.clone(), hooks))
+        return forks
 
     def _rank(self, seqs: list[Sequence], config: RecomputeConfig, hooks: RunnerHooks,
               replan: Replan | None) -> "_Ranked":
@@ -107,6 +130,12 @@ class BatchRunner:
             if layer == 0 and replan is not None:
                 config = self._replan(replan, seqs, num_layers)
             layer += 1
+        return self._after_warmup(config, seqs, h, hooks)
+
+    def _after_warmup(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
+                      hooks: RunnerHooks) -> "_Ranked":
+        """Probe after the WarmUp layers (`h`: the rows entering layer w)."""
+        num_layers = self.model.num_layers
         if config.warmup >= num_layers:
             return _Ranked(seqs, h, num_layers, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
         patch_start, h, start_kv = self._probe(config, seqs, h, hooks)
@@ -385,10 +414,27 @@ class PatchFork:
 
     def run(self, coverages: list[float]) -> list[RecomputeOutput]:
         """The batch's outputs with request i patched at `coverages[i]`."""
+        return PatchFork.run_together([self], [coverages])[0]
+
+    def _copies(self, coverages: list[float]) -> list[Sequence]:
         if len(coverages) != len(self.ranked.seqs):
             raise InputError(f"coverages: {len(coverages)} given for {len(self.ranked.seqs)} requests")
-        seqs = [replace(s, coverage=check_coverage(c, f"coverages[{i}]"), selected=None,
+        return [replace(s, coverage=check_coverage(c, f"coverages[{i}]"), selected=None,
                         placed_layers=set(s.placed_layers), cache=s.cache.clone(self._num_written))
                 for i, (s, c) in enumerate(zip(self.ranked.seqs, coverages))]
+
+    @staticmethod
+    def run_together(forks: list["PatchFork"], coverages: list[list[float]]) -> list[list[RecomputeOutput]]:
+        """Several forks of one plan (e.g. of different requests) patched as one batch: their rows
+        share each Patch layer's projections, as a served batch's do. Per fork, its outputs."""
+        starts = {f.ranked.patch_start for f in forks}
+        if len(starts) != 1 or len({f.runner for f in forks}) != 1:
+            raise ConfigError(f"forks patched together need one runner and one first Patch layer, got {sorted(starts)}")
+        seqs = [s for f, c in zip(forks, coverages) for s in f._copies(c)]
+        kvs = [f.ranked.start_kv for f in forks]
+        start_kv = None if kvs[0] is None else tuple(torch.cat(parts) for parts in zip(*kvs))
+        ranked = _Ranked(seqs, torch.cat([f.ranked.h for f in forks]), starts.pop(), start_kv)
         with torch.inference_mode():
-            return self.runner._patch(replace(self.ranked, seqs=seqs), RunnerHooks())
+            outputs = forks[0].runner._patch(ranked, RunnerHooks())
+        sizes = [len(f.ranked.seqs) for f in forks]
+        return [outputs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(forks))]

@@ -94,6 +94,7 @@ class _EngineCollector:
             for task, weight in mix.describe().items():
                 weights.add_metric([task], weight)
             yield weights
+        yield from _shadow_metrics(svc.engine)
         hits = CounterMetricFamily("cachesmith_store_hits", "Chunk store reads served, by tier", labels=["tier"])
         for tier in svc.store.tiers:
             hits.add_metric([tier.name], store.hits[tier.name])
@@ -107,3 +108,22 @@ class _EngineCollector:
         for tier in svc.store.tiers:
             up.add_metric([tier.name], float(tier.is_up))
         yield up
+
+
+def _shadow_metrics(engine):
+    """Shadow calibration (`+learn` methods): the samples taken and how far the learned curves moved."""
+    shadow, learned = engine.shadow, engine.planner.learned
+    if shadow is None or learned is None:
+        return
+    st = shadow.stats
+    yield CounterMetricFamily("cachesmith_shadow_sampled", "Served requests kept for shadow evaluation",
+                              value=st.num_sampled)
+    yield CounterMetricFamily("cachesmith_shadow_dropped", "Sampled requests dropped: too many waited",
+                              value=st.num_dropped)
+    yield CounterMetricFamily("cachesmith_shadow_samples", "Shadow samples measured to the end and learned from",
+                              value=st.num_samples)
+    yield CounterMetricFamily("cachesmith_shadow_seconds", "Idle time spent on shadow work", value=st.seconds)
+    yield GaugeMetricFamily("cachesmith_shadow_max_unit_seconds", "The longest shadow unit: the most a request "
+                            "arriving during one waited for it", value=st.max_unit_s)
+    yield GaugeMetricFamily("cachesmith_learned_demand_shift", "Largest move of a learned demand curve from "
+                            "the profile's (pass probability)", value=learned.shift())

@@ -19,7 +19,9 @@ def batch(contexts=(1024, 1024), entropy=0.3, suffix=32):
 
 @pytest.fixture(scope="module")
 def planner():
-    return Planner(make_profile())
+    # the passes rule: these tests follow the signal the synthetic demand favours (qci) through the
+    # band; the robust rule's margin is tested in test_signal_choice.py
+    return Planner(make_profile(), PlannerConfig(signal_rule="passes"))
 
 
 @pytest.mark.parametrize("signal", ["kv_dev", "qci", "qci_last", "fused", "position"])

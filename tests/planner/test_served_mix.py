@@ -100,6 +100,8 @@ def test_bad_config_names_the_field(field, value, words):
 
 
 def planner(**config) -> Planner:
+    """The passes rule: the robust one would hold to KV deviation, which "hard" favours."""
+    config.setdefault("signal_rule", "passes")
     return Planner(replace(make_profile(), demand=two_task_demand()), PlannerConfig(**config))
 
 
@@ -139,5 +141,5 @@ def test_one_version_of_the_mix_keeps_every_envelope_it_built():
     assert all(p._mix_envelopes[k] is v for k, v in built.items()) and p._mix_envelopes.keys() == built.keys()
     p.observe_verdict("qci", 5, 1, 0.2, False)
     p.plan(reqs, budget)  # the weights moved: the envelopes are the new mix's
-    assert p._mix_version == p.served_mix.version > 0
+    assert p._mix_version == ("ServedMix", p.served_mix.version) and p.served_mix.version > 0
     assert all(p._mix_envelopes[k] is not v for k, v in built.items() if k in p._mix_envelopes)

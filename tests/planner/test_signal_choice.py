@@ -1,15 +1,18 @@
-"""The planner's signal choice (most expected passes; the entropy rule as an ablation) and the
+"""The planner's signal choice (KV deviation unless another signal is better under every known
+demand by its sampling error; the most expected passes and the entropy rule as ablations) and the
 task hint (a batch naming one profiled task plans with that task's demand)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cachesmith.errors import ConfigError
 from cachesmith.planner import Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.demand import DemandModel
-from cachesmith.planner.profile import ProfileError
+from cachesmith.planner.profile import NEVER, DemandCurve, ProfileError
+from cachesmith.planner.signal_choice import Evidence, beats, margin
 from tests.planner.synthetic_profile import demand_curve, make_profile
 
 DEPTHS = (2, 6, 15)
@@ -96,3 +99,43 @@ def test_cacheblends_family_is_a_candidate_where_its_demand_was_measured():
     assert with_shallow.signal_depths("kv_dev")[0] == 1 and 1 not in with_shallow.signal_depths("qci")
     without = planner_with(curves(0.4, 0.6)).plan(reqs, budget)  # never measured: never planned
     assert without.probe >= 1 and without.expected_passes < plan.expected_passes
+
+
+def test_a_challenger_must_clear_the_sampling_error_of_the_demand():
+    default, challenger = object(), object()
+    probs = {id(default): np.full(4, 0.40), id(challenger): np.full(4, 0.50)}  # +0.4 expected passes
+
+    def ev(n):
+        return Evidence(None, n, lambda plan: probs[id(plan)])
+    assert margin(probs[id(default)], probs[id(challenger)], 400) == pytest.approx(4 * np.sqrt(0.49 / 400))
+    assert beats(challenger, default, [ev(400)], z=1.0)  # margin 0.14: cleared
+    assert not beats(challenger, default, [ev(20)], z=1.0)  # margin 0.63: within the noise
+    assert beats(challenger, default, [ev(20)], z=0.0)  # without the margin, the passes rule's answer
+    assert not beats(default, challenger, [ev(400)], z=0.0)
+
+
+def test_kv_deviation_holds_unless_every_known_task_prefers_the_challenger():
+    mix_favours_qci = curves(0.6, 0.1)
+    split = mix_favours_qci + curves(0.6, 0.1, task="pr") + curves(0.1, 0.6, task="vt")  # vt disagrees
+    robust, passes = planner_with(split), planner_with(split, signal_rule="passes")
+    reqs = requests(0.5)
+    budget = mid_budget(robust, reqs)
+    assert passes.plan(reqs, budget).signal == "qci"  # the mix alone says qci
+    assert robust.plan(reqs, budget).signal == "kv_dev"  # vt's curves say the mix may be wrong
+    agree = planner_with(mix_favours_qci + curves(0.6, 0.1, task="pr") + curves(0.5, 0.1, task="vt"))
+    assert agree.plan(reqs, budget).signal == "qci"  # every demand it knows says qci, by far
+    hinted = planner_with(split, use_task_hint=True).plan(requests(0.5, "pr"), budget)
+    assert (hinted.signal, hinted.task) == ("qci", "pr")  # a hinted batch answers to its task only
+
+
+def test_a_small_profile_keeps_kv_deviation_on_a_small_gain():
+    def flat(signal: str, share: float, num: int):  # `share` of the requests pass from 5% on
+        passing = round(share * num)
+        return tuple(DemandCurve(signal, d, (0.05,) * passing + (NEVER,) * (num - passing)) for d in DEPTHS)
+    reqs = requests(0.5)
+    for num, want in ((8, "kv_dev"), (400, "qci")):  # margin 2 sqrt(0.49 / n): 0.49 at 8, 0.07 at 400
+        demand = flat("kv_dev", 0.40, num) + flat("qci", 0.50, num)  # qci: +0.2 expected passes
+        robust, passes = planner_with(demand), planner_with(demand, signal_rule="passes")
+        budget = mid_budget(robust, reqs)
+        assert passes.plan(reqs, budget).signal == "qci"
+        assert robust.plan(reqs, budget).signal == want, num

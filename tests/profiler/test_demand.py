@@ -23,13 +23,17 @@ class FakeProfiler(DemandProfiler):
         self.gate, self._gate = gate, make_gate(gate)
         self.curve, self.calls, self.rounds = curve, [], []
 
-    def measure(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
-        self.rounds.append([tag for _, tag in trials])
-        self.calls += [plan.coverage for plan, _ in trials]
+    def measure_many(self, batch) -> list[list[dict]]:
+        self.rounds.append([tag for _, trials in batch for _, tag in trials])
+        self.calls += [plan.coverage for _, trials in batch for plan, _ in trials]
+        return [self._records(inst, trials) for inst, trials in batch]
+
+    def _records(self, inst, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
+        curve = self.curve if inst is None or not isinstance(inst, int) else (lambda r, tag: self.curve(r, tag, inst))
         if self.gate == "task":
-            return [{"passed": self.curve(plan.coverage, tag)} for plan, tag in trials]
+            return [{"passed": curve(plan.coverage, tag)} for plan, tag in trials]
         # fidelity: the curve gives the answer text; the task verdict says nothing (no gold)
-        return [{"passed": False, "text": self.curve(plan.coverage, tag)} for plan, tag in trials]
+        return [{"passed": False, "text": curve(plan.coverage, tag)} for plan, tag in trials]
 
 
 @pytest.mark.parametrize("curve, interval", [
@@ -94,3 +98,36 @@ def test_the_fidelity_gate_profiles_requests_without_gold():
     assert same.pass_intervals(inst, [("qci", 2)])[("qci", 2)] == pytest.approx((0.0, NEVER))  # same canonical form
     with pytest.raises(InputError, match="gate='exact'"):
         DemandProfiler(None, Path("unused.jsonl"), gate="exact")
+
+
+@pytest.mark.parametrize("threshold, want, num_calls", [
+    (0.35, 0.35, None),  # below the cap: found as before
+    (0.5, 0.5, None),
+    (0.55, 1.0, 2),  # above it: recorded at full prefill's after two trials (0% and the cap)
+    (0.9, 1.0, 2),
+])
+def test_a_capped_search_records_flips_above_the_cap_at_full_prefill(threshold, want, num_calls):
+    m = FakeProfiler(lambda r, _: r >= threshold - 1e-9)
+    m.max_coverage = 0.5
+    assert m.flips(None, [("kv_dev", 6)], high=True) == {("kv_dev", 6): (False, want)}
+    assert max(m.calls) <= 0.5 + 1e-9  # nothing above the cap is ever measured
+    if num_calls is not None:
+        assert len(m.calls) == num_calls
+    uncapped = FakeProfiler(lambda r, _: r >= threshold - 1e-9)
+    assert uncapped.flips(None, [("kv_dev", 6)], high=True)[("kv_dev", 6)] == (False, threshold)
+    with pytest.raises(InputError, match="max_coverage=0.33"):
+        DemandProfiler(None, Path("unused.jsonl"), max_coverage=0.33)
+
+
+def test_several_requests_run_in_lockstep_and_keep_their_own_answers():
+    thresholds = {0: 0.1, 1: 0.45, 2: 0.8}  # request index -> its flip
+    m = FakeProfiler(lambda r, _, inst: r >= thresholds[inst] - 1e-9)
+    found = m.flips_many([0, 1, 2], [("qci", 6)], [True, True, True])
+    assert [f[("qci", 6)] for f in found] == [(False, 0.1), (False, 0.45), (False, 0.8)]
+    assert m.rounds[0] == ["qci/6/0"] * 3  # one round holds every request's step
+    alone = []
+    for t in thresholds.values():
+        single = FakeProfiler(lambda r, _: r >= t - 1e-9)
+        single.flips(None, [("qci", 6)], high=True)
+        alone.append(len(single.rounds))
+    assert len(m.rounds) == max(alone) and sum(map(len, m.rounds)) == sum(alone)  # the longest search's rounds

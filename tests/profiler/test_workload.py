@@ -48,8 +48,9 @@ def known_demand(monkeypatch):
     """DemandProfiler.run replaced: the curves above, and the gate and requests it was given."""
     seen = {}
 
-    def run(self, instances, show_progress=True):
-        seen.update(gate=self.gate, num=len(instances), cache=self.cache_path)
+    def run(self, instances, show_progress=True, fixed_families=()):
+        seen.update(gate=self.gate, num=len(instances), cache=self.cache_path, families=fixed_families,
+                    max_coverage=self.max_coverage)
         return CURVES, 0.42, [0.5] * len(instances)
 
     monkeypatch.setattr(workload_mod.DemandProfiler, "__post_init__", lambda self: None)
@@ -94,7 +95,11 @@ def test_serving_lays_the_workload_demand_over_the_profile(tmp_path, monkeypatch
     assert find_profile(pipe)[0].demand == Profile.load(SHIPPED).demand  # nothing profiled yet
     run_workload_demand(pipe, _write(tmp_path / "w.jsonl", [_line(0)]), workload_path(own), show_progress=False)
     profile, source = find_profile(pipe)
-    assert source == "packaged" and profile.demand == CURVES and profile.entropy_threshold == 0.42
+    shipped = Profile.load(SHIPPED).demand
+    ablation = tuple(c for c in shipped if c.signal not in ("kv_dev", "qci") and c.task is None)
+    assert {c.signal for c in ablation} >= {"fused", "qci_last"}
+    assert source == "packaged" and profile.demand == CURVES + ablation and profile.entropy_threshold == 0.42
+    assert known_demand["families"] == ("qci_last",) and known_demand["max_coverage"] == 0.5
     assert profile.layer_costs == Profile.load(SHIPPED).layer_costs  # costs stay the machine's
     with caplog.at_level(logging.WARNING):
         other = find_profile(_pipe(fingerprint="3" * 32))[0]

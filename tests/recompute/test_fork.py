@@ -7,6 +7,7 @@ import torch
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Decoder
 from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
+from cachesmith.recompute.runner import PatchFork
 from tests.recompute.helpers import make_request
 
 PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.3),
@@ -71,3 +72,35 @@ def test_fork_refuses_plans_without_patch_and_bad_coverages(model):
         fork.run([0.2])
     with pytest.raises(ConfigError, match=r"coverages\[1\]=1.5"):
         fork.run([0.2, 1.5])
+
+
+def test_forks_sharing_one_warmup_walk_equal_separate_runs(model):
+    """`fork_many` walks WarmUp once (depths 0, 1 and 2 here) and branches each plan off it."""
+    runner = BatchRunner(model)
+    forks = runner.fork_many(_requests(model), PLANS)
+    for coverages in COVERAGES[:2]:
+        for plan, fork in zip(PLANS, forks):
+            reqs = _requests(model)
+            for req, c in zip(reqs, coverages):
+                req.coverage = c
+            for g, w in zip(fork.run(coverages), runner.run(reqs, plan)):
+                _assert_same(g, w, model)
+
+
+@pytest.mark.parametrize("plan", PLANS[:4], ids=lambda p: p.label())
+def test_forks_patched_together_equal_each_alone(model, plan):
+    """Two requests' forks in one Patch batch: the same selections, and logits and caches equal to
+    each patched alone up to the float rounding of a larger matrix product."""
+    runner = BatchRunner(model)
+    a, b = (runner.fork([r], plan) for r in _requests(model))
+    together = PatchFork.run_together([a, b, a], [[0.3], [0.6], [0.9]])
+    for got, (fork, c) in zip(together, [(a, 0.3), (b, 0.6), (a, 0.9)]):
+        want = fork.run([c])[0]
+        assert torch.equal(got[0].selected, want.selected)
+        assert torch.allclose(got[0].logits, want.logits, atol=1e-4)
+        for layer in range(model.num_layers):
+            for x, y in zip(got[0].cache.view(layer), want.cache.view(layer)):
+                assert torch.allclose(x, y, atol=1e-4), f"layer {layer}"
+    other = RecomputeConfig(Signal.QCI, 1 if a.ranked.patch_start == 2 else 2, 1, 0.3)  # another first Patch layer
+    with pytest.raises(ConfigError, match="one first Patch layer"):
+        PatchFork.run_together([a, runner.fork(_requests(model)[:1], other)], [[0.3], [0.3]])

@@ -51,7 +51,11 @@ def test_a_verdict_teaches_a_learning_server_once(tiny_chat_dir):
                 time.sleep(0.05)
             assert mix.num_observed == 1
             assert feedback_counts(c) == {"passed": 1.0, "failed": 1.0}
-            assert "cachesmith_served_mix_weight" in c.get("/metrics").text
+            text = c.get("/metrics").text
+            assert "cachesmith_served_mix_weight" in text
+            # shadow calibration is metered: requests offered at 2%, the learned curves' move from the profile
+            assert "cachesmith_shadow_sampled_total" in text and "cachesmith_shadow_samples_total" in text
+            assert "cachesmith_learned_demand_shift" in text
     finally:
         srv.stop()
 
@@ -64,6 +68,7 @@ def test_a_server_that_does_not_learn_takes_the_verdict_without_learning(server_
         assert r.status_code == 200 and r.json()["learned"] is False
         assert feedback_counts(c) == {"passed": 1.0, "failed": 0.0}
         assert "cachesmith_served_mix_weight" not in c.get("/metrics").text
+        assert "cachesmith_shadow_samples_total" not in c.get("/metrics").text
 
 
 def test_unknown_ids_and_bad_bodies_name_their_field(server_for):
