@@ -15,6 +15,7 @@ writes `{"rows": [{"family", "trace", "arm", "method", "qsa", "mean_coverage"}],
 so a stopped run resumes.
 
     python benchmarks/held_out_protocol.py --num-requests 24 --cache /tmp/held-out
+    python benchmarks/held_out_protocol.py --families kv describe --cache /tmp/held-out  # outside_workload.py's
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def cpu_busy(window_s: float = 0.5) -> float | None:
     b = _machine()
     if b is None or b[1] == a[1]:
         return None
-    return (b[0] - a[0]) / (b[1] - a[1])
+    # clamped: the kernel's iowait counter may step backwards, pushing the raw ratio past 1
+    return min(1.0, max(0.0, (b[0] - a[0]) / (b[1] - a[1])))
 
 
 @dataclass(frozen=True)

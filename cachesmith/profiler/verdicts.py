@@ -59,12 +59,11 @@ class Verdicts:
         missing = [(inst, d, plan, tag) for (inst, trials), d in zip(batch, digests) for plan, tag in trials
                    if f"{d}/{tag}" not in self.cache]
         if missing:
-            self._measure(list({(d, tag): m for m in missing for d, tag in [(m[1], m[3])]}.values()))
+            self._measure(list({(m[1], m[3]): m for m in missing}.values()))  # a trial asked twice runs once
         return [[self.cache[f"{d}/{tag}"] for _, tag in trials] for (_, trials), d in zip(batch, digests)]
 
     def _measure(self, trials: list[tuple[WorkloadInstance, str, RecomputeConfig, str]]) -> None:
-        requests = {digest: self._requests.get(digest) or self._request(inst, min(inst.max_new_tokens, self.max_new_tokens))
-                    for inst, digest, _, _ in trials}
+        requests = {digest: self._requests.get(digest) or self._request(inst) for inst, digest, _, _ in trials}
         self._requests.update(requests)  # the chunks stay in hand while the instance's forks do
         self._fork_missing(trials, requests)
         outputs = self._prefill_all(trials, requests)
@@ -91,11 +90,11 @@ class Verdicts:
         for key in [k for k in self.cache if k.startswith(f"{digest}/")]:
             del self.cache[key]
 
-    def _request(self, inst: WorkloadInstance, max_new: int) -> RecomputeRequest:
+    def _request(self, inst: WorkloadInstance) -> RecomputeRequest:
         parts = self.pipe.instance_prompt(inst)
         return RecomputeRequest([self.pipe.chunk(ids) for ids in parts.chunk_ids], parts.suffix_ids,
                                 self.pipe.chunk(parts.prefix_ids) if parts.prefix_ids else None,
-                                extra_capacity=max_new)
+                                extra_capacity=min(inst.max_new_tokens, self.max_new_tokens))
 
     def _fork_missing(self, trials, requests: dict[str, RecomputeRequest]) -> None:
         """Every fork this call's trials need and lack, per instance in one `fork_many` (their
