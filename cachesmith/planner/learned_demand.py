@@ -42,7 +42,10 @@ class LearnedDemand:
         self.prior = prior
         self.config = config = config or LearnedDemandConfig()
         # (signal, anchor depth, passes [21], known [21]) per sample or verdict, latest last
-        self._points: deque[tuple[str, int, np.ndarray, np.ndarray]] = deque(maxlen=config.max_samples)
+        self._points: deque[tuple[str, int, np.ndarray, np.ndarray]] = deque()
+        # per (signal, anchor): the window's passes and knowns summed [21] each, kept as points come
+        # and go, so pricing a plan reads two arrays whatever the window holds
+        self._sums: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self.num_samples = 0  # shadow samples taken in (each adds one point per measured curve)
         self.num_verdicts = 0
         self.version = 0  # bumped at every change: the planner's cached envelopes follow it
@@ -60,7 +63,7 @@ class LearnedDemand:
             if signal not in self.prior.signals:
                 continue
             passes = (COVERAGE_GRID + 1e-9 >= start) & (COVERAGE_GRID + 1e-9 < until)
-            self._points.append((signal, self._anchor(signal, depth), passes, known))
+            self._add((signal, self._anchor(signal, depth), passes, known))
         self.num_samples += 1
         self.version += 1
 
@@ -70,9 +73,21 @@ class LearnedDemand:
             return
         known = COVERAGE_GRID + 1e-9 >= coverage if passed else COVERAGE_GRID <= coverage + 1e-9
         passes = known if passed else np.zeros(len(COVERAGE_GRID), bool)
-        self._points.append((signal, self._anchor(signal, rank_depth), passes, known))
+        self._add((signal, self._anchor(signal, rank_depth), passes, known))
         self.num_verdicts += 1
         self.version += 1
+
+    def _add(self, point: tuple[str, int, np.ndarray, np.ndarray]) -> None:
+        self._points.append(point)
+        self._count(point, 1)
+        if len(self._points) > self.config.max_samples:
+            self._count(self._points.popleft(), -1)
+
+    def _count(self, point: tuple[str, int, np.ndarray, np.ndarray], sign: int) -> None:
+        signal, anchor, passes, known = point
+        zero = np.zeros(len(COVERAGE_GRID))
+        passed, weight = self._sums.get((signal, anchor), (zero, zero))
+        self._sums[(signal, anchor)] = (passed + sign * (passes & known), weight + sign * known)
 
     def _anchor(self, signal: str, depth: int) -> int:
         anchors = self.prior.anchors(signal)
@@ -81,12 +96,9 @@ class LearnedDemand:
     def anchor_cdf(self, signal: str, anchor: int) -> np.ndarray:
         """The pooled pass probability at one anchor depth [21]."""
         w = self.config.prior_weight
-        passed, weight = w * self.prior.cdf(signal, anchor), np.full(len(COVERAGE_GRID), w)
-        for s, a, passes, known in self._points:
-            if (s, a) == (signal, anchor):
-                passed = passed + (passes & known)
-                weight = weight + known
-        return passed / weight
+        zero = np.zeros(len(COVERAGE_GRID))
+        passed, weight = self._sums.get((signal, anchor), (zero, zero))
+        return (w * self.prior.cdf(signal, anchor) + passed) / (w + weight)
 
     def cdf(self, signal: str, rank_depth: float) -> np.ndarray:
         """Pass probability on the grid at `rank_depth`, linear between anchors, clamped outside."""

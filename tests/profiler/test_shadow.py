@@ -119,3 +119,14 @@ def test_a_learning_planner_takes_the_signal_its_samples_favour():
                                 **{("kv_dev", d): (0.05, NEVER) for d in (2, 6, 15)}})
     assert planner.learned.is_active and planner.plan(reqs, budget).signal == "kv_dev"
     assert Planner(profile).plan(reqs, budget).signal == "qci"  # a planner that does not learn stays
+
+
+def test_the_window_forgets_its_oldest_samples():
+    prior = two_signal_prior()
+    learned = LearnedDemand(prior, LearnedDemandConfig(prior_weight=10, max_samples=5))
+    for _ in range(5):
+        learned.observe_sample({("qci", 6): (NEVER, NEVER)})  # an old workload: qci never passes
+    for _ in range(5):
+        learned.observe_sample({("qci", 6): (0.05, NEVER)})  # the current one: from 5%
+    want = (10 * prior.cdf("qci", 6) + 5 * (COVERAGE_GRID >= 0.05 - 1e-9)) / 15
+    assert np.allclose(learned.anchor_cdf("qci", 6), want)  # only the latest five count
