@@ -1,21 +1,24 @@
-"""Helpers shared by the benchmarks: timing, medians, tables and JSON output."""
+"""Helpers shared by the benchmarks: timing, medians, tables and JSON output (with its provenance)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-
 
 import torch
 
 from cachesmith.planner import Profile, ProfileError
 from cachesmith.profiler.synthetic import random_request
 
-__all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "random_request", "timed"]
+__all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "provenance", "random_request", "timed"]
 
 MEASURED = "smollm2-135m-float32-cpu.json"  # what `cachesmith profile` writes for the packaged model
 
@@ -54,8 +57,44 @@ def print_table(rows: list[dict], columns: list[str], file=sys.stdout) -> None:
         print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(columns, widths)), file=file)
 
 
+def _commit() -> str:
+    """The commit measured, with "+changes" when the working tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return f"{platform.machine()}, {os.cpu_count()} cores"
+
+
+PROVENANCE: dict[str, Callable[[], str]] = {
+    "command": lambda: " ".join(sys.argv),
+    "commit": _commit,
+    "date": lambda: datetime.now(UTC).isoformat(timespec="seconds"),
+    "machine": lambda: f"{_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+}
+
+
+def provenance(payload: dict) -> dict:
+    """`payload` with what produced it added where it lacks the key: `command` (this process's
+    argv), `commit` (short HEAD, "+changes" when tracked files differ, "unknown" without git),
+    `date` (UTC, ISO) and `machine` (CPU model and cores, torch version and threads)."""
+    return {**payload, **{k: make() for k, make in PROVENANCE.items() if k not in payload}}
+
+
 def emit(payload, as_json: bool, out: str | None, table: Callable[[], None]) -> None:
-    """--json prints only JSON on stdout; otherwise a table. --out always writes the JSON file."""
+    """--json prints only JSON on stdout; otherwise a table. --out always writes the JSON file. A
+    dict payload gets its provenance (`provenance`) in both."""
+    if isinstance(payload, dict):
+        payload = provenance(payload)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(payload, indent=1))

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
+from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.bench.outcomes import OutcomeTable  # noqa: E402
 from cachesmith.bench.pace import fit_paces, trace_batches  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
@@ -56,7 +57,7 @@ def replayed_instances(table: OutcomeTable, workload: Path) -> OutcomeTable:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--replays", type=Path, default=Path("docs/bench/sim_validation"))
+    ap.add_argument("--replays", type=Path, default=cachesmith_home() / "sim_validation")
     ap.add_argument("--table", type=Path, default=Path("docs/results/outcomes-smollm2-135m-float32-cpu.json"))
     ap.add_argument("--profile", type=Path, default=PACKAGED_DIR / "smollm2-135m-float32-cpu.json")
     ap.add_argument("--json", action="store_true")

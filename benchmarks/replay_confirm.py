@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
+from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--settings", default=None,
                     help="only these settings, e.g. 'poisson-u0.7,gamma-cv3-u0.7' (default: all three)")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/replay_confirm"), help="replay runs (cached)")
+    ap.add_argument("--out", type=Path, default=cachesmith_home() / "replay_confirm", help="replay runs (cached)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--pool", type=Path, nargs="+", default=None, help="summarize these payloads together")

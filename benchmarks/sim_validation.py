@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
+from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
 from cachesmith.bench.pace import fit_machine, measure_paces, residuals, trace_batches  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--seeds", default=SEEDS, help="trace seeds per setting (comma-separated)")
     ap.add_argument("--table", type=Path, default=None,
                     help="outcome table (default: the measured one, else the committed docs/results one)")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/sim_validation"), help="replay runs (cached)")
+    ap.add_argument("--out", type=Path, default=cachesmith_home() / "sim_validation", help="replay runs (cached)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args()

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import emit, print_table  # noqa: E402
+from common import _commit, _cpu, emit, print_table  # noqa: E402
 from outside_workload import outside_requests  # noqa: E402
 
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
@@ -44,24 +41,6 @@ def label_free_file(path: Path, num_requests: int, seed: int) -> Path:
     lines = outside_requests(load_corpus(), num_requests, seed)
     path.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "gold"}) + "\n" for line in lines))
     return path
-
-
-def _commit() -> str:
-    """The commit measured, with "+changes" when the working tree differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              check=True).stdout.strip()
-    try:
-        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return f"{platform.machine()}, {os.cpu_count()} cores"
 
 
 def agreement(first, other, max_coverage: float) -> str:

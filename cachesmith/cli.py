@@ -2,7 +2,7 @@
 
   cachesmith models fetch|list|path NAME
   cachesmith demo [--dtype bfloat16]
-  cachesmith ask --doc FILE ... --question TEXT [--method cacheblend --coverage 0.15]
+  cachesmith ask --doc FILE ... --question TEXT [--method cachesmith --slo-ms 5000 | cacheblend@0.15 | ...]
   cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
   cachesmith profile [--num-requests 200]      (offline, resumable; --costs-only keeps the packaged demand)
   cachesmith serve [--host 127.0.0.1 --port 8000 --api-key-file F --max-queue 64]
@@ -16,11 +16,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cachesmith import cli_eval
 from cachesmith.errors import CachesmithError
+
+if TYPE_CHECKING:
+    from cachesmith.methods import Method
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -47,8 +52,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from cachesmith.pipeline import RagPipeline
-    from cachesmith.recompute import preset
+    from cachesmith.pipeline import DEFAULT_SLO_S, RagPipeline
 
     docs = []
     for path in args.doc:
@@ -56,13 +60,50 @@ def _ask(args: argparse.Namespace) -> int:
             docs.append(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
             raise CachesmithError(f"--doc {path}: cannot be read as UTF-8 text ({exc})") from exc
-    pipe = RagPipeline(args.model, args.device, args.dtype)
-    plan = preset(args.method, args.coverage, pipe.model.num_layers)
-    ans = pipe.answer(docs, args.question, plan, args.max_new_tokens)
+    method = _ask_method(args)  # checked before the model loads
+    pipe = RagPipeline(args.model, args.device, args.dtype, profile_path=args.profile)
+    if method is not None:
+        ans = pipe.answer(docs, args.question, method.plan(pipe.model.num_layers), args.max_new_tokens)
+        label = ans.plan
+    else:
+        slo_s = DEFAULT_SLO_S if args.slo_ms is None else args.slo_ms / 1e3
+        print(f"profile: {pipe.one_planner().source}", file=sys.stderr, flush=True)
+        ans = pipe.answer(docs, args.question, None, args.max_new_tokens, slo_s=slo_s)
+        label = f"cachesmith {ans.plan} for SLO {slo_s * 1e3:.0f} ms, planned {ans.planned_s:.3f} s"
     print(ans.text)
-    print(f"[{ans.plan}: recomputed {ans.num_recomputed}/{ans.num_context_tokens} context tokens, "
+    print(f"[{label}: recomputed {ans.num_recomputed}/{ans.num_context_tokens} context tokens, "
           f"TTFT {ans.ttft_s:.3f} s]", file=sys.stderr)
     return 0
+
+
+def _ask_method(args: argparse.Namespace) -> Method | None:
+    """The fixed plan's `Method`, or None: the planner chooses (`cachesmith`). A bare preset name
+    takes --coverage (the older spelling); other names are `methods.parse_method`'s."""
+    from cachesmith.methods import Method, parse_method
+    from cachesmith.recompute import PRESET_NAMES
+    from cachesmith.recompute.config import check_coverage
+
+    if args.method in PRESET_NAMES:
+        check_coverage(args.coverage, "--coverage")
+        method = Method(args.method, args.method, args.coverage, scheduling="fcfs")
+    else:
+        method = parse_method(args.method)
+        if method.name == "cachesmith":
+            _check_slo_ms(args.slo_ms)
+            return None
+        if not method.is_static or method.is_queue_aware:
+            raise CachesmithError(f"--method {args.method!r}: ask answers one request alone; use cachesmith "
+                                  f"(the planner), full_prefill, full_reuse or <preset>@<coverage> "
+                                  f"(e.g. cacheblend@0.15)")
+    for flag, value in (("--slo-ms", args.slo_ms), ("--profile", args.profile)):
+        if value is not None:
+            raise CachesmithError(f"{flag} applies to --method cachesmith only ({args.method} is a fixed plan)")
+    return method
+
+
+def _check_slo_ms(slo_ms: float | None) -> None:
+    if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):
+        raise CachesmithError(f"--slo-ms {slo_ms}: must be a positive, finite number of milliseconds")
 
 
 def _store(args: argparse.Namespace):
@@ -234,7 +275,8 @@ def _serve(args: argparse.Namespace) -> int:
             api_key = args.api_key_file.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise CachesmithError(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") from exc
-    server = ServerConfig(args.host, args.port, api_key, args.max_body_bytes, args.drain_timeout)
+    server = ServerConfig(args.host, args.port, api_key, args.max_body_bytes, args.drain_timeout,
+                          is_strict=args.strict)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
     config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
                            StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url),
@@ -270,6 +312,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--kv-capacity", type=int, default=65_536, help="tokens of KV resident at once")
     serve.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain on shutdown")
+    serve.add_argument("--strict", action="store_true",
+                       help="refuse unknown fields in completion bodies (default: accept, log and name them "
+                            "in the x-cachesmith-ignored-fields response header)")
     serve.add_argument("--serial-decode", action="store_true",
                        help="decode between batches on the prefill thread instead of beside it")
     serve.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
@@ -284,7 +329,7 @@ def _add_bench_parser(sub) -> None:
     _add_store_args(bench)
     bench.add_argument("--task", choices=[*TASKS, "mix"], default="mix")
     bench.add_argument("--variant", default=None)
-    bench.add_argument("--workload", default=None, help="JSONL workload file (README \"Workload files\")")
+    bench.add_argument("--workload", default=None, help="JSONL workload file (docs/workloads.md, \"Workload files\")")
     bench.add_argument("--num-requests", type=int, default=40)
     bench.add_argument("--pattern", choices=["poisson", "gamma"], default="poisson")
     bench.add_argument("--utilization", type=float, default=0.7, help="arrival rate x mean full-prefill TTFT")
@@ -377,8 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(ask)
     ask.add_argument("--doc", action="append", required=True, help="a UTF-8 text file (repeatable)")
     ask.add_argument("--question", required=True)
-    ask.add_argument("--method", default="cacheblend", choices=PRESET_NAMES)
-    ask.add_argument("--coverage", type=float, default=0.15)
+    ask.add_argument("--method", default="cachesmith",
+                     help="cachesmith (the planner chooses the plan under --slo-ms; default), full_prefill, "
+                          "full_reuse, <preset>@<coverage> (e.g. cacheblend@0.15), or a preset name of "
+                          f"{', '.join(PRESET_NAMES)} with --coverage")
+    ask.add_argument("--coverage", type=float, default=0.15, help="with a bare preset name")
+    ask.add_argument("--slo-ms", type=float, default=None,
+                     help="with cachesmith: the TTFT budget the planner plans for (default 5000, the server's)")
+    ask.add_argument("--profile", type=Path, default=None,
+                     help="with cachesmith: the planner's profile (default: measured, else the packaged one)")
     ask.add_argument("--max-new-tokens", type=int, default=48)
     ask.set_defaults(func=_ask)
     pre = sub.add_parser("precompute", help="store the KV of every passage of a JSONL corpus")
@@ -397,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="profiling requests for demand (default: 200 of the task; all of a --workload file)")
     prof.add_argument("--task", default="mix", help="built-in task (or mix, the served mix) whose demand to measure")
     prof.add_argument("--workload", type=Path, default=None,
-                      help="measure demand on this JSONL workload file (README \"Workload files\") instead; "
+                      help="measure demand on this JSONL workload file (docs/workloads.md, \"Workload files\") instead; "
                            "written beside the profile and used by serve, bench and ask")
     prof.add_argument("--gate", choices=["task", "fidelity"], default=None,
                       help="with --workload: task (needs gold) or fidelity (answer equals full prefill's; "

@@ -162,8 +162,10 @@ class Engine:
         outputs = self.executor.decode(pre.batch, pre.run, on_token)
         return [self.result(pre, adm, out) for adm, out in zip(pre.batch, outputs)]
 
-    def result(self, pre: "PrefilledBatch", adm: Admitted, out: RequestOutput) -> RequestResult:
-        """One request's result from its decoded output (gated)."""
+    def result(self, pre: "PrefilledBatch", adm: Admitted, out: RequestOutput,
+               token_times_s: tuple[float, ...] = ()) -> RequestResult:
+        """One request's result from its decoded output (gated); `token_times_s`: when each of its
+        tokens was produced, where the caller timed them (the live loop)."""
         req, inst = adm.request, adm.request.instance
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
         self._hear_verdict(req.request_id, pre.run.plan, out, passed)
@@ -177,7 +179,7 @@ class Engine:
             num_cached_prefix=out.num_cached_prefix, reused_by_chunk=out.reused_by_chunk,
             logprobs=out.logprobs, output_token_ids=out.token_ids,
             planned_s=pre.run.plan.predicted_ttft_s if pre.run.plan is not None else None,
-            num_replans=pre.run.num_monitor_replans)
+            num_replans=pre.run.num_monitor_replans, token_times_s=token_times_s)
 
     @property
     def is_learning(self) -> bool:

@@ -12,7 +12,8 @@ then waits for room before its next batch (memory stays bounded). `is_decode_ove
 decodes each batch whole on the prefill thread instead. Admissions (tokenizing, prefilling missing chunk KV) run in the caller's
 thread, one at a time, so they never hold up scheduling. A queue limit answers `QueueFull` with a
 retry-after estimate; `cancel` drops a request still queued; `close()` stops admissions and drains
-what is queued. A batch that raises turns into per-request errors; the loop keeps serving.
+what is queued. A batch that raises turns into per-request errors; the loop keeps serving. Served
+results carry each token's clock time (for end-to-end and inter-token latency).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import logging
 import math
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -65,6 +67,8 @@ class EngineLoop:
         self._decoding = Decoding(engine.pipeline.model)  # the decode thread's sequences
         self._handed: list[Generation] = []  # started on the prefill thread, not yet joined
         self._num_decoding = 0  # handed + active, read by the prefill thread for room
+        self._num_in_batch = 0  # the batch the prefill thread holds (prefilling, or decoding it whole)
+        self._token_times: defaultdict[int, list[float]] = defaultdict(list)  # per request, its tokens' times
         self._is_prefilling = False
         self._is_prefill_done = False
         # hears "prefill <num decoding>", "prefilled" and "step <num sequences>" as they happen, under
@@ -79,6 +83,13 @@ class EngineLoop:
     def queue_depth(self) -> int:
         with self._cond:
             return self.engine.queue_depth + self._num_admitting
+
+    @property
+    def num_running(self) -> int:
+        """Requests out of the queue and not yet answered: in the batch being prefilled (or decoded
+        whole) and those decoding."""
+        with self._cond:
+            return self._num_in_batch + self._num_decoding
 
     def retry_after_s(self) -> float:
         """Time for the queue ahead to drain, from the mean batch time so far (1 s before any)."""
@@ -144,6 +155,7 @@ class EngineLoop:
                         return
                     decided = self.engine.next_decision()
                     self._is_prefilling = decided is not None
+                    self._num_in_batch = 0 if decided is None else len(decided[1])
                     if decided is not None:
                         self._note(f"prefill {self._num_decoding}")
             if is_shadow:
@@ -181,6 +193,7 @@ class EngineLoop:
                            for a in batch])
             with self._cond:
                 self._is_prefilling = False
+                self._num_in_batch = 0
                 self._note("prefilled")
                 self._cond.notify_all()
             return
@@ -192,9 +205,12 @@ class EngineLoop:
             if self.is_decode_overlapped:
                 self._handed += gens
                 self._num_decoding += len(gens)
+                self._num_in_batch = 0  # counted as decoding from here
                 self._cond.notify_all()
         if not self.is_decode_overlapped:
             self._finish_whole(prefilled, gens)
+            with self._cond:
+                self._num_in_batch = 0
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request still waiting in the queue (a client that went away): its future resolves
@@ -248,12 +264,13 @@ class EngineLoop:
         for gen in gens:
             prefilled, index = gen.tag
             adm = prefilled.batch[index]
+            times = tuple(self._token_times.pop(adm.request.request_id, ()))
             if gen.error is not None:
                 prefilled.run.outs[index].cache.release()
                 results.append(RequestResult.failed(adm.request, gen.error))
                 continue
             out = self.engine.executor.output(adm, prefilled.run, index, gen)
-            results.append(self.engine.result(prefilled, adm, out))
+            results.append(self.engine.result(prefilled, adm, out, times))
         return results
 
     def _finish_whole(self, prefilled: PrefilledBatch, gens: list[Generation]) -> None:
@@ -274,6 +291,8 @@ class EngineLoop:
             self.trace(event)
 
     def _emit(self, request_id: int, index: int, token_id: int) -> None:
+        # one clock read and append per token: end-to-end latency and the gaps between tokens
+        self._token_times[request_id].append(self.engine.clock.now())
         sink = self._sinks.get(request_id)
         if sink is None:
             return
@@ -287,6 +306,7 @@ class EngineLoop:
         with self._cond:
             for res in results:
                 self._sinks.pop(res.request_id, None)
+                self._token_times.pop(res.request_id, None)  # a batch that failed after some first tokens
                 self._futures.pop(res.request_id).set_result(res)
 
     def close(self, timeout: float | None = None) -> bool:

@@ -2,12 +2,15 @@
 
 In: `Request` (a workload instance, its arrival time and TTFT SLO). Out: `RequestResult` (first
 token time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the
-error that kept it from running). Times are on the engine's clock, in seconds.
+error that kept it from running), and on the live loop each token's time. Times are on the
+engine's clock, in seconds.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from cachesmith.errors import InputError
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.workloads.instance import WorkloadInstance
 
@@ -19,6 +22,20 @@ class Request:
     slo_s: float
     arrival_s: float = 0.0
     sampling: SamplingParams = GREEDY  # how its tokens are chosen (its budget: instance.max_new_tokens)
+
+    @classmethod
+    def from_documents(cls, request_id: int, documents: Sequence[str], question: str, slo_s: float, *,
+                       arrival_s: float = 0.0, max_new_tokens: int = 32, system: str = "",
+                       answer_prefix: str = "", sampling: SamplingParams = GREEDY) -> Request:
+        """A request of the user's own texts, not a benchmark's: task "custom", no gold (so not
+        gated); `system` is the instruction before the documents ("" keeps the model's default)."""
+        if isinstance(documents, str) or not all(isinstance(d, str) and d.strip() for d in documents):
+            raise InputError(f"request {request_id}: documents must be a sequence of non-empty texts")
+        if not question.strip():
+            raise InputError(f"request {request_id}: question must be non-empty")
+        instance = WorkloadInstance("custom", tuple(documents), question, (), prefix=system,
+                                    answer_prefix=answer_prefix, max_new_tokens=max_new_tokens)
+        return cls(request_id, instance, slo_s, arrival_s, sampling)
 
 
 @dataclass
@@ -51,6 +68,9 @@ class RequestResult:
     # times the runtime monitor re-planned it: judging the price against `batch_s` needs both
     planned_s: float | None = None
     num_replans: int = 0
+    # clock time of each generated token as it was produced (the live loop: end-to-end latency and the
+    # gaps between tokens); empty on the replay clock, which decoding does not advance
+    token_times_s: tuple[float, ...] = ()
 
     @property
     def num_cached_tokens(self) -> int:
@@ -61,6 +81,11 @@ class RequestResult:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def last_token_s(self) -> float | None:
+        """Clock time of the last generated token (None: none was kept, or tokens were not timed)."""
+        return self.token_times_s[-1] if self.token_times_s else None
 
     @property
     def is_on_time(self) -> bool:

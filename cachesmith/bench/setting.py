@@ -24,7 +24,7 @@ from cachesmith.workloads.trace import PATTERNS, TraceConfig, make_trace, rate_f
 class BenchConfig:
     task: str = "mix"  # a task of `cachesmith workload card`, "mix", or "file" with workload_file
     variant: str | None = None
-    workload_file: str | None = None  # JSONL, one instance per line (README "Workload files")
+    workload_file: str | None = None  # JSONL, one instance per line (docs/workloads.md, "Workload files")
     num_requests: int = 40
     pattern: str = "poisson"
     utilization: float = 0.7  # arrival rate x mean single-request full-prefill TTFT

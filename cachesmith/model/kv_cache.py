@@ -39,17 +39,19 @@ class SlabPool:
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
-             is_head_major: bool = False) -> torch.Tensor:
-        """A slab for `shape` ([L, capacity, Hkv, D]) or larger in capacity, laid out
-        [L, capacity', Hkv, D], or [L, Hkv, capacity', D] if `is_head_major`."""
+             is_head_major: bool = False, max_capacity: int | None = None) -> torch.Tensor:
+        """A slab for `shape` ([L, capacity, Hkv, D]) or larger in capacity (up to `max_capacity`,
+        default twice the capacity), laid out [L, capacity', Hkv, D], or [L, Hkv, capacity', D] if
+        `is_head_major`."""
         num_layers, capacity, num_kv_heads, head_dim = shape
         row = num_layers * num_kv_heads * head_dim  # elements per row of capacity
+        max_capacity = 2 * capacity if max_capacity is None else max_capacity
         with self._lock:
             best = None
             for i, flat in enumerate(self._free):
                 n = flat.numel()
                 if (flat.dtype == dtype and flat.device == device and n % row == 0
-                        and capacity * row <= n <= 2 * capacity * row
+                        and capacity * row <= n <= max_capacity * row
                         and (best is None or n < self._free[best].numel())):
                     best = i
             if best is None:
@@ -85,15 +87,21 @@ class KVCache:
         self.pool = pool
         self.is_head_major = is_head_major
         shape = (num_layers, max(capacity, 1), num_kv_heads, head_dim)
-        self._set_stores(self._take(shape, device, dtype), self._take(shape, device, dtype))
+        self._set_stores(*self._take_pair(shape, device, dtype))
         self.num_tokens = 0  # rows valid in every layer
 
-    def _take(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        if self.pool is not None:
-            return self.pool.take(shape, device, dtype, self.is_head_major)
+    def _take_pair(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value slabs of one capacity: a pooled slab may be larger than asked, and the
+        native kernels read K and V with the same strides."""
         L, capacity, num_kv_heads, head_dim = shape
-        return torch.empty((L, num_kv_heads, capacity, head_dim) if self.is_head_major else shape,
-                           device=device, dtype=dtype)
+        if self.pool is None:
+            full = (L, num_kv_heads, capacity, head_dim) if self.is_head_major else shape
+            return torch.empty(full, device=device, dtype=dtype), torch.empty(full, device=device, dtype=dtype)
+        key = self.pool.take(shape, device, dtype, self.is_head_major)
+        rows = key.shape[2 if self.is_head_major else 1]
+        value = self.pool.take((L, rows, num_kv_heads, head_dim), device, dtype, self.is_head_major, rows)
+        return key, value
 
     def _set_stores(self, key_store: torch.Tensor, value_store: torch.Tensor) -> None:
         """The slabs as allocated, and their token-major views `key_slab` / `value_slab`
@@ -120,7 +128,7 @@ class KVCache:
         self.is_head_major = is_head_major
         L, _, num_kv_heads, head_dim = old[0].shape
         shape = (L, capacity, num_kv_heads, head_dim)
-        self._set_stores(*(self._take(shape, t.device, t.dtype) for t in old))
+        self._set_stores(*self._take_pair(shape, old[0].device, old[0].dtype))
         self.key_slab[:, :num_rows] = old[0][:, :num_rows]
         self.value_slab[:, :num_rows] = old[1][:, :num_rows]
         self._give(old_stores)  # only after the copy: another thread may take them at once
@@ -164,8 +172,10 @@ class KVCache:
         out = KVCache(L, num_kv_heads, head_dim, capacity, self.key_slab.device, self.key_slab.dtype, self.pool,
                       self.is_head_major)
         n = L if num_layers is None else num_layers
-        out.key_slab[:n, :capacity] = self.key_slab[:n]  # a pooled slab may hold more rows
-        out.value_slab[:n, :capacity] = self.value_slab[:n]
+        # pooled slabs may hold more rows than the capacity, and the key and value slabs of one
+        # cache may differ in size (each is taken from the pool on its own)
+        out.key_slab[:n, :capacity] = self.key_slab[:n, :capacity]
+        out.value_slab[:n, :capacity] = self.value_slab[:n, :capacity]
         out.num_tokens = self.num_tokens
         return out
 

@@ -70,13 +70,11 @@ class Tokenizer:
                          answer_prefix: str = "", history: Sequence[tuple[str, str]] = ()) -> PromptParts:
         """Chat prompt whose last user turn is the documents followed by the question; `history`
         (earlier (role, content) turns) goes into the prefix before it; `answer_prefix` opens the
-        assistant turn (part of the always-computed suffix)."""
-        if not documents:
-            raise InputError("documents must hold at least one passage")
+        assistant turn (part of the always-computed suffix). No documents: a plain chat turn."""
         for i, doc in enumerate(documents):
             if not isinstance(doc, str) or not doc.strip():
                 raise InputError(f"documents[{i}] must be a non-empty string")
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str) or not (question.strip() or documents):  # documents alone: about them
             raise InputError("question must be a non-empty string")
         head, tail = self._around_documents(system, history)
         return PromptParts(

@@ -52,7 +52,10 @@ def allocate(context_tokens: Sequence[int], token_budget: float, cdf: Sequence[f
         return [0.0] * ctx.size
     steps = np.diff(vertices)  # grid steps per segment
     # moves[i, k]: request i advances over segment k
-    ratio = slopes[None, :] / (STEP * ctx[:, None])
+    # a request without context (a plain chat) has nothing to recompute: its steps cost nothing,
+    # so it climbs the whole grid first and its pass rate counts the same under every plan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.nan_to_num(slopes[None, :] / (STEP * ctx[:, None]), nan=np.inf)
     cost = steps[None, :] * STEP * ctx[:, None]
     order = np.argsort(-ratio, axis=None, kind="stable")
     taken = np.cumsum(cost.ravel()[order]) <= token_budget + 1e-9

@@ -30,8 +30,9 @@ class BatchShape:
             raise InputError("batch is empty: at least one request is needed")
         if len(self.suffix_tokens) != n or len(self.prefix_tokens) != n:
             raise InputError("context_tokens, suffix_tokens and prefix_tokens must have one entry per request")
-        if min(self.context_tokens) < 1 or min(self.suffix_tokens) < 1 or min(self.prefix_tokens) < 0:
-            raise InputError("every request needs >= 1 context and suffix token (prefix >= 0)")
+        # no context is a plain chat (nothing stored to stitch); a suffix is always computed
+        if min(self.context_tokens) < 0 or min(self.suffix_tokens) < 1 or min(self.prefix_tokens) < 0:
+            raise InputError("every request needs >= 1 suffix token (context and prefix >= 0)")
 
     @classmethod
     def uniform(cls, num_requests: int, context: int, suffix: int = 32, prefix: int = 0) -> "BatchShape":

@@ -51,7 +51,7 @@ class DemandProfiler:
     max_coverage: float = 1.0
     # requests searched in lockstep: their rounds share each decoding step (memory: each holds
     # its forks' KV caches)
-    num_parallel: int = 3
+    num_parallel: int = 6
 
     def __post_init__(self) -> None:
         if self.num_parallel < 1:
@@ -151,7 +151,10 @@ class DemandProfiler:
     def pass_intervals_many(self, insts: list[WorkloadInstance],
                             keys: list[tuple[str, int]]) -> list[dict[tuple[str, int], tuple[float, float]]]:
         full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
-        fulls = self.measure_many([(inst, [(full, "full_prefill")]) for inst in insts])
+        # full prefill with every search's first step (0%, whatever full prefill's verdict): one
+        # walk per request computes full prefill and the WarmUp layers of every fork
+        firsts = [(full, "full_prefill")] + [(plan_at(*k, 0), f"{k[0]}/{k[1]}/0") for k in keys]
+        fulls = self.measure_many([(inst, firsts) for inst in insts])
         highs = [self.passed(inst, recs[0]) for inst, recs in zip(insts, fulls)]
         return [{k: flip_interval(low, high, at) for k, (low, at) in found.items()}
                 for high, found in zip(highs, self.flips_many(insts, keys, highs))]

@@ -78,6 +78,18 @@ def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) ->
     return run_costs_profile(pipe, QUICK_COSTS, own, demand_from=PACKAGED_DIR / own.name), "measured"
 
 
+def serving_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
+    """(profile, where it came from) to serve or plan with, the rule `serve`, `ask` and the Python
+    API share: `path` or the measured profile as is, else the packaged one calibrated to this
+    machine's speed (a few seconds of full prefills and reuse probes)."""
+    profile, source = find_profile(pipe, path)
+    if source == "packaged":
+        factors = calibrate(pipe, profile)
+        log.info("packaged profile calibrated to this machine: %s", factors.label())
+        return rescaled(profile, factors.full, factors.reuse), f"packaged ({factors.label()})"
+    return profile, source if path is None else f"given ({path})"
+
+
 def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None,
                          is_identity_checked: bool = True) -> tuple[Profile, str]:
     """The profile `cachesmith profile` wrote at `own`, checked against `key` (model fingerprint,

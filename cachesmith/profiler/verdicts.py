@@ -65,8 +65,8 @@ class Verdicts:
     def _measure(self, trials: list[tuple[WorkloadInstance, str, RecomputeConfig, str]]) -> None:
         requests = {digest: self._requests.get(digest) or self._request(inst) for inst, digest, _, _ in trials}
         self._requests.update(requests)  # the chunks stay in hand while the instance's forks do
-        self._fork_missing(trials, requests)
-        outputs = self._prefill_all(trials, requests)
+        fulls = self._fork_missing(trials, requests)
+        outputs = self._prefill_all(trials, requests, fulls)
         decoding = Decoding(self.pipe.model)
         gens = [decoding.start(out.logits, out.cache, min(inst.max_new_tokens, self.max_new_tokens))
                 for (inst, *_), out in zip(trials, outputs)]
@@ -96,28 +96,43 @@ class Verdicts:
                                 self.pipe.chunk(parts.prefix_ids) if parts.prefix_ids else None,
                                 extra_capacity=min(inst.max_new_tokens, self.max_new_tokens))
 
-    def _fork_missing(self, trials, requests: dict[str, RecomputeRequest]) -> None:
-        """Every fork this call's trials need and lack, per instance in one `fork_many` (their
-        WarmUp layers walked once)."""
+    def _fork_missing(self, trials, requests: dict[str, RecomputeRequest]) -> dict[str, RecomputeOutput]:
+        """Every fork this call's trials need and lack, per instance in one walk (`fork_many`: their
+        WarmUp layers walked once), which also gives the instance's full prefill when a trial asks
+        for it (`fork_with_full_prefill`). Returns those full prefills by instance digest."""
         num_layers = self.pipe.model.num_layers
         needed: dict[str, dict[tuple[Signal, int, int], RecomputeConfig]] = {}
+        full_digests = set()
         for _, digest, plan, _ in trials:
             key = (plan.signal, plan.warmup, plan.probe)
             if plan.has_patch(num_layers) and key not in self._forks[digest]:
                 needed.setdefault(digest, {})[key] = plan
-        for digest, plans in needed.items():
-            forks = self.pipe.runner.fork_many([requests[digest]], list(plans.values()))
+            elif plan.warmup >= num_layers:
+                full_digests.add(digest)
+        fulls = {}
+        for digest in sorted(set(needed) | full_digests):
+            plans = needed.get(digest, {})
+            if digest in full_digests:
+                forks, outputs = self.pipe.runner.fork_with_full_prefill([requests[digest]], list(plans.values()))
+                fulls[digest] = outputs[0]
+            else:
+                forks = self.pipe.runner.fork_many([requests[digest]], list(plans.values()))
             self._forks[digest].update(zip(plans, forks))
+        return fulls
 
-    def _prefill_all(self, trials, requests: dict[str, RecomputeRequest]) -> list[RecomputeOutput]:
-        """Each trial's prefill: full-layer plans alone, Patch plans from their forks, one batch per
-        (S, w, p) across the instances of this call (their rows share each layer's projections)."""
+    def _prefill_all(self, trials, requests: dict[str, RecomputeRequest],
+                     fulls: dict[str, RecomputeOutput]) -> list[RecomputeOutput]:
+        """Each trial's prefill: full prefill from its instance's walk (`fulls`, once), other
+        full-layer plans alone, Patch plans from their forks, one batch per (S, w, p) across the
+        instances of this call (their rows share each layer's projections)."""
         num_layers = self.pipe.model.num_layers
         outputs: list[RecomputeOutput | None] = [None] * len(trials)
         groups: dict[tuple[Signal, int, int], list[int]] = {}
         for j, (_, digest, plan, _) in enumerate(trials):
             if plan.has_patch(num_layers):
                 groups.setdefault((plan.signal, plan.warmup, plan.probe), []).append(j)
+            elif plan.warmup >= num_layers and digest in fulls:
+                outputs[j] = fulls.pop(digest)
             else:  # all full layers: nothing to share
                 outputs[j] = self.pipe.runner.run([requests[digest]], plan)[0]
         for key, members in groups.items():

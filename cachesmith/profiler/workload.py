@@ -1,6 +1,6 @@
 """`cachesmith profile --workload FILE.jsonl`: the demand of the user's own requests.
 
-In: a `RagPipeline`, a workload file (README "Workload files"; gold optional) and a gate: `fidelity`
+In: a `RagPipeline`, a workload file (docs/workloads.md, "Workload files"; gold optional) and a gate: `fidelity`
 (an answer passes when its canonical form equals full prefill's: no labels needed) or `task` (the
 gold). Out: `<profile stem>.workload.json` beside the profile (demand curves over the file's
 requests as the served mix, and per task where the file names several; the entropy threshold; the

@@ -96,11 +96,25 @@ class BatchRunner:
         where its WarmUp ends (a copy of the hidden rows and of the cache's layers so far) and
         equals its own `fork` bit for bit. A search over rank depths pays for the deepest WarmUp
         only."""
+        return self._walk(requests, configs, is_to_end=False)[0]
+
+    def fork_with_full_prefill(self, requests: list[RecomputeRequest], configs: list[RecomputeConfig]
+                               ) -> tuple[list["PatchFork"], list[RecomputeOutput]]:
+        """`fork_many` and the batch's full prefill from one walk: full prefill's layers are every
+        plan's WarmUp layers, so the forks branch off it and it goes on to the last layer. Its
+        outputs equal `run(requests, full_prefill)` bit for bit; an offline search that needs both
+        (full prefill is the fidelity gate's reference) pays for the WarmUp layers once."""
+        return self._walk(requests, configs, is_to_end=True)
+
+    def _walk(self, requests: list[RecomputeRequest], configs: list[RecomputeConfig], is_to_end: bool
+              ) -> tuple[list["PatchFork"], list[RecomputeOutput]]:
+        num_layers = self.model.num_layers
         for config in configs:
-            config.validate_for(self.model.num_layers)
-            if not config.has_patch(self.model.num_layers):
+            config.validate_for(num_layers)
+            if not config.has_patch(num_layers):
                 raise ConfigError(f"{config.label()} has no Patch phase to fork")
-        seqs = [build_sequence(self.model, r, configs[0].coverage, i) for i, r in enumerate(requests)]
+        seqs = [build_sequence(self.model, r, configs[0].coverage if configs else 1.0, i)
+                for i, r in enumerate(requests)]
         forks: list[PatchFork | None] = [None] * len(configs)
         hooks = RunnerHooks()
         with torch.inference_mode():
@@ -111,12 +125,16 @@ class BatchRunner:
                 while layer < configs[j].warmup:
                     h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
                     layer += 1
-                if n == len(order):  # the deepest takes the walk itself
+                if n == len(order) and not is_to_end:  # the deepest takes the walk itself
                     forks[j] = PatchFork(self, self._after_warmup(configs[j], seqs, h, hooks))
                     break
                 branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(layer)) for s in seqs]
                 forks[j] = PatchFork(self, self._after_warmup(configs[j], branch, h.clone(), hooks))
-        return forks
+            if not is_to_end:
+                return forks, []
+            for layer in range(layer, num_layers):
+                h, _ = self._full_layer(layer, seqs, h, hooks, "warmup", want_entropy=layer == 0)
+            return forks, self._finish(seqs, h, [s.num_tokens for s in seqs])
 
     def _rank(self, seqs: list[Sequence], config: RecomputeConfig, hooks: RunnerHooks,
               replan: Replan | None) -> "_Ranked":

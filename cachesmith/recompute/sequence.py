@@ -68,8 +68,6 @@ class Sequence:
 
 def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index: int) -> Sequence:
     field_name = f"requests[{index}]"
-    if not req.chunks:
-        raise InputError(f"{field_name}.chunks is empty: a request needs at least one cached chunk")
     if not req.suffix_ids:
         raise InputError(f"{field_name}.suffix_ids is empty: the question must hold at least one token")
     coverage = check_coverage(req.coverage if req.coverage is not None else coverage,
@@ -83,8 +81,9 @@ def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index
     num_context = sum(c.num_tokens for c in req.chunks)
     suffix = model.as_token_tensor(req.suffix_ids, f"{field_name}.suffix_ids",
                                    start=num_prefix + num_context)
-    token_ids = torch.cat([torch.tensor([t for e in entries for t in e.token_ids], device=model.device),
-                           suffix])
+    # no entries (a plain chat without a stored prefix): an empty long tensor, not torch's float default
+    token_ids = torch.cat([torch.tensor([t for e in entries for t in e.token_ids], dtype=suffix.dtype,
+                                        device=model.device), suffix])
     segments, start, chunk_starts = [], 0, []
     for entry in entries:
         segments.append((start, entry))

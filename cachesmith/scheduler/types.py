@@ -27,8 +27,8 @@ class QueuedRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.slo_s, (int, float)) or not math.isfinite(self.slo_s) or self.slo_s <= 0:
             raise InputError(f"request {self.request_id}: slo_s={self.slo_s!r} must be a positive number of seconds")
-        if self.context_tokens < 1:
-            raise InputError(f"request {self.request_id}: no context (context_tokens={self.context_tokens})")
+        if self.context_tokens < 0:  # 0: a plain chat, no documents
+            raise InputError(f"request {self.request_id}: context_tokens={self.context_tokens} must be >= 0")
         if self.suffix_tokens < 1:
             raise InputError(f"request {self.request_id}: suffix_tokens must be >= 1")
 

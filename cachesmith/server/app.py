@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import uuid
+from urllib.parse import quote
 from contextlib import asynccontextmanager
 
 import anyio
@@ -32,6 +34,10 @@ from cachesmith.server.schemas import (CHUNK_ID_PATTERN, ChatCompletionRequest, 
 from cachesmith.server.service import Service
 from cachesmith.server.streaming import TokenStream
 
+log = logging.getLogger(__name__)
+IGNORED_HEADER = "x-cachesmith-ignored-fields"
+MAX_IGNORED_HEADER = 1024  # characters: proxies refuse long headers
+
 
 def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
@@ -46,7 +52,7 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     install_error_handlers(app)
-    describe(app, service.config)
+    describe(app, service.config, config.is_strict)
     auth = [Depends(_bearer(config.api_key))]
 
     @app.get("/health")
@@ -69,11 +75,11 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
-        return await _generate(service, body, Shape.COMPLETION, request)
+        return await _generate(service, body, Shape.COMPLETION, request, config.is_strict)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _generate(service, body, Shape.CHAT, request)
+        return await _generate(service, body, Shape.CHAT, request, config.is_strict)
 
     @app.post("/v1/feedback", dependencies=auth)
     async def feedback(body: FeedbackRequest):
@@ -166,8 +172,27 @@ def _bearer(api_key: str | None):
     return check
 
 
+def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict: bool) -> dict[str, str]:
+    """Fields the request sent that the server does not act on: refused under `--strict` when
+    unknown; else logged and named in a response header, so a client can see what had no effect."""
+    unknown = sorted(body.model_extra or {})
+    if is_strict and unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field (this server runs with --strict); unknown: "
+                            f"{', '.join(unknown)}", unknown[0])
+    ignored = body.ignored_fields()
+    if not ignored:
+        return {}
+    log.warning("request fields accepted but not acted on: %s", ", ".join(ignored))
+    # a header holds latin-1 only, and a body may carry any name of any length: percent-encoded, capped
+    value = ", ".join(quote(name, safe="[]._-") for name in ignored)
+    if len(value) > MAX_IGNORED_HEADER:
+        value = value[:MAX_IGNORED_HEADER].rsplit(", ", 1)[0] + ", ..."
+    return {IGNORED_HEADER: value}
+
+
 async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape,
-                    request: Request):
+                    request: Request, is_strict: bool = False):
+    headers = _ignored_headers(body, is_strict)
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
@@ -188,16 +213,17 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     if stream is None:
         result = await _result_unless_abandoned(future, request, service)
         if result is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+            return Response(status_code=499, headers=headers)  # nginx's "client closed request": nobody reads it
         if result.error is not None:
             raise ApiError(500 if result.is_internal_error else 400, result.error, None,
                            "internal_error" if result.is_internal_error else None,
                            "server_error" if result.is_internal_error else "invalid_request_error")
-        return completion_body(shape, head, result, max_tokens, body.stops, service.pipeline.tokenizer.token_text)
+        return JSONResponse(completion_body(shape, head, result, max_tokens, body.stops,
+                                            service.pipeline.tokenizer.token_text), headers=headers)
     stream.watch(future)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(_cancel_if_abandoned(sse(shape, head, stream, max_tokens, include_usage,
                                                       service.pipeline.tokenizer.token_text),
                                                   request, service, future),
                              media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})

@@ -14,6 +14,9 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 60.0  # on shutdown: time to serve what is queued
     log_level: str = "info"
+    # refuse a completion body's unknown top-level fields (default: accept, log and name them in the
+    # x-cachesmith-ignored-fields header, as vLLM accepts them)
+    is_strict: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -77,7 +77,8 @@ def _chunk_links(spec: dict) -> None:
         for method in ("get", "delete") if method in item}
 
 
-def describe(app: FastAPI, config: ServiceConfig) -> None:
+def describe(app: FastAPI, config: ServiceConfig, is_strict: bool = False) -> None:
+    """Install the published schema; `is_strict`: completion bodies refuse unknown fields."""
     def schema() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
@@ -105,6 +106,7 @@ def describe(app: FastAPI, config: ServiceConfig) -> None:
         for name in ("CompletionRequest", "ChatCompletionRequest"):  # any other name is a 404
             if name in components:
                 components[name]["properties"]["model"] = {"type": "string", "enum": [config.name]}
+                components[name]["additionalProperties"] = not is_strict
                 _limits(components[name], config)
         app.openapi_schema = spec
         return spec

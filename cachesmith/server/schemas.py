@@ -1,10 +1,15 @@
 """Request bodies of the HTTP API: OpenAI's completions and chat completions, extended with
-`documents` (texts, or `{"id": ...}` of stored chunks) and `slo_ms`, plus the chunk API.
+`documents` (texts, or `{"id": ...}` of stored chunks; optional: a plain chat has none) and
+`slo_ms`, plus the chunk API. Chat messages may also carry documents as content parts marked
+`"document": true` (for clients that cannot add a field).
 
 In: JSON bodies. Out: validated pydantic models and, from them, the service's `CompletionSpec`.
-Unknown fields are refused by name; OpenAI fields cachesmith cannot honour (n > 1, echo, suffix,
-best_of > 1) are refused with the reason rather than ignored. Decoding is
-greedy unless `temperature` > 0 (then `top_p`, `top_k`, `seed` and the penalties apply).
+A completion body accepts fields it does not know, and OpenAI's fields it does not act on
+(`openai_fields`), which the app names back to the client; the server's `--strict` refuses unknown
+ones. Inside a body's parts (documents, options) unknown fields are refused by name. OpenAI
+fields cachesmith cannot honour (n > 1, echo, suffix, best_of > 1, tools it would have to call)
+are refused with the reason rather than ignored. Decoding is greedy unless `temperature` > 0
+(then `top_p`, `top_k`, `seed` and the penalties apply).
 """
 from __future__ import annotations
 
@@ -15,64 +20,21 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, json_boolean, json_float, json_int,
+                                           json_integer, schema_pattern)
+from cachesmith.server.chat_messages import ChatMessage, chat_parts
+from cachesmith.server.openai_fields import TOOLS_RULE, ChatFields, CommonFields, ignored_fields
 from cachesmith.server.service import CompletionSpec, DocumentRef
 
 MAX_STOP = 4
 CHUNK_ID_PATTERN = "^[0-9a-f]{64}$"
-# at least one character that is not whitespace, whitespace being what str.strip() removes (the
-# service's check): a bare \S means another set in the ECMA regexes schema validators use
-NON_BLANK = r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
-SAFE_INT = 2**53  # larger integers do not survive a JSON number in every client
-
-
-def _json_integer(value):
-    """JSON Schema's integer: any number with no fraction (2.0 too), never a boolean (pydantic's lax
-    mode reads true as 1, its strict mode refuses 2.0; both disagree with the published schema)."""
-    if isinstance(value, bool):
-        raise ValueError("must be an integer, not a boolean")
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _json_boolean(value):
-    if not isinstance(value, bool):  # lax mode would take 0, 1, "yes"
-        raise ValueError("must be true or false")
-    return value
-
-
-def _json_number(value):
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not a boolean")
-    return value
-
-
-def json_int(**limits):
-    """An integer field with `limits` (Field's ge, le, ...): the limits come first, or the schema
-    would publish pydantic's names for them instead of minimum / maximum."""
-    return Annotated[int, Field(**limits), BeforeValidator(_json_integer)]
-
-
-def json_float(**limits):
-    return Annotated[float, Field(**limits), BeforeValidator(_json_number)]
-
-
-Bool = Annotated[bool, BeforeValidator(_json_boolean)]
-
-
-def _schema_pattern(pattern: str):
-    """A pattern the published schema states while the check itself stays in code, where its
-    error message names the rule ("must not be empty", "64 lower-case hex digits")."""
-    return Field(json_schema_extra={"pattern": pattern})
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class DocumentId(_Body):
     """`{"id": ...}`: a chunk already in the store, by its 64-hex id."""
-    id: str = _schema_pattern(CHUNK_ID_PATTERN)  # checked by the service (kvstore.keys)
+    id: str = schema_pattern(CHUNK_ID_PATTERN)  # checked by the service (kvstore.keys)
 
 
 def _passage(title: str | None, text: str) -> str:
@@ -83,7 +45,7 @@ def _passage(title: str | None, text: str) -> str:
 class DocumentText(_Body):
     """`{"text": ...}`, or vLLM's and LangChain-like `{"title": ..., "text": ...}`."""
     title: str | None = None
-    text: str = _schema_pattern(NON_BLANK)
+    text: str = schema_pattern(NON_BLANK)
 
     @field_validator("text")
     @classmethod
@@ -143,7 +105,7 @@ def _shape(doc) -> str | None:
 
 
 Document = Annotated[
-    Annotated[str, _schema_pattern(NON_BLANK), Tag("str")] | Annotated[DocumentText, Tag("DocumentText")]
+    Annotated[str, schema_pattern(NON_BLANK), Tag("str")] | Annotated[DocumentText, Tag("DocumentText")]
     | Annotated[DocumentId, Tag("DocumentId")] | Annotated[CohereDocument, Tag("CohereDocument")],
     Discriminator(_shape, custom_error_type="document_shape",
                   custom_error_message='a document is a string, {"text": ...} (optionally with "title"), '
@@ -152,12 +114,15 @@ Document = Annotated[
 
 class StreamOptions(_Body):
     include_usage: Bool = False
+    include_obfuscation: Bool = False  # OpenAI's padding of stream events: none is sent here
 
 
-class _Generation(_Body):
-    """What completions and chat completions share."""
+class _Generation(CommonFields):
+    """What completions and chat completions share. Unknown fields are kept (`model_extra`) so
+    that the app can name them: frameworks send fields of newer API versions."""
+    model_config = ConfigDict(extra="allow")
     model: str
-    documents: list[Document] = Field(min_length=1)
+    documents: list[Document] = []  # none: a plain completion, its whole prompt computed
     # the service's default limit (ServiceConfig.max_slo_s) is 3600 s; below 1 ms no batch can run
     slo_ms: json_float(ge=1, le=3_600_000, allow_inf_nan=False) | None = None
     max_tokens: json_int(ge=1) | None = None
@@ -170,7 +135,6 @@ class _Generation(_Body):
     top_k: json_int(ge=0) | None = None  # an extension, as in vLLM (0: off)
     n: json_int(ge=1, le=1) = 1  # one choice per request
     seed: json_int(ge=-SAFE_INT, le=SAFE_INT) | None = None  # same seed and request -> same text
-    user: str | None = None
     presence_penalty: json_float(ge=-2, le=2) | None = None
     frequency_penalty: json_float(ge=-2, le=2) | None = None
     answer_prefix: str = ""  # cachesmith: text that opens the answer (the model continues it)
@@ -209,12 +173,15 @@ def _document(doc: Document) -> DocumentRef:
 
 
 class CompletionRequest(_Generation):
-    prompt: Annotated[str, _schema_pattern(NON_BLANK)] | Annotated[
-        list[Annotated[str, _schema_pattern(NON_BLANK)]], Field(min_length=1, max_length=1)]
-    echo: Annotated[Literal[False], BeforeValidator(_json_boolean)] = False
+    prompt: Annotated[str, schema_pattern(NON_BLANK)] | Annotated[
+        list[Annotated[str, schema_pattern(NON_BLANK)]], Field(min_length=1, max_length=1)]
+    echo: Annotated[Literal[False], BeforeValidator(json_boolean)] = False
     logprobs: json_int(ge=0, le=5) | None = None  # OpenAI's legacy: 0-5
-    best_of: Annotated[Literal[1], BeforeValidator(_json_integer)] | None = None
+    best_of: Annotated[Literal[1], BeforeValidator(json_integer)] | None = None
     suffix: None = None
+
+    def ignored_fields(self) -> list[str]:
+        return ignored_fields(self)
 
     def to_spec(self) -> CompletionSpec:
         prompt = self.prompt
@@ -225,22 +192,8 @@ class CompletionRequest(_Generation):
         return self.spec(prompt, num_logprobs=self.logprobs)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str = Field(pattern=NON_BLANK)
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(pattern=NON_BLANK)] | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(ChatFields, _Generation):
+    model_config = ConfigDict(extra="allow", json_schema_extra=TOOLS_RULE)
     # the rule a schema can state; the question is the last of them
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": {
         "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}})
@@ -248,35 +201,30 @@ class ChatCompletionRequest(_Generation):
     logprobs: Bool = False
     top_logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
 
-
     def to_spec(self) -> CompletionSpec:
-        """System (or developer) messages join the system prompt. The last user message is the
-        question; the documents go into that turn, before it. The turns before it are the exact
-        prefix (their KV is stored and reused by the next turn), in any order the model's chat
-        template renders. Assistant messages after the question open the answer, which the model
-        continues (as `answer_prefix`)."""
-        # system (or developer) messages anywhere join the system prompt, in order, as one
-        system = [m for m in self.messages if m.role in ("system", "developer")]
-        rest = [m for m in self.messages if m.role not in ("system", "developer")]
-        users = [i for i, m in enumerate(rest) if m.role == "user"]
-        if not users:
-            raise InputError("messages: a user message (the question) is required; got roles "
-                             f"{[m.role for m in self.messages]}")
-        turns, after = rest[:users[-1] + 1], rest[users[-1] + 1:]  # after: assistant messages only
-        prefix = "\n\n".join(m.text for m in after) if after else None
+        """The conversation's parts (`chat_messages.chat_parts`): the documents go into the last
+        user turn, before the question; the turns before it are the exact prefix (their KV is
+        stored and reused by the next turn)."""
+        parts = chat_parts(self.messages)
+        prefix = parts.answer_prefix
         if prefix is not None:  # cachesmith's answer_prefix goes on where the assistant messages stop
             prefix += self.answer_prefix
         # both are limits on the answer (max_tokens is OpenAI's older name): the tighter one holds
         limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]
-        spec = self.spec(turns[-1].text, "\n\n".join(m.text for m in system), prefix, min(limits, default=None),
+        spec = self.spec(parts.question, parts.system, prefix, min(limits, default=None),
                          # asking for top alternatives asks for log-probabilities (a rule a schema can state)
                          (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None)
-        return replace(spec, history=tuple((m.role, m.text) for m in turns[:-1]), is_chat=True,
-                       stop=tuple(self.stops))
+        return replace(spec, documents=spec.documents + tuple(DocumentRef(text=d) for d in parts.documents),
+                       history=parts.history, is_chat=True, stop=tuple(self.stops))
+
+    def ignored_fields(self) -> list[str]:
+        """`openai_fields.ignored_fields`, and the fields messages carried that nothing reads."""
+        return ignored_fields(self) + [f"messages[{i}].{name}" for i, m in enumerate(self.messages)
+                                       for name in sorted(m.model_extra or {})]
 
 
 class ChunksRequest(_Body):
-    documents: list[Annotated[str, _schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)
+    documents: list[Annotated[str, schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)
 
 
 class FeedbackRequest(_Body):

@@ -28,6 +28,7 @@ from cachesmith.kvstore.keys import dtype_name, validate_key
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
+from cachesmith.profiler.packaged import serving_profile
 from cachesmith.request import RequestResult
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.streaming import answer_text
@@ -187,11 +188,10 @@ class Service:
 
     def _limits(self, spec: CompletionSpec) -> tuple[int, float]:
         cfg = self.config
-        if not spec.documents:
-            raise InputError("documents: at least one document (a text or a stored chunk id) is required")
         if len(spec.documents) > cfg.max_documents:
             raise InputError(f"documents: {len(spec.documents)} documents exceed the limit of {cfg.max_documents}")
-        if not isinstance(spec.question, str) or not spec.question.strip():
+        # a chat turn of documents alone asks about them (the chat template still closes the turn)
+        if not isinstance(spec.question, str) or not (spec.question.strip() or spec.documents):
             raise InputError("question: must be a non-empty string")
         max_tokens = cfg.default_max_tokens if spec.max_tokens is None else spec.max_tokens
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
@@ -376,16 +376,3 @@ class Service:
 
 def _reason(exc: Exception) -> str:
     return "queue_full" if isinstance(exc, QueueFull) else "closed" if isinstance(exc, EngineClosed) else "invalid"
-
-
-def serving_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
-    """The profile to serve with: given or measured here as is, the packaged one calibrated to this
-    machine's speed (a few seconds of full prefills and reuse probes at start-up)."""
-    from cachesmith.profiler.packaged import calibrate, find_profile, rescaled
-
-    profile, source = find_profile(pipe, path)
-    if source == "packaged":
-        factors = calibrate(pipe, profile)
-        log.info("packaged profile calibrated to this machine: %s", factors.label())
-        return rescaled(profile, factors.full, factors.reuse), f"packaged ({factors.label()})"
-    return profile, source

@@ -1,5 +1,5 @@
 """Workloads: real passages, task generators (PR, MSQ, VT, MV, MIX), scoring, quality gates,
-dataset cards and arrival traces. See `tasks.generate` and README "Workloads"."""
+dataset cards and arrival traces. See `tasks.generate` and docs/workloads.md."""
 from cachesmith.workloads.gates import FidelityGate, QualityGate, TaskGate, make_gate
 from cachesmith.workloads.instance import WorkloadInstance
 from cachesmith.workloads.scoring import Score, score

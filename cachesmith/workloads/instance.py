@@ -1,6 +1,6 @@
 """A workload instance: a prefix (instruction), documents (one passage per chunk), a question (the
 suffix), gold answers and metadata; with its JSON line form, the format `cachesmith bench
---workload FILE.jsonl` reads (README, "Workload files").
+--workload FILE.jsonl` reads (docs/workloads.md, "Workload files").
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ class WorkloadInstance:
     history: tuple[tuple[str, str], ...] = ()  # earlier (role, content) chat turns, before the documents
 
     def __post_init__(self) -> None:
-        if bool(self.documents) == bool(self.chunk_ids):
+        if self.documents and self.chunk_ids:  # neither: a plain chat, its whole prompt computed
             raise InputError(f"{self.task}: give the chunks as documents (texts) or as chunk_ids "
-                             f"(stored chunk ids), exactly one of the two, with at least one chunk")
+                             f"(stored chunk ids), not both")
         if self.max_new_tokens < 1:
             raise InputError(f"{self.task}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

@@ -70,3 +70,23 @@ def test_pooled_memory_serves_either_layout_and_only_a_fitting_one():
     assert pool.num_reused == 2 and small.capacity == 7
     other = KVCache(L, HKV + 1, D, 16, torch.device("cpu"), torch.float32, pool)  # rows of another size
     assert pool.num_reused == 2 and other.capacity == 16
+
+
+def test_pooled_key_and_value_slabs_share_one_capacity():
+    """K and V slabs are taken from the pool one by one: given free slabs of different sizes, the
+    value slab still matches the key slab's rows (the native kernels read both with one stride), in
+    either layout, and a clone copies both."""
+    for is_head_major in (False, True):
+        pool = SlabPool()
+        for rows in (12, 16):  # both fit 10 rows
+            pool.give(torch.empty(L * rows * HKV * D))
+        cache = _filled(is_head_major, capacity=10, pool=pool)
+        assert cache.key_slab.shape == cache.value_slab.shape
+        assert cache.key_slab.stride() == cache.value_slab.stride()
+        for layers in (None, 2):
+            copy = cache.clone(layers)
+            for layer in range(layers or L):
+                for x, y in zip(copy.view(layer), cache.view(layer)):
+                    assert torch.equal(x, y)
+        cache.to_head_major(40)  # a move takes a pair again
+        assert cache.key_slab.stride() == cache.value_slab.stride()

@@ -42,8 +42,7 @@ def test_depth_beyond_model_is_rejected(model):
 def test_bad_requests_name_the_field(model):
     runner, plan = BatchRunner(model), RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1)
     req, _ = make_request(model, seed=2)
-    with pytest.raises(InputError, match=r"requests\[0\].chunks is empty"):
-        runner.run([dataclasses.replace(req, chunks=[])], plan)
+    assert runner.run([dataclasses.replace(req, chunks=[])], plan)[0].num_context == 0  # a plain chat
     with pytest.raises(InputError, match=r"requests\[0\].suffix_ids is empty"):
         runner.run([dataclasses.replace(req, suffix_ids=[])], plan)
     with pytest.raises(ConfigError, match=r"requests\[1\].coverage"):

@@ -6,7 +6,7 @@ import torch
 
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Decoder
-from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
+from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal, full_prefill
 from cachesmith.recompute.runner import PatchFork
 from tests.recompute.helpers import make_request
 
@@ -79,12 +79,31 @@ def test_forks_sharing_one_warmup_walk_equal_separate_runs(model):
     runner = BatchRunner(model)
     forks = runner.fork_many(_requests(model), PLANS)
     for coverages in COVERAGES[:2]:
-        for plan, fork in zip(PLANS, forks):
-            reqs = _requests(model)
-            for req, c in zip(reqs, coverages):
-                req.coverage = c
-            for g, w in zip(fork.run(coverages), runner.run(reqs, plan)):
-                _assert_same(g, w, model)
+        _assert_forks_equal_runs(runner, forks, coverages, model)
+
+
+def _assert_forks_equal_runs(runner, forks, coverages, model) -> None:
+    for plan, fork in zip(PLANS, forks):
+        reqs = _requests(model)
+        for req, c in zip(reqs, coverages):
+            req.coverage = c
+        for g, w in zip(fork.run(coverages), runner.run(reqs, plan)):
+            _assert_same(g, w, model)
+
+
+def test_full_prefill_walk_gives_full_prefill_and_the_forks(model):
+    """`fork_with_full_prefill`: full prefill goes on past every branch to the last layer and equals
+    its own run bit for bit, and the forks branched off it equal separate runs."""
+    runner = BatchRunner(model)
+    forks, fulls = runner.fork_with_full_prefill(_requests(model), PLANS)
+    full = full_prefill(model.num_layers)
+    for g, w in zip(fulls, runner.run(_requests(model), full)):
+        _assert_same(g, w, model)
+    assert not torch.equal(fulls[0].logits, forks[0].run([0.3, 0.3])[0].logits)  # a patch is not full prefill
+    _assert_forks_equal_runs(runner, forks, COVERAGES[0], model)
+    _, alone = runner.fork_with_full_prefill(_requests(model), [])  # no fork asked: full prefill only
+    for g, w in zip(alone, fulls):
+        _assert_same(g, w, model)
 
 
 @pytest.mark.parametrize("plan", PLANS[:4], ids=lambda p: p.label())

@@ -84,3 +84,26 @@ def test_decode_after_full_coverage_matches_decode_after_full_prefill(model):
     expected = greedy_decode(model, ref_logits, ref_cache, 8, eos_token_ids=())
     out = BatchRunner(model).run([req], preset("cacheblend", 1.0, model.num_layers))[0]
     assert greedy_decode(model, out.logits, out.cache, 8, eos_token_ids=()) == expected
+
+
+NO_CONTEXT_PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.0),
+                    RecomputeConfig(Signal.QCI, 1, 1, 0.5), RecomputeConfig(Signal.QCI_LAST, 0, 3, 0.15),
+                    RecomputeConfig(Signal.FUSED, 1, 2, 0.15), RecomputeConfig(Signal.POSITION, 0, 0, 0.0)]
+
+
+@pytest.mark.parametrize("prefix_len", [5, 0], ids=["prefix", "no-prefix"])
+@pytest.mark.parametrize("plan", NO_CONTEXT_PLANS, ids=lambda p: p.label())
+def test_a_request_without_context_equals_full_prefill_under_any_plan(model, plan, prefix_len):
+    """A plain chat (no documents): only the exact prefix is cached and the suffix is computed, so
+    every plan, at any coverage, is full prefill, and a batch mixing it with a RAG request keeps both."""
+    req, flat = make_request(model, seed=70 + prefix_len, chunk_lens=(), prefix_len=prefix_len)
+    ref_logits, ref_cache = model.prefill(flat)
+    rag, _ = make_request(model, seed=71)
+    out, other = BatchRunner(model).run([req, rag], plan)
+    assert out.num_context == 0 and out.selected.numel() == 0
+    assert max_diff(out.logits, ref_logits) < TOL
+    for layer in range(model.num_layers):
+        for got, want in zip(out.cache.view(layer), ref_cache.view(layer)):
+            assert max_diff(got, want) < TOL
+    alone = BatchRunner(model).run([make_request(model, seed=71)[0]], plan)[0]
+    assert max_diff(other.logits, alone.logits) < TOL

@@ -148,7 +148,7 @@ def test_a_burst_bucket_runs_wider_under_partial_kv_allocation():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"slo_s": 0}, "slo_s=0"), ({"slo_s": -1}, "slo_s=-1"),
-                                           ({"context_tokens": 0}, "no context")])
+                                           ({"context_tokens": -1}, "context_tokens=-1")])
 def test_bad_requests_are_named(kwargs, match):
     with pytest.raises(InputError, match=match):
         QueuedRequest(**{"request_id": 3, "arrival_s": 0.0, "slo_s": 1.0, "context_tokens": 10,

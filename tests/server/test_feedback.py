@@ -30,8 +30,8 @@ def learning_server(model_dir, method: str) -> BackgroundServer:
 
 def feedback_counts(c: httpx.Client) -> dict[str, float]:
     families = text_string_to_metric_families(c.get("/metrics").text)
-    return {s.labels["verdict"]: s.value for f in families if f.name == "cachesmith_feedback" for s in f.samples
-            if s.name == "cachesmith_feedback_total"}
+    return {s.labels["verdict"]: s.value for f in families if f.name == "cachesmith:feedback" for s in f.samples
+            if s.name == "cachesmith:feedback_total"}
 
 
 def test_a_verdict_teaches_a_learning_server_once(tiny_chat_dir):
@@ -52,10 +52,10 @@ def test_a_verdict_teaches_a_learning_server_once(tiny_chat_dir):
             assert mix.num_observed == 1
             assert feedback_counts(c) == {"passed": 1.0, "failed": 1.0}
             text = c.get("/metrics").text
-            assert "cachesmith_served_mix_weight" in text
+            assert "cachesmith:served_mix_weight" in text
             # shadow calibration is metered: requests offered at 2%, the learned curves' move from the profile
-            assert "cachesmith_shadow_sampled_total" in text and "cachesmith_shadow_samples_total" in text
-            assert "cachesmith_learned_demand_shift" in text
+            assert "cachesmith:shadow_sampled_total" in text and "cachesmith:shadow_samples_total" in text
+            assert "cachesmith:learned_demand_shift" in text
     finally:
         srv.stop()
 
@@ -67,8 +67,8 @@ def test_a_server_that_does_not_learn_takes_the_verdict_without_learning(server_
         r = c.post("/v1/feedback", json={"id": done["id"], "passed": True})
         assert r.status_code == 200 and r.json()["learned"] is False
         assert feedback_counts(c) == {"passed": 1.0, "failed": 0.0}
-        assert "cachesmith_served_mix_weight" not in c.get("/metrics").text
-        assert "cachesmith_shadow_samples_total" not in c.get("/metrics").text
+        assert "cachesmith:served_mix_weight" not in c.get("/metrics").text
+        assert "cachesmith:shadow_samples_total" not in c.get("/metrics").text
 
 
 def test_unknown_ids_and_bad_bodies_name_their_field(server_for):

@@ -7,6 +7,7 @@ import pytest
 
 from cachesmith.engine import EngineConfig
 from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
 from cachesmith.profiler.packaged import find_profile
 from cachesmith.recompute import full_prefill
@@ -59,8 +60,9 @@ def test_client_errors_map_to_openai_exceptions(served):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x", extra_body={"documents": DOCS})
-    with pytest.raises(openai.BadRequestError, match="documents"):
-        client.completions.create(model="smollm2-135m", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):  # tools it would have to call
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
     assert [m.id for m in client.models.list()] == ["smollm2-135m"]
 
 
@@ -102,3 +104,42 @@ def test_a_three_turn_chat_reuses_the_stored_earlier_turns(served):
     for k in (1, 2):  # turns 2 and 3 read every earlier exchange from the store
         earlier = len(pipe.tokenizer.conversation_ids(None, turns[:2 * k]))
         assert cached[k][0] >= earlier and cached[k][1]["cached_tokens"]["prefix"] >= earlier, (k, cached)
+
+
+def test_a_plain_chat_without_documents_reads_its_conversation_on_the_next_turn(served):
+    srv, pipe, client = served
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=8)
+    parts = pipe.prompt([], "Name a colour.")
+    logits, cache = pipe.model.prefill(parts.prefix_ids + parts.suffix_ids)  # nothing approximated
+    want = pipe.tokenizer.decode(greedy_decode(pipe.model, logits, cache, 8)).strip()
+    assert first.choices[0].message.content.strip() == want and first.usage.completion_tokens > 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Another one?"}]
+    for _ in range(50):  # the first exchange is stored off the request path
+        second = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=8)
+        if second.usage.prompt_tokens_details.cached_tokens > 0:
+            break
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_framework_fields_are_accepted_and_named(served):
+    srv, pipe, client = served
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+        tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+        tool_choice="none", parallel_tool_calls=False, store=False, metadata={"app": "rag"},
+        response_format={"type": "text"}, extra_body={"documents": DOCS, "x_trace": "1"})
+    reply = raw.parse()
+    assert "Port Lantern" in reply.choices[0].message.content
+    assert set(raw.headers["x-cachesmith-ignored-fields"].split(", ")) == {
+        "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "response_format", "x_trace"}
+
+
+def test_documents_as_marked_content_parts_answer_as_the_documents_field(served):
+    srv, pipe, client = served
+    want = pipe.answer(DOCS, QUESTION, full_prefill(pipe.model.num_layers), max_new_tokens=24).text
+    content = [{"type": "text", "text": d, "document": True} for d in DOCS] + [{"type": "text", "text": QUESTION}]
+    reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": content}],
+                                           max_tokens=24)
+    assert reply.choices[0].message.content == want and reply.model_extra["cachesmith"]["num_context_tokens"] > 0

@@ -16,7 +16,7 @@ def completion(documents: list) -> dict:
 
 def tiers_up(c: httpx.Client) -> dict[str, float]:
     families = text_string_to_metric_families(c.get("/metrics").text)
-    return {s.labels["tier"]: s.value for f in families if f.name == "cachesmith_store_tier_up" for s in f.samples}
+    return {s.labels["tier"]: s.value for f in families if f.name == "cachesmith:store_tier_up" for s in f.samples}
 
 
 def test_a_server_whose_redis_goes_away_serves_from_memory(server_for, redis_server):
@@ -32,5 +32,5 @@ def test_a_server_whose_redis_goes_away_serves_from_memory(server_for, redis_ser
         listed = c.get("/v1/chunks").json()["data"]
         assert listed and all(x["tiers"] == ["memory"] for x in listed)
         text = c.get("/metrics").text
-    assert 'cachesmith_store_tier_up{tier="redis"} 0.0' in text
-    assert 'cachesmith_store_tier_up{tier="memory"} 1.0' in text
+    assert f'cachesmith:store_tier_up{{model_name="{NAME}",tier="redis"}} 0.0' in text
+    assert f'cachesmith:store_tier_up{{model_name="{NAME}",tier="memory"}} 1.0' in text

@@ -37,5 +37,5 @@ def test_schemathesis_finds_no_mismatch_and_reaches_the_engine(server, tmp_path)
     assert run.returncode == 0, run.stdout[-6000:]
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     served = sum(s.value for fam in text_string_to_metric_families(metrics) for s in fam.samples
-                 if s.name == "cachesmith_requests_served_total")
+                 if s.name == "cachesmith:requests_served_total")
     assert served >= 10, served  # schema-valid completions were answered by the engine

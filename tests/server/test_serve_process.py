@@ -117,8 +117,8 @@ def test_sigterm_drains_in_flight_streams_and_chunks_survive_a_restart(setup):
 
 def redis_hits(url: str) -> float:
     families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text)
-    return sum(s.value for f in families if f.name == "cachesmith_store_hits" for s in f.samples
-               if s.labels.get("tier") == "redis" and s.name == "cachesmith_store_hits_total")
+    return sum(s.value for f in families if f.name == "cachesmith:store_hits" for s in f.samples
+               if s.labels.get("tier") == "redis" and s.name == "cachesmith:store_hits_total")
 
 
 def test_two_servers_on_one_redis_share_chunks(setup, redis_url):

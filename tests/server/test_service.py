@@ -47,7 +47,6 @@ def test_texts_ids_and_a_mix_serve_the_same_prompt_as_the_pipeline(service):
 
 
 @pytest.mark.parametrize("bad, words", [
-    (dict(docs=[]), "at least one document"),
     (dict(docs=[DocumentRef(text="a")] * 65), "limit of 64"),
     (dict(docs=[DocumentRef(text="a", chunk_id="0" * 64)]), "exactly one"),
     (dict(docs=[DocumentRef(text="a")], max_tokens=0), "max_tokens=0"),

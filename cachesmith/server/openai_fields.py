@@ -1,0 +1,84 @@
+"""OpenAI request fields cachesmith accepts without acting on them, and those it refuses.
+
+In: the request bodies' pydantic models (as mixins). Out: the fields, their checks, and
+`ignored_fields(body)`: the names a request sent that the server did not act on (the app logs
+them and names them in the `x-cachesmith-ignored-fields` response header).
+
+Frameworks built on the OpenAI SDK send fields such as `tools=[]`, `store`, `metadata` or
+`parallel_tool_calls` on every call; refusing them would lock those clients out, and ignoring them
+changes nothing about the answer. Fields whose meaning ignoring would silently break are refused
+with a 400 naming the field: tools the model would have to call, a structured `response_format`,
+`logit_bias`, audio output, `n` > 1 (in the schemas). Each rule is also stated in the published
+schema, so a schema-driven client knows it before sending.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from cachesmith.server.json_types import Bool
+
+# the fields below, by mixin: named in the ignored-fields header when a request sends them
+COMMON_IGNORED = ("logit_bias", "metadata", "store", "service_tier", "user", "prompt_cache_key",
+                  "safety_identifier")
+CHAT_IGNORED = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "functions", "function_call",
+                "modalities", "audio", "reasoning_effort", "prediction", "web_search_options", "verbosity")
+
+
+class CommonFields(BaseModel):
+    """Fields of both completions and chat completions that the server does not act on."""
+    logit_bias: dict[str, Any] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
+    metadata: dict[str, Any] | None = None
+    store: Bool | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias):
+        if bias:  # an empty map biases nothing: accepted
+            raise ValueError("not supported: cachesmith cannot bias token choices (send {} or leave it out)")
+        return bias
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text"] = Field(description="only plain text: the answer is not constrained to a schema")
+
+
+# a tool list the model would have to use: refused (the published schema says the same with anyOf)
+TOOLS_RULE = {"anyOf": [{"properties": {"tools": {"maxItems": 0}}},
+                         {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "none"}}}]}
+
+
+class ChatFields(BaseModel):
+    """Chat-only fields that the server does not act on (tools it may not call, plain text out)."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: Bool | None = None
+    response_format: ResponseFormat | None = None
+    functions: list[dict[str, Any]] | None = Field(default=None, max_length=0)  # deprecated: tools
+    function_call: Literal["none", "auto"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None  # audio output: refused by the type (only null)
+    reasoning_effort: str | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+    @model_validator(mode="after")
+    def _tools_not_called(self):
+        if self.tools and self.tool_choice != "none":
+            raise ValueError(f"tools: {len(self.tools)} tool(s) with tool_choice={self.tool_choice!r}: cachesmith "
+                             f"does not call tools; send tool_choice=\"none\" or no tools")
+        return self
+
+
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The fields the request sent that the server did not act on: the known OpenAI ones it holds
+    without effect, then unknown ones (`extra="allow"`), each by name."""
+    known = [name for name in (*COMMON_IGNORED, *CHAT_IGNORED)
+             if name in body.model_fields_set and name in type(body).model_fields]
+    return known + sorted(body.model_extra or {})
