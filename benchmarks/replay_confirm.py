@@ -12,7 +12,7 @@ Rows: {setting, seed, method, qsa, gate_rate, ttft_attainment}; the summary per 
 method's mean QSA over the seeds, the best static method and CacheSmith's lead over it in points
 (target: >= +5). `--json` prints the payload; `--out-json FILE` writes it. Timing matters here: run
 it on a quiet machine (it takes hours on 2 cores). `--pool A.json B.json ...` runs nothing: it
-summarizes the rows of earlier payloads together (more seeds than one session replays), counting a
+summarizes the rows of earlier payloads together (more seeds than one run replays), counting a
 method in a setting only where every seed of that setting has it.
 """
 from __future__ import annotations

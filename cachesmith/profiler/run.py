@@ -128,7 +128,7 @@ def kv_bytes_per_token_layer(pipe: RagPipeline) -> int:
 
 
 def _validate(bench: TimingBench, profile: Profile, config: ProfileConfig) -> dict:
-    """Held-out shapes: the error as measured, and at this session's speed (the profile rescaled by
+    """Held-out shapes: the error as measured, and at the measuring machine's speed (the profile rescaled by
     its single-request full prefills, as a packaged profile is served: `packaged.speed_factor`)."""
     max_tokens = config.max_tokens
     limits = _grid_limits(max_tokens)
