@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -77,10 +77,7 @@ class Engine:
         self.pipeline = pipeline
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
-        planner_config = replace(config.planner, signal=self.method.signal or config.planner.signal,
-                                 signal_rule=self.method.signal_rule, use_task_hint=self.method.use_task_hint,
-                                 is_mix_learned=self.method.is_mix_learned)
-        self.planner = Planner(profile, planner_config)
+        self.planner = Planner(profile, self.method.planner_config(config.planner))
         self.planner.warm_up()
         self.scheduler = make_scheduler(self.method, self.planner, config.scheduler, profile.num_layers)
         if runtime is None and pipeline is None:

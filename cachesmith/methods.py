@@ -19,10 +19,10 @@ the scheduler that serves it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachesmith.errors import ConfigError
-from cachesmith.planner import Planner
+from cachesmith.planner import Planner, PlannerConfig
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.scheduler import (FcfsPlanned, FcfsQueueAware, FcfsSloBudget, FcfsStatic, Scheduler,
                                   SchedulerConfig, SloAwareScheduler)
@@ -49,6 +49,11 @@ class Method:
     @property
     def is_static(self) -> bool:
         return self.scheduling == "fcfs"
+
+    def planner_config(self, base: PlannerConfig) -> PlannerConfig:
+        """`base` with this method's signal (fixed, or the rule choosing it), task hint and learning."""
+        return replace(base, signal=self.signal or base.signal, signal_rule=self.signal_rule,
+                       use_task_hint=self.use_task_hint, is_mix_learned=self.is_mix_learned)
 
     def plan(self, num_layers: int) -> RecomputeConfig:
         if self.preset is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cachesmith.errors import InputError
+from cachesmith.methods import parse_method
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, PlanRequest, Profile
@@ -27,9 +28,9 @@ from cachesmith.profiler.packaged import serving_profile
 from cachesmith.recompute import RecomputeConfig
 from cachesmith.scheduler import QueuedRequest, SloAwareScheduler
 
-# plain `cachesmith`'s planner (methods.parse_method): signal chosen per request by the robust
-# rule, the served mix's demand (a request of the Python API names no task)
-PLANNER_CONFIG = PlannerConfig(use_task_hint=False)
+# plain `cachesmith`'s planner: signal chosen per request by the robust rule, the served mix's
+# demand (a request of the Python API names no task)
+PLANNER_CONFIG = parse_method("cachesmith").planner_config(PlannerConfig())
 
 
 @dataclass(frozen=True)

@@ -172,10 +172,8 @@ class KVCache:
         out = KVCache(L, num_kv_heads, head_dim, capacity, self.key_slab.device, self.key_slab.dtype, self.pool,
                       self.is_head_major)
         n = L if num_layers is None else num_layers
-        # pooled slabs may hold more rows than the capacity, and the key and value slabs of one
-        # cache may differ in size (each is taken from the pool on its own)
-        out.key_slab[:n, :capacity] = self.key_slab[:n, :capacity]
-        out.value_slab[:n, :capacity] = self.value_slab[:n, :capacity]
+        out.key_slab[:n, :capacity] = self.key_slab[:n]  # a pooled slab may hold more rows
+        out.value_slab[:n, :capacity] = self.value_slab[:n]
         out.num_tokens = self.num_tokens
         return out
 

@@ -77,10 +77,10 @@ class RunTiming:
     samples: tuple[Sample, ...]
     stall_s: float = 0.0  # waiting on KV loads (inside total_s, outside layer_s)
     selected: tuple[int, ...] = ()  # context rows each request recomputed (EPIC's skip its first chunk)
-    session: str = ""  # the profiling process that timed it: the machine's speed drifts between them
+    process: str = ""  # the profiling process that timed it: the machine's speed drifts between them
 
     def scaled(self, factor: float) -> "RunTiming":
-        """Every time divided by `factor` (a session `factor` x slower than the reference)."""
+        """Every time divided by `factor` (a process `factor` x slower than the reference)."""
         return replace(self, total_s=self.total_s / factor, layer_s=self.layer_s / factor,
                        stall_s=self.stall_s / factor,
                        samples=tuple(replace(x, seconds=x.seconds / factor) for x in self.samples))
@@ -98,7 +98,7 @@ class RunTiming:
         return {"key": key, "contexts": list(s.context_tokens), "suffix": list(s.suffix_tokens),
                 "prefix": list(s.prefix_tokens), "plan": list(self.plan), "total_s": self.total_s,
                 "layer_s": self.layer_s, "stall_s": self.stall_s, "selected": list(self.selected),
-                "session": self.session, "passes": [[x.kind, x.seconds] for x in self.samples]}
+                "process": self.process, "passes": [[x.kind, x.seconds] for x in self.samples]}
 
     @classmethod
     def from_record(cls, rec: dict, num_layers: int) -> "RunTiming":
@@ -106,7 +106,7 @@ class RunTiming:
         plan, selected = tuple(rec["plan"]), tuple(rec.get("selected") or ())
         return cls(shape, plan, rec["total_s"], rec["layer_s"],
                    _samples(shape, plan, num_layers, [s for _, s in rec["passes"]], selected),
-                   rec.get("stall_s", 0.0), selected, rec.get("session", ""))
+                   rec.get("stall_s", 0.0), selected, rec.get("process", ""))
 
 
 def plan_config(spec: tuple, num_layers: int) -> RecomputeConfig:
@@ -136,7 +136,7 @@ class TimingBench:
                  store: StoreConfig | None = None, transfer: TransferConfig | None = None,
                  chunk_tokens: tuple[int, int] = CHUNK_TOKENS, show_progress: bool = False) -> None:
         self.model = model
-        self.session = f"{os.getpid()}@{time.time():.0f}"  # runs timed by this process
+        self.process = f"{os.getpid()}@{time.time():.0f}"  # runs timed by this process
         self.store = ChunkStore(store or StoreConfig(root=Path(root)))
         self.transfer = TransferEngine(self.store, model, transfer)
         self.runner = BatchRunner(model)
@@ -189,7 +189,7 @@ class TimingBench:
             out.cache.release()  # as serving does after decoding: the slabs serve the next batch
         return RunTiming(shape, tuple(spec), total, rec.total_seconds(),
                          _samples(shape, spec, self.model.num_layers, [s.seconds for s in rec.stats], selected),
-                         stall, selected, self.session)
+                         stall, selected, self.process)
 
 
 def timed_quietly(bench: TimingBench, contexts, spec: tuple, seed: int, gate: Callable[[], QuietRun] | None,
@@ -284,26 +284,26 @@ def fit_costs(runs: list[RunTiming], num_layers: int, pass_weight: float = 1.0,
     cores with the passes they overlap (a batch's first Patch pass ran up to 3x the others), so
     per-pass times alone priced whole batches 10% off in either direction, by family. Each run's
     measured wait on KV loads comes off its TTFT first: the cost model's link walk prices waits.
-    Runs of several profiling sessions (processes) are brought to one speed first: this machine
-    ran 7% faster to 17% slower from one session to the next (`session_factors`, re-fit
+    Runs of several profiling processes are brought to one speed first: this machine
+    ran 7% faster to 17% slower from one process to the next (`process_factors`, re-fit
     `num_rounds` times); the costs are at the runs' geometric-mean speed."""
     factors: dict[str, float] = {}
-    costs, overhead = _fit_once([r.scaled(factors.get(r.session, 1.0)) for r in runs], num_layers, pass_weight)
-    if len({r.session for r in runs}) > 1:
+    costs, overhead = _fit_once([r.scaled(factors.get(r.process, 1.0)) for r in runs], num_layers, pass_weight)
+    if len({r.process for r in runs}) > 1:
         for _ in range(num_rounds - 1):
             model = scaffold(costs, overhead, num_layers, 1, None)
-            factors = session_factors(runs, model)
-            costs, overhead = _fit_once([r.scaled(factors[r.session]) for r in runs], num_layers, pass_weight)
+            factors = process_factors(runs, model)
+            costs, overhead = _fit_once([r.scaled(factors[r.process]) for r in runs], num_layers, pass_weight)
     return costs, overhead
 
 
-def session_factors(runs: list[RunTiming], model: CostModel) -> dict[str, float]:
-    """Per session, its median measured / predicted TTFT, over their geometric mean across runs."""
+def process_factors(runs: list[RunTiming], model: CostModel) -> dict[str, float]:
+    """Per process, its median measured / predicted TTFT, over their geometric mean across runs."""
     ratios: dict[str, list[float]] = {}
     for r in runs:
-        ratios.setdefault(r.session, []).append(r.total_s / predicted_ttft(model, r))
+        ratios.setdefault(r.process, []).append(r.total_s / predicted_ttft(model, r))
     factors = {s: float(np.median(v)) for s, v in ratios.items()}
-    level = float(np.exp(np.mean([np.log(factors[r.session]) for r in runs])))
+    level = float(np.exp(np.mean([np.log(factors[r.process]) for r in runs])))
     return {s: f / level for s, f in factors.items()}
 
 
@@ -411,4 +411,4 @@ def relative_errors(runs: list[RunTiming], model: CostModel) -> list[float]:
 
 __all__ = ["ALL", "PROFILE_PLANS", "RunSpec", "RunTiming", "Sample", "TimingBench", "default_grid", "design_row",
            "estimate_seconds", "fit_costs", "fit_relative", "scaffold", "timed_quietly", "measure", "plan_config",
-           "predicted_ttft", "relative_errors", "session_factors", "validation_error"]
+           "predicted_ttft", "relative_errors", "process_factors", "validation_error"]

@@ -27,7 +27,7 @@ from cachesmith.planner.cost_model import CostModel
 from cachesmith.planner.profile import DemandCurve, PhaseCost, Profile, ProfileError
 from cachesmith.profiler.bandwidth import tier_bandwidth
 from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
-                                       scaffold, session_factors, validation_error)
+                                       scaffold, process_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
 from cachesmith.profiler.quiet import QuietRun
 from cachesmith.recompute import full_prefill
@@ -112,12 +112,12 @@ def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, 
     costs, overhead = fit_costs(runs, model.num_layers)
     fitted = scaffold(costs, overhead, model.num_layers, kv_bytes_per_token_layer(pipe),
                       max(gbps.values(), default=10.0))
-    factors = session_factors(runs, fitted)
-    errs = np.abs(relative_errors([r.scaled(factors[r.session]) for r in runs], fitted))
+    factors = process_factors(runs, fitted)
+    errs = np.abs(relative_errors([r.scaled(factors[r.process]) for r in runs], fitted))
     return {"layer_costs": {k: asdict(v) for k, v in costs.items()}, "overhead": asdict(overhead),
             "grid": {"num_runs": len(runs), "max_tokens": config.max_tokens, "num_shapes": config.num_shapes,
                      "plans_per_shape": config.plans_per_shape, "measured_s": sum(r.total_s for r in runs),
-                     "wall_s": time.perf_counter() - start, "session_factors": factors,
+                     "wall_s": time.perf_counter() - start, "process_factors": factors,
                      "fit_median_abs_rel_err": float(np.median(errs)),
                      "fit_p90_abs_rel_err": float(np.quantile(errs, 0.9))}}
 

@@ -16,7 +16,7 @@ from cachesmith.planner.cost_model import overhead_features, phase_seconds
 from cachesmith.planner.profile import LAYER_KINDS, PROFILE_FORMAT, PhaseCost
 from cachesmith.profiler import run as run_mod
 from cachesmith.profiler.costs import (ALL, HELD_OUT, PROFILE_PLANS, VALIDATION_PLANS, RunSpec, RunTiming, _samples,
-                                       default_grid, design_row, fit_costs, predicted_ttft, session_factors)
+                                       default_grid, design_row, fit_costs, predicted_ttft, process_factors)
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
 from tests.planner.synthetic_profile import make_profile
@@ -120,17 +120,17 @@ def test_noisy_fit_keeps_the_per_request_and_placed_row_terms():
     assert np.median(np.abs(errors)) < 0.02 and np.abs(errors).max() < 0.1
 
 
-def test_sessions_at_other_speeds_are_brought_to_one_before_the_fit():
-    """Half the runs timed by a session 20% slower (the machine drifts between processes): the fit
-    recovers the costs at the runs' geometric-mean speed, and the sessions' factors."""
+def test_processes_at_other_speeds_are_brought_to_one_before_the_fit():
+    """Half the runs timed by a process 20% slower (the machine drifts between processes): the fit
+    recovers the costs at the runs' geometric-mean speed, and the processes' factors."""
     runs = _runs(_profile())
-    runs = [replace(r, session="a") if i % 2 else replace(r.scaled(1 / 1.2), session="b") for i, r in enumerate(runs)]
+    runs = [replace(r, process="a") if i % 2 else replace(r.scaled(1 / 1.2), process="b") for i, r in enumerate(runs)]
     costs, overhead = fit_costs(runs, L)
     level = math.sqrt(1.2)
     for kind, want in TRUE_COSTS.items():
         _close(costs[kind], want.scaled(level), 1e-2, 1e-8)
     _close(overhead, TRUE_OVERHEAD.scaled(level), 1e-2, 1e-8)
-    factors = session_factors(runs, CostModel(_profile(costs, overhead)))
+    factors = process_factors(runs, CostModel(_profile(costs, overhead)))
     assert factors["b"] / factors["a"] == pytest.approx(1.2, rel=1e-3)
 
 
