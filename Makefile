@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test setup system-deps bench lock latest clean
+.PHONY: demo test setup system-deps bench sanitize lock latest clean
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
@@ -40,6 +40,21 @@ test: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
+
+# The native kernels' tests against a build with AddressSanitizer and UBSan (any finding aborts the
+# run). The sanitized library lives under a CACHESMITH_HOME of its own (the model and corpus linked
+# in), so the regular build is untouched; the sanitizers' runtimes are preloaded into Python.
+SANITIZED_TESTS := tests/model/test_native.py tests/model/test_native_checks.py tests/model/test_native_long.py
+sanitize: $(STAMP)
+	$(BIN)/cachesmith models fetch smollm2-135m
+	@home=$$(mktemp -d -t cachesmith-sanitize-XXXXXX); src="$${CACHESMITH_HOME:-$$HOME/.cache/cachesmith}"; \
+	ln -s "$$src/models" "$$home/models"; mkdir -p "$$src/data" && ln -s "$$src/data" "$$home/data"; \
+	CACHESMITH_HOME="$$home" CACHESMITH_NATIVE_SANITIZE=1 \
+	LD_PRELOAD="$$(cc -print-file-name=libasan.so) $$(cc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZED_TESTS); status=$$?; \
+	nm -D "$$home"/native/decode_kernels-*.so | grep -q __asan_report || { echo "the kernels were not built with the sanitizers" >&2; status=1; }; \
+	rm -rf "$$home"; exit $$status
 
 # Refresh the lock: resolve pyproject.toml's ranges (and requirements.in's torch pin) anew, with hashes.
 # pip-compile then warns that torch is not pinned in the lock: expected, the install pins it first.

@@ -39,7 +39,15 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def cachesmith_home() -> Path:
-    return Path(os.environ.get("CACHESMITH_HOME", Path.home() / ".cache" / "cachesmith"))
+    """`$CACHESMITH_HOME`, else `~/.cache/cachesmith`; a RuntimeError naming both where neither is
+    known (no HOME and a user without a passwd entry, as in some containers)."""
+    if os.environ.get("CACHESMITH_HOME"):
+        return Path(os.environ["CACHESMITH_HOME"])
+    try:
+        return Path.home() / ".cache" / "cachesmith"
+    except RuntimeError as exc:
+        raise RuntimeError(f"no cache folder: CACHESMITH_HOME is unset and the home folder is unknown ({exc}); "
+                           "set CACHESMITH_HOME") from exc
 
 
 def models_root() -> Path:

@@ -40,8 +40,7 @@ def decode_step(model: Decoder, token_ids: Sequence[int], caches: Sequence[KVCac
     h = model.embed(model.as_token_tensor(token_ids))  # [num_seqs, hidden]
     if is_fused(model, len(caches)):  # every layer in one native call
         h = native.decode_layers(h, model.native_layer_table, _native_layouts(caches, starts),
-                                 cos.reshape(len(caches), -1).contiguous(), sin.reshape(len(caches), -1).contiguous(),
-                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+                                 cos.reshape(len(caches), -1).contiguous(), sin.reshape(len(caches), -1).contiguous())
         for cache, start in zip(caches, starts):
             cache.num_tokens = start + 1
         return model.head(model.norm(h))
@@ -63,13 +62,14 @@ def decode_step(model: Decoder, token_ids: Sequence[int], caches: Sequence[KVCac
     return model.head(model.norm(h))
 
 
-def _native_layouts(caches: Sequence[KVCache], starts: Sequence[int]) -> torch.Tensor:
+def _native_layouts(caches: Sequence[KVCache], starts: Sequence[int]) -> native.KVLayouts:
     """The native kernel's descriptor of each cache (its row `start` written by the step)."""
     for cache, start in zip(caches, starts):
         cache.reserve(start + 1)  # the kernel writes in place: room first
     return native.kv_layouts([c.keys[0] for c in caches], [c.values[0] for c in caches],
                              [start + 1 for start in starts],
-                             [(c.key_slab.stride(0), c.value_slab.stride(0)) for c in caches])
+                             [(c.key_slab.stride(0), c.value_slab.stride(0)) for c in caches],
+                             num_layers=caches[0].key_slab.shape[0])
 
 
 def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, caches: Sequence[KVCache],

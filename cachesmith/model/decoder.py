@@ -68,7 +68,7 @@ class Decoder:
         self.kv_pool = SlabPool()  # released caches' slabs, reused by the next ones
         self.is_native_attention = False  # decode rows attend through `model.native` (see `use_native`)
         self.native_rows = 0  # calls of up to this many rows multiply through `model.native`
-        self.native_layer_table: torch.Tensor | None = None  # set where whole decode layers run natively
+        self.native_layer_table: native.LayerTable | None = None  # set where whole decode layers run natively
         self._tune_kernels()
 
     @property
@@ -94,9 +94,12 @@ class Decoder:
         self.native_rows, self.is_native_attention = max_rows, is_attention
         is_whole = (max_rows > 0 and is_attention and not self.config.is_qk_norm and native.supports_layers(self.dtype)
                     and all(lin.native is not None for layer in self.layers for lin in layer.linears))
+        cfg = self.config
         self.native_layer_table = native.layer_table(
             [(*(lin.native for lin in layer.linears), layer.qkv_bias, layer.input_norm.weight, layer.post_norm.weight)
-             for layer in self.layers]) if is_whole else None
+             for layer in self.layers], hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps) if is_whole else None
 
     def _tune_kernels(self) -> None:
         """Measure which kernels one decode row goes to (`model.linear.tune_one_row`, then

@@ -6,7 +6,7 @@ In / out:
   equal to `F.linear` up to float32 summation order (bfloat16: accumulated in float32, rounded once);
 - `decode_attention(q [num_seqs, H, D], num_kv_heads, kv_layouts(...), layer)` -> `[num_seqs, H * D]`,
   each sequence's row over its own cache, equal to SDPA up to float32 rounding (`attend_one`: one row);
-- `decode_layers(h [num_seqs, hidden], layer_table(...), kv_layouts(...), cos, sin, ...)`: the
+- `decode_layers(h [num_seqs, hidden], layer_table(...), kv_layouts(...), cos, sin)`: the
   residual stream after every layer, rounding where torch's per-op path rounds.
 
 Why: one decoding row costs reading every weight once, and the libraries torch calls read one row's
@@ -23,118 +23,34 @@ every layer runs in one call. Whether a model's calls go here is measured at loa
 (`model.linear.tune_native`, `model.row_attention.tune_native_attention`).
 
 The library is compiled on first use with the system's C compiler (`cc`, `-march=native`, OpenMP:
-torch's own OpenMP runtime is already loaded, so both share its threads) into a per-user cache
-(`$CACHESMITH_HOME/native`) keyed by the sources, the compiler and the CPU. Without a compiler,
-AVX-512 or a writable cache, nothing fails: `library()` is None and torch's kernels serve every call.
+torch's own OpenMP runtime is already loaded, so both share its threads) by `model.native_build`.
+Without a compiler, AVX-512 or a writable cache, nothing fails: `library()` is None and torch's
+kernels serve every call.
+
+The C side trusts every pointer, length and stride it is given, so everything that becomes one is
+checked here first and a mismatch raises ValueError naming the argument and what was expected:
+the caches' bounds and layouts when `kv_layouts` builds their descriptor (once per step), the
+weights' shapes when `layer_table` builds theirs (once per load), and, per call, only how the
+arguments agree with those descriptors. A kernel that cannot allocate its scratch raises MemoryError.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Sequence
-from pathlib import Path
-
 import torch
 
-from cachesmith.model.assets import cachesmith_home
+from cachesmith.model.native_build import library
+from cachesmith.model.native_descriptors import (  # noqa: F401  (re-exported: the kernels' API)
+    NUM_LAYOUT_FIELDS, NUM_WEIGHT_FIELDS, PANEL, KVLayouts, LayerTable, kv_layouts, layer_table, packed_dims)
 
-log = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(_CSRC / name for name in ("small_rows.c", "one_row_attention.c", "decode_layers.c"))
-HEADERS = (_CSRC / "simd_math.h",)
 # The matmul alone, against oneDNN: 1.1-2.5x at up to 8 rows (timed at load at 1 and TUNED_ROWS
 # rows), even at 16 (0.8-1.1x), slower at 32. Up to 16 rows go native all the same: a step of 16
 # streams then runs every layer in one call (`decode_layers`), 1.2-1.5x the tokens/s of the
 # per-layer path through oneDNN here.
 MAX_NATIVE_ROWS = 16
 TUNED_ROWS = 8
-PANEL = 32  # output columns per packed panel (the C side's PANEL)
 _KERNEL_BITS = {torch.float32: 1, torch.bfloat16: 2}
 _SYMBOLS = {torch.float32: "cs_matmul_f32", torch.bfloat16: "cs_matmul_bf16"}
 _ATTEND_SYMBOLS = {torch.float32: "cs_decode_attention_f32", torch.bfloat16: "cs_decode_attention_bf16"}
-NUM_LAYOUT_FIELDS = 10  # the C side's per-sequence descriptor (see `kv_layouts`)
 _LAYERS_SYMBOLS = {torch.float32: "cs_decode_layers_f32", torch.bfloat16: "cs_decode_layers_bf16"}
-NUM_WEIGHT_FIELDS = 7  # the C side's per-layer weight addresses (see `layer_table`)
-
-
-def cache_dir() -> Path:
-    return cachesmith_home() / "native"
-
-
-def _compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _build_key(compiler: str) -> str:
-    """Source, compiler version and CPU: -march=native code is only valid on the CPU it targets."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    cpu = platform.processor() + platform.machine()
-    try:
-        cpu += next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    return hashlib.sha256(sources + version.encode() + cpu.encode()).hexdigest()[:16]
-
-
-def build(out_dir: Path, compiler: str) -> Path:
-    """Compile the kernels into `out_dir` (atomically: a half-written library is never loaded)."""
-    target = out_dir / f"decode_kernels-{_build_key(compiler)}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        # 512-bit vectors where the compiler vectorizes (the exp loop): it may prefer 256 otherwise
-        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
-        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels for this CPU, or None (said once in the log) where they cannot be had."""
-    compiler = _compiler()
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        log.info("native small-row kernels off: no C compiler or not x86-64; torch's kernels serve")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(cache_dir(), compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("native small-row kernels off: building them failed (%s); torch's kernels serve", detail)
-        return None
-    lib.cs_kernels.restype = ctypes.c_int
-    for symbol in _SYMBOLS.values():
-        if hasattr(lib, symbol):
-            fn = getattr(lib, symbol)
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-            fn.restype = None
-    for symbol in _ATTEND_SYMBOLS.values():
-        if hasattr(lib, symbol):
-            fn = getattr(lib, symbol)
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            fn.restype = None
-    for symbol in _LAYERS_SYMBOLS.values():
-        if hasattr(lib, symbol):
-            fn = getattr(lib, symbol)
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
-            fn.restype = None
-    return lib
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -158,8 +74,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_rows, in] @ the packed weight -> [num_rows, out] (+ bias)."""
-    num_out = packed.shape[0] * PANEL
-    num_in = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
+    num_out, num_in = packed_dims(packed)
     if x.ndim != 2 or x.shape[1] != num_in or x.dtype != packed.dtype or x.device.type != "cpu":
         # the kernel reads raw memory: a wrong shape would read past the tensor, not raise
         raise ValueError(f"native matmul: x {tuple(x.shape)} {x.dtype} does not fit a weight of "
@@ -178,58 +93,65 @@ def supports_attention(dtype: torch.dtype, head_dim: int) -> bool:
     return lib is not None and hasattr(lib, _ATTEND_SYMBOLS.get(dtype, "")) and head_dim > 0 and head_dim % 16 == 0
 
 
-def kv_layouts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], num_keys: Sequence[int],
-               layer_strides: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
-    """The C side's descriptor [num_seqs, 10] int64 of each sequence's layer-0 keys and values
-    [capacity, Hkv, D] (any token and head strides, unit stride within a head), its number of keys
-    and its (key, value) layer strides in elements (None: one layer). Every tensor must stay alive
-    (and in place) while the descriptor is used."""
-    rows = []
-    for j, (k, v, n) in enumerate(zip(keys, values, num_keys, strict=True)):
-        k_layer, v_layer = (0, 0) if layer_strides is None else layer_strides[j]
-        if (k.stride(2) != 1 or v.stride(2) != 1 or k.shape != v.shape or k.dtype != v.dtype
-                or k.device.type != "cpu" or not 0 < n <= k.shape[0]):
-            # the kernel reads raw memory: a wrong shape or stride would read past the tensors, not raise
-            raise ValueError(f"native attention: keys {tuple(k.shape)} {tuple(k.stride())} and values "
-                             f"{tuple(v.shape)} {tuple(v.stride())} with {n} keys do not fit the kernel")
-        rows.append([k.data_ptr(), v.data_ptr(), n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                     k_layer, v_layer, 0])
-    return torch.tensor(rows, dtype=torch.int64)  # [num_seqs, NUM_LAYOUT_FIELDS]
+def _attention_mismatch(q: torch.Tensor, num_kv_heads: int, layouts: KVLayouts, layer: int,
+                        k_new: torch.Tensor | None, v_new: torch.Tensor | None) -> str | None:
+    """What of a `decode_attention` call does not fit its layouts, or None. Plain compares: this
+    runs once per layer of every decode step."""
+    if not isinstance(layouts, KVLayouts):
+        return f"layouts is a {type(layouts).__name__}, expected native.KVLayouts (from kv_layouts)"
+    if q.ndim != 3 or q.shape[0] != layouts.num_seqs or q.shape[2] != layouts.head_dim:
+        return (f"q is {tuple(q.shape)}, expected [{layouts.num_seqs}, H, {layouts.head_dim}] "
+                "(the layouts' sequences, head size)")
+    if q.dtype != layouts.dtype or q.device.type != "cpu":
+        return f"q is {q.dtype} on {q.device}, expected the caches' {layouts.dtype} on cpu"
+    if num_kv_heads != layouts.num_kv_heads or q.shape[1] % num_kv_heads:
+        return (f"num_kv_heads is {num_kv_heads}, expected the caches' {layouts.num_kv_heads}, dividing "
+                f"q's {q.shape[1]} heads")
+    if not 0 <= layer < layouts.num_layers:
+        return f"layer is {layer}, expected 0 to {layouts.num_layers - 1} (the caches' layers)"
+    if (k_new is None) != (v_new is None):
+        return "k_new and v_new are one given, one None, expected both or neither"
+    expected = (layouts.num_seqs, layouts.num_kv_heads, layouts.head_dim)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t is not None and (t.shape != expected or t.dtype != q.dtype or t.device.type != "cpu"):
+            return f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected {list(expected)} {q.dtype} on cpu"
+    if not supports_attention(q.dtype, layouts.head_dim):
+        return (f"head size is {layouts.head_dim} in {q.dtype}, expected a multiple of 16 in a dtype "
+                "this CPU's kernels take")
+    return None
 
 
-def decode_attention(q: torch.Tensor, num_kv_heads: int, layouts: torch.Tensor, layer: int = 0,
+def _raise_if_short(num_bytes: int, what: str) -> None:
+    if num_bytes:
+        raise MemoryError(f"{what}: could not allocate {num_bytes} bytes of scratch memory")
+
+
+def decode_attention(q: torch.Tensor, num_kv_heads: int, layouts: KVLayouts, layer: int = 0,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Each sequence's rotated queries q [num_seqs, H, D] over its keys and values in layer `layer`
-    (`kv_layouts`, whose tensors must be of q's dtype) -> softmax(q k^T / sqrt(D)) v as
-    [num_seqs, H * D]. Given k_new and v_new [num_seqs, Hkv, D], each is first written as its
-    sequence's last key and value (row num_keys - 1)."""
+    (`kv_layouts`) -> softmax(q k^T / sqrt(D)) v as [num_seqs, H * D]. Given k_new and
+    v_new [num_seqs, Hkv, D], each is first written as its sequence's last key and value (row
+    num_keys - 1)."""
+    mismatch = _attention_mismatch(q, num_kv_heads, layouts, layer, k_new, v_new)
+    if mismatch is not None:
+        raise ValueError(f"native attention: {mismatch}")
     num_seqs, num_heads, head_dim = q.shape
-    new_shape = (num_seqs, num_kv_heads, head_dim)
-    if (num_heads % num_kv_heads or layouts.shape != (num_seqs, NUM_LAYOUT_FIELDS)
-            or not supports_attention(q.dtype, head_dim)
-            or (k_new is None) != (v_new is None)
-            or (k_new is not None and not (k_new.shape == v_new.shape == new_shape
-                                           and k_new.dtype == v_new.dtype == q.dtype))):
-        raise ValueError(f"native attention: q {tuple(q.shape)} ({q.dtype}) over {num_kv_heads} KV heads and "
-                         f"{tuple(layouts.shape)} layouts does not fit the kernel")
     q = q.contiguous()
     k_new, v_new = (None, None) if k_new is None else (k_new.contiguous(), v_new.contiguous())
     out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)  # [num_seqs, H * D]
     kernel = getattr(library(), _ATTEND_SYMBOLS[q.dtype])
-    kernel(q.data_ptr(), None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
-           out.data_ptr(), layouts.data_ptr(), num_seqs, layer, num_kv_heads, num_heads // num_kv_heads, head_dim,
-           head_dim ** -0.5, torch.get_num_threads())
+    _raise_if_short(kernel(q.data_ptr(), None if k_new is None else k_new.data_ptr(),
+                           None if v_new is None else v_new.data_ptr(), out.data_ptr(), layouts.table.data_ptr(),
+                           num_seqs, layer, num_kv_heads, num_heads // num_kv_heads, head_dim, head_dim ** -0.5,
+                           torch.get_num_threads()), "native attention")
     return out
 
 
 def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One row's rotated queries q [H, D] over keys, values [T, Hkv, D] (any token and head strides,
     unit stride within a head) -> softmax(q k^T / sqrt(D)) v as [H * D]."""
-    if keys.dtype != q.dtype or keys.ndim != 3 or keys.shape[2] != q.shape[-1]:
-        raise ValueError(f"native attention: q {tuple(q.shape)} ({q.dtype}) over keys {tuple(keys.shape)} "
-                         f"({keys.dtype}) does not fit the kernel")
     layouts = kv_layouts([keys], [values], [keys.shape[0]])
-    return decode_attention(q[None], keys.shape[1], layouts)[0]
+    return decode_attention(q[None], layouts.num_kv_heads, layouts)[0]
 
 
 def supports_layers(dtype: torch.dtype) -> bool:
@@ -238,28 +160,43 @@ def supports_layers(dtype: torch.dtype) -> bool:
     return lib is not None and hasattr(lib, _LAYERS_SYMBOLS.get(dtype, ""))
 
 
-def layer_table(layers: Sequence[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    """The C side's per-layer weight addresses [num_layers, 7] int64 from, per layer, the packed
-    qkv, o, gate|up and down weights (`pack`), the qkv bias (or None) and the input and
-    post-attention norm weights. The tensors must stay alive while the table is used."""
-    return torch.tensor([[0 if t is None else t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64)
+def _layers_mismatch(h: torch.Tensor, table: LayerTable, layouts: KVLayouts, cos: torch.Tensor,
+                     sin: torch.Tensor) -> str | None:
+    """What of a `decode_layers` call does not fit its weights and caches, or None."""
+    if not isinstance(table, LayerTable) or not isinstance(layouts, KVLayouts):
+        return (f"table and layouts are a {type(table).__name__} and a {type(layouts).__name__}, expected "
+                "native.LayerTable and native.KVLayouts")
+    if h.ndim != 2 or h.shape != (layouts.num_seqs, table.hidden) or not h.is_contiguous():
+        return f"h is {tuple(h.shape)}, expected contiguous [{layouts.num_seqs}, {table.hidden}] (sequences, hidden)"
+    if h.dtype != table.dtype or layouts.dtype != table.dtype or h.device.type != "cpu":
+        return (f"h and the caches are {h.dtype} and {layouts.dtype} on {h.device}, expected the weights' "
+                f"{table.dtype} on cpu")
+    if (layouts.num_kv_heads, layouts.head_dim) != (table.num_kv_heads, table.head_dim):
+        return (f"the caches' (KV heads, head size) is {(layouts.num_kv_heads, layouts.head_dim)}, expected the "
+                f"weights' {(table.num_kv_heads, table.head_dim)}")
+    if layouts.num_layers < table.num_layers:
+        return f"the caches hold {layouts.num_layers} layers, expected at least the weights' {table.num_layers}"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (layouts.num_seqs, table.head_dim) or t.dtype != h.dtype or not t.is_contiguous():
+            return (f"{name} is {tuple(t.shape)} {t.dtype}, expected contiguous "
+                    f"[{layouts.num_seqs}, {table.head_dim}] {h.dtype}")
+    if not (supports_layers(h.dtype) and supports_attention(h.dtype, table.head_dim)):
+        return f"dtype {h.dtype} with head size {table.head_dim} has no kernel on this CPU"
+    return None
 
 
-def decode_layers(h: torch.Tensor, table: torch.Tensor, layouts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> torch.Tensor:
+def decode_layers(h: torch.Tensor, table: LayerTable, layouts: KVLayouts, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
     """Every layer of one decode step (csrc/decode_layers.c): the residual stream h [num_seqs, hidden]
     of each sequence, updated in place and returned, each sequence's new K/V written into its cache
     (`kv_layouts`, whose rows num_keys - 1 are the new ones). cos, sin [num_seqs, head_dim] are the
     sequences' rotary tables in h's dtype; the weights (`layer_table`) are h's dtype too."""
-    num_seqs, hidden = h.shape
-    if (not h.is_contiguous() or not supports_layers(h.dtype) or table.shape[1:] != (NUM_WEIGHT_FIELDS,)
-            or layouts.shape != (num_seqs, NUM_LAYOUT_FIELDS) or cos.shape != (num_seqs, head_dim)
-            or sin.shape != cos.shape or cos.dtype != h.dtype or sin.dtype != h.dtype
-            or not (cos.is_contiguous() and sin.is_contiguous()) or num_heads % num_kv_heads
-            or not supports_attention(h.dtype, head_dim)):
-        raise ValueError(f"native decode layers: h {tuple(h.shape)} ({h.dtype}), table {tuple(table.shape)}, "
-                         f"layouts {tuple(layouts.shape)}, cos {tuple(cos.shape)} do not fit the kernel")
+    mismatch = _layers_mismatch(h, table, layouts, cos, sin)
+    if mismatch is not None:
+        raise ValueError(f"native decode layers: {mismatch}")
     kernel = getattr(library(), _LAYERS_SYMBOLS[h.dtype])
-    kernel(h.data_ptr(), table.data_ptr(), layouts.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_seqs,
-           table.shape[0], hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, torch.get_num_threads())
+    _raise_if_short(kernel(h.data_ptr(), table.table.data_ptr(), layouts.table.data_ptr(), cos.data_ptr(),
+                           sin.data_ptr(), h.shape[0], table.num_layers, table.hidden, table.num_heads,
+                           table.num_kv_heads, table.head_dim, table.intermediate, table.eps,
+                           torch.get_num_threads()), "native decode layers")
     return h

@@ -112,12 +112,14 @@ def tune_native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtyp
               for _ in range(16)]  # [2, T, Hkv, D] views of head-major K and V
     q = torch.randn(num_heads, head_dim, generator=g).to(dtype)
     split = key_split(num_keys, num_kv_heads, dtype, q.device)
+    # a decode step describes its caches once and attends through them in every layer
+    layouts = [native.kv_layouts([cache[0]], [cache[1]], [num_keys]) for cache in caches]
 
     def one_pass(is_native: bool) -> float:
         start = time.perf_counter()
-        for cache in caches:
+        for cache, layout in zip(caches, layouts):
             if is_native:
-                native.attend_one(q, cache[0], cache[1])
+                native.decode_attention(q[None], num_kv_heads, layout)
             else:
                 attend_one(q, cache[0], cache[1], num_kv_heads, split)
         return time.perf_counter() - start

@@ -84,6 +84,12 @@ class Tokenizer:
             suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )
 
+    def frame_lengths(self, question: str, system: str | None = None, answer_prefix: str = "",
+                      history: Sequence[tuple[str, str]] = ()) -> tuple[int, int]:
+        """How many tokens `rag_prompt_parts` puts before the documents and after them."""
+        head, tail = self._around_documents(system, history)
+        return len(self.encode(head)), len(self.encode(question + tail + answer_prefix, field="question"))
+
     def _around_documents(self, system: str | None, history: Sequence[tuple[str, str]]) -> tuple[str, str]:
         """The chat text before and after the last user turn's content."""
         head, tail = self.chat_text(_messages(system, history) + [{"role": "user", "content": _SLOT}]).split(_SLOT)

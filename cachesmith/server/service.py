@@ -149,7 +149,7 @@ class Service:
         try:
             max_tokens, slo_s = self._limits(spec)
             self.loop.check_capacity()  # before any costly work
-            keys, fresh = self._store_chunks(spec.documents, self._tokenize(spec.documents), pinned)
+            keys, fresh = self._store_chunks(spec.documents, self._tokenize(spec, max_tokens), pinned)
             num_prefix_stored = self._ensure_prefix(spec, pinned)
             instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
                                         answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
@@ -201,12 +201,12 @@ class Service:
             raise InputError(f"slo_ms={slo_s * 1e3:g}: must be positive and at most {cfg.max_slo_s * 1e3:g}")
         return max_tokens, slo_s
 
-    def _tokenize(self, documents: Sequence[DocumentRef]) -> list[list[int] | None]:
-        """Token ids of text documents (None for stored ones), checked against the model's positions
-        before any chunk is prefilled."""
+    def _tokenize(self, spec: CompletionSpec, max_tokens: int) -> list[list[int] | None]:
+        """Token ids of text documents (None for stored ones), checked with the whole prompt and
+        `max_tokens` against the model's positions before any chunk is prefilled."""
         out: list[list[int] | None] = []
         total = 0
-        for i, doc in enumerate(documents):
+        for i, doc in enumerate(spec.documents):
             if (doc.text is None) == (doc.chunk_id is None):
                 raise InputError(f"documents[{i}]: give a text or a chunk id, exactly one")
             if doc.chunk_id is not None:
@@ -223,6 +223,14 @@ class Service:
         limit = self.pipeline.model.config.max_positions
         if total > limit:
             raise InputError(f"documents: {total} context tokens exceed the model's {limit} positions")
+        num_prefix, num_suffix = self.pipeline.tokenizer.frame_lengths(
+            spec.question, spec.system or self.pipeline.system, spec.answer_prefix, spec.history)
+        if num_prefix + total + num_suffix + max_tokens > limit:
+            # the documents are at fault only where the rest of the prompt fits without them
+            is_rest_long = num_prefix + num_suffix + max_tokens > limit
+            field = "documents" if spec.documents and not is_rest_long else "messages" if spec.is_chat else "prompt"
+            raise InputError(f"{field}: the prompt's {num_prefix + total + num_suffix} tokens + max_tokens "
+                             f"{max_tokens} exceed the model's {limit} positions")
         return out
 
     def _store_chunks(self, documents, token_ids, pinned: list[str]) -> tuple[list[str], list[bool]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cachesmith.model import Decoder, native
+from cachesmith.model import Decoder, native, native_build
 from cachesmith.model import linear as linear_mod
 from cachesmith.model.decode import decode_step
 from cachesmith.model.linear import Linear, tune_native
@@ -118,7 +118,7 @@ def test_one_call_writes_and_attends_sequences_of_any_length(dtype):
     slabs = [torch.randn(2, num_layers, n + 2, num_kv_heads, head_dim, generator=g).to(dtype) for n in lengths]
     before = [s.clone() for s in slabs]
     layouts = native.kv_layouts([s[0, 0] for s in slabs], [s[1, 0] for s in slabs], [n + 1 for n in lengths],
-                                [(s.stride(1), s.stride(1)) for s in slabs])
+                                [(s.stride(1), s.stride(1)) for s in slabs], num_layers=num_layers)
     q = torch.randn(len(lengths), 6, head_dim, generator=g).to(dtype)
     k_new, v_new = torch.randn(2, len(lengths), num_kv_heads, head_dim, generator=g).to(dtype)
     out = native.decode_attention(q, num_kv_heads, layouts, 1, k_new, v_new)  # layer 1
@@ -158,7 +158,7 @@ def test_no_compiler_means_torch_kernels_and_no_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path))
     native.library.cache_clear()
     try:
-        monkeypatch.setattr(native, "_compiler", lambda: str(tmp_path / "no-such-cc"))
+        monkeypatch.setattr(native_build, "compiler", lambda: str(tmp_path / "no-such-cc"))
         assert native.library() is None and not native.supports(torch.float32)
         lin = Linear(torch.randn(96, 64))
         assert native.pack(lin.weight) is None and tune_native([lin]) == 0 and lin.one_row_kernel != "native"

@@ -106,3 +106,24 @@ def test_answer_prefix_is_continued_as_in_the_pipeline(service):
     assert res.error is None and tokens == want.token_ids
     plain = service.submit(spec([DocumentRef(text=d) for d in DOCS])).result(timeout=60)
     assert res.num_prompt_tokens > plain.num_prompt_tokens
+
+
+def test_a_prompt_past_the_window_is_refused_before_its_chunks_are_prefilled(service):
+    """Documents that fit the 1,024 positions alone but not with the rest of the prompt and
+    max_tokens: refused naming the documents, and none of them prefilled or stored."""
+    pipe = service.pipeline
+    texts = [" ".join(["lantern harbor meadow"] * 120), " ".join(["copper amber falcon"] * 120)]
+    num_context = sum(len(pipe.tokenizer.chunk_ids(t)) for t in texts)
+    num_prefix, num_suffix = pipe.tokenizer.frame_lengths(QUESTION, pipe.system)
+    num_prompt = num_prefix + num_context + num_suffix
+    max_tokens = 1024 - num_prompt + 1  # one token past the window
+    assert 0 < max_tokens and num_context < 1024
+    docs = [DocumentRef(text=t) for t in texts]
+    with pytest.raises(InputError, match=rf"^documents: the prompt's {num_prompt} tokens \+ max_tokens "
+                                         rf"{max_tokens} exceed the model's 1024 positions"):
+        service.submit(spec(docs, max_tokens=max_tokens))
+    assert service.store.keys() == [] and not service._pins
+    res = service.submit(spec(docs, max_tokens=max_tokens - 1)).result(timeout=60)  # fits exactly
+    assert res.error is None and res.num_prompt_tokens == num_prompt
+    with pytest.raises(InputError, match=r"^prompt: the prompt's"):  # no documents: the prompt is at fault
+        service.submit(CompletionSpec((), " ".join(["river"] * 1100), max_tokens=4))

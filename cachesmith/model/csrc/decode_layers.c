@@ -7,7 +7,7 @@
  * normalized row, then its product with the weight; RoPE rounds x1 * cos, then the sum), so the
  * result is torch's up to float32 summation order. The final norm and LM head stay with the caller.
  *
- * Built by cachesmith/model/native.py (see there for why). Per layer, `weights` holds the
+ * Built by cachesmith/model/native_build.py, called by native.py (see there for why). Per layer, `weights` holds the
  * addresses of: the packed qkv, o, gate|up and down weights (native.pack), the qkv bias (0: none),
  * the input and post-attention norm weights.
  */
@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernel_alloc.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "simd_math.h"
@@ -79,15 +80,22 @@ GLUE(uint16_t, bf16)
 
 #define LAYERS(NAME, T, S, MATMUL, ATTEND)                                                   \
 void MATMUL(const T*, const T*, T*, int64_t, int64_t, int64_t, int);                         \
-void ATTEND(const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,     \
-            int64_t, int64_t, float, int);                                                   \
-void NAME(T* h, const int64_t* weights, const int64_t* seqs, const T* cos, const T* sin,    \
+int64_t ATTEND(const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,  \
+               int64_t, int64_t, float, int);                                                \
+int64_t NAME(T* h, const int64_t* weights, const int64_t* seqs, const T* cos, const T* sin,    \
           int64_t num_seqs, int64_t num_layers, int64_t hidden, int64_t num_heads,           \
           int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps, int num_threads) { \
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;               \
     int64_t qkv_size = q_size + 2 * kv_size, n = num_seqs;                                   \
-    T* buf = malloc(sizeof(T) * n * (2 * hidden + qkv_size + 2 * q_size + 2 * kv_size + 3 * inter)); \
-    float* gate = malloc(sizeof(float) * inter);                                             \
+    size_t buf_bytes = sizeof(T) * n * (2 * hidden + qkv_size + 2 * q_size + 2 * kv_size + 3 * inter); \
+    T* buf = cs_malloc(buf_bytes);                                                           \
+    float* gate = cs_malloc(sizeof(float) * inter);                                          \
+    if (!buf || !gate) {  /* the bytes not had: the caller raises MemoryError */             \
+        free(buf);                                                                           \
+        free(gate);                                                                          \
+        return (int64_t)(buf ? sizeof(float) * inter : buf_bytes);                           \
+    }                                                                                        \
+    int64_t failed = 0;                                                                      \
     T *x = buf, *qkv = x + n * hidden, *q = qkv + n * qkv_size, *k = q + n * q_size;         \
     T *v = k + n * kv_size, *attn = v + n * kv_size, *o = attn + n * q_size;                 \
     T *gu = o + n * hidden, *act = gu + n * 2 * inter;                                       \
@@ -102,8 +110,9 @@ void NAME(T* h, const int64_t* weights, const int64_t* seqs, const T* cos, const
             memcpy(k + s * kv_size, qkv + s * qkv_size + q_size, sizeof(T) * kv_size);       \
             memcpy(v + s * kv_size, qkv + s * qkv_size + q_size + kv_size, sizeof(T) * kv_size); \
         }                                                                                    \
-        ATTEND(q, k, v, attn, seqs, n, l, num_kv_heads, num_heads / num_kv_heads, head_dim,  \
-               1.0f / sqrtf((float)head_dim), num_threads);                                  \
+        failed = ATTEND(q, k, v, attn, seqs, n, l, num_kv_heads, num_heads / num_kv_heads,   \
+                        head_dim, 1.0f / sqrtf((float)head_dim), num_threads);               \
+        if (failed) break;                                                                   \
         MATMUL((const T*)(intptr_t)w[1], attn, o, n, hidden, q_size, num_threads);           \
         add_##S(h, o, n * hidden);                                                           \
         rms_norm_##S(h, (const T*)(intptr_t)w[6], x, n, hidden, eps);                        \
@@ -114,6 +123,7 @@ void NAME(T* h, const int64_t* weights, const int64_t* seqs, const T* cos, const
     }                                                                                        \
     free(gate);                                                                              \
     free(buf);                                                                               \
+    return failed;                                                                           \
 }
 
 LAYERS(cs_decode_layers_f32, float, f32, cs_matmul_f32, cs_decode_attention_f32)

@@ -5,7 +5,7 @@
  * out [num_kv_heads * group, head_dim]: softmax(q k^T * scale) v, in float32 throughout.
  * head_dim must be a multiple of 16.
  *
- * Built by cachesmith/model/native.py (see there for why). One call serves every sequence of a
+ * Built by cachesmith/model/native_build.py, called by native.py (see there for why). One call serves every sequence of a
  * decode step's layer, so one parallel region does the layer. A long sequence's keys are cut into
  * one range per thread (any number of KV heads then splits evenly); a range keeps its own maximum,
  * sum and weighted values, merged at the end by their log-sum-exp. Scores are made 8 keys at a time
@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "kernel_alloc.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "simd_math.h"
@@ -232,7 +233,7 @@ static void merge(const float* part_max, const float* part_sum, const float* par
  * key (row num_keys - 1). Each sequence's keys are cut into one range per thread once long enough;
  * shorter sequences go whole, one per thread in turn. */
 #define ATTEND(NAME, T, TO_FLOAT, FROM_FLOAT)                                                \
-void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seqs,          \
+int64_t NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seqs,          \
           int64_t num_seqs, int64_t layer, int64_t num_kv_heads, int64_t group, int64_t head_dim, \
           float scale, int num_threads) {                                                    \
     int64_t num_queries = num_kv_heads * group, per_seq = num_queries * head_dim;            \
@@ -249,10 +250,19 @@ void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seq
             memcpy(vd, v_new + (s * num_kv_heads + h) * head_dim, sizeof(T) * head_dim);     \
         }                                                                                    \
     }                                                                                        \
-    float* qf = malloc(sizeof(float) * (num_seqs * per_seq * 2));                            \
-    float* outf = qf + num_seqs * per_seq;                                                   \
     int64_t part_stride = num_queries * num_parts * (2 + head_dim);                          \
-    float* parts = malloc(sizeof(float) * num_seqs * part_stride);                           \
+    size_t qf_bytes = sizeof(float) * num_seqs * per_seq * 2;                                \
+    size_t parts_bytes = sizeof(float) * num_seqs * part_stride;                             \
+    size_t scores_bytes = sizeof(float) * 3 * (max_keys + 8);                                \
+    float* qf = cs_malloc(qf_bytes);                                                         \
+    float* parts = cs_malloc(parts_bytes);                                                   \
+    if (!qf || !parts) {                                                                     \
+        free(qf);                                                                            \
+        free(parts);                                                                         \
+        return (int64_t)(qf ? parts_bytes : qf_bytes);                                       \
+    }                                                                                        \
+    float* outf = qf + num_seqs * per_seq;                                                   \
+    int is_short = 0;  /* a thread that could not get its scores buffer */                   \
     for (int64_t i = 0; i < num_seqs * per_seq; i++) qf[i] = TO_FLOAT(q[i]);                 \
     for (int64_t s = 0; s < num_seqs; s++)                                                   \
         for (int64_t i = 0; i < 2 * num_queries * num_parts; i++)                            \
@@ -260,8 +270,12 @@ void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seq
     _Pragma("omp parallel num_threads(num_parts)")                                           \
     {                                                                                        \
         int part = omp_get_thread_num(), nt = omp_get_num_threads();                         \
-        float* scores = malloc(sizeof(float) * 3 * (max_keys + 8));                          \
-        for (int64_t s = 0; s < num_seqs; s++) {                                             \
+        float* scores = cs_malloc(scores_bytes);                                             \
+        if (!scores) {                                                                       \
+            _Pragma("omp atomic write")                                                      \
+            is_short = 1;                                                                    \
+        }                                                                                    \
+        for (int64_t s = 0; scores && s < num_seqs; s++) {                                   \
             const int64_t* d = seqs + 10 * s;                                                \
             layout lay = { d[2], d[3], d[4], d[5], d[6] };                                   \
             const T* k = (const T*)(intptr_t)d[0] + layer * d[7];                            \
@@ -283,6 +297,11 @@ void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seq
         }                                                                                    \
         free(scores);                                                                        \
     }                                                                                        \
+    if (is_short) {                                                                          \
+        free(parts);                                                                         \
+        free(qf);                                                                            \
+        return (int64_t)scores_bytes;                                                        \
+    }                                                                                        \
     for (int64_t s = 0; s < num_seqs; s++) {                                                 \
         float* pm = parts + s * part_stride;                                                 \
         merge(pm, pm + num_queries * num_parts, pm + 2 * num_queries * num_parts,            \
@@ -291,6 +310,7 @@ void NAME(const T* q, const T* k_new, const T* v_new, T* out, const int64_t* seq
     for (int64_t i = 0; i < num_seqs * per_seq; i++) out[i] = FROM_FLOAT(outf[i]);           \
     free(parts);                                                                             \
     free(qf);                                                                                \
+    return 0;                                                                                \
 }
 
 #define IDENTITY(x) (x)

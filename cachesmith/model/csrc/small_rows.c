@@ -1,6 +1,6 @@
 /* Small-row matmuls for decode, y[M, N] = x[M, K] @ w[N, K]^T, over a weight packed once at load.
  *
- * Built by cachesmith/model/native.py with the CPU's own instruction set (-march=native); see there
+ * Built by cachesmith/model/native_build.py with the CPU's own instruction set (-march=native); see native.py
  * for why and for the measurements. The packed weight is a run of panels of 32 output columns,
  * each read front to back: float32 [N / 32, K, 32]; bfloat16 [N / 32, K / 2, 32, 2] (the pairs
  * `vdpbf16ps` multiplies). For every k, a panel's 32 weights are multiplied by each row's x[m, k]
@@ -9,14 +9,25 @@
  * panels. Accumulation is in float32; bfloat16 outputs are rounded to nearest even, as torch does.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "kernel_alloc.h"
 
 #define PANEL 32
 #define MAX_GROUP_ROWS 12
+
+static int64_t max_alloc = -1;  /* see kernel_alloc.h */
+
+void cs_set_max_alloc(int64_t max_bytes) { max_alloc = max_bytes; }
+
+void* cs_malloc(size_t num_bytes) {
+    if (max_alloc >= 0 && (uint64_t)num_bytes > (uint64_t)max_alloc) return NULL;
+    return malloc(num_bytes);
+}
 
 int cs_kernels(void) {  /* bit 0: float32, bit 1: bfloat16 */
     int kernels = 0;
