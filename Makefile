@@ -43,7 +43,7 @@ test: $(STAMP) system-deps
 test-vllm: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); import vllm_server; print(vllm_server.python())"
-	$(BIN)/python -m pytest -q -s -m vllm tests/integrations
+	$(BIN)/python -m pytest -q -m vllm tests/integrations
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py

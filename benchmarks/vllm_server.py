@@ -48,7 +48,7 @@ def _run(cmd: list, log: Path) -> None:
 
 
 def python() -> Path:
-    """The venv's python, with vLLM installed on first use (several minutes, about 2 GB)."""
+    """The venv's python, with vLLM installed on first use (1-2 minutes, about 3.5 GB)."""
     venv = root() / "venv"
     stamp = venv / f".installed-{VLLM_PACKAGE}-{'-'.join(CACHESMITH_EXTRAS)}"
     if stamp.is_file():

@@ -206,10 +206,8 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
     future = await run_in_threadpool(service.submit, spec, stream.on_token if stream else None)
     if future.done() and future.result().error is not None and not future.result().is_internal_error:
-        # refused while admitting (the prompt as a whole is past the model's positions): without
-        # documents it is the client's messages or prompt that is too long
-        param = "documents" if spec.documents else "messages" if shape is Shape.CHAT else "prompt"
-        raise ApiError(400, future.result().error, param)
+        # refused while admitting (a prompt past the KV capacity): the documents, else the client's text
+        raise ApiError(400, future.result().error, "documents" if spec.documents else spec.text_field)
     head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.name}
     service.name_completion(head["id"], future)

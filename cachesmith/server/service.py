@@ -101,6 +101,11 @@ class CompletionSpec:
     is_chat: bool = False  # a chat turn: its exchange is stored for the conversation's next turn
     stop: tuple[str, ...] = ()  # where the client's text ends (what the next turn will send back)
 
+    @property
+    def text_field(self) -> str:
+        """The request field holding the client's own text: `messages` (a chat) or `prompt`."""
+        return "messages" if self.is_chat else "prompt"
+
 
 @dataclass(frozen=True)
 class ChunkRecord:
@@ -221,14 +226,12 @@ class Service:
             total += len(ids)
             out.append(ids)
         limit = self.pipeline.model.config.max_positions
-        if total > limit:
-            raise InputError(f"documents: {total} context tokens exceed the model's {limit} positions")
         num_prefix, num_suffix = self.pipeline.tokenizer.frame_lengths(
             spec.question, spec.system or self.pipeline.system, spec.answer_prefix, spec.history)
         if num_prefix + total + num_suffix + max_tokens > limit:
             # the documents are at fault only where the rest of the prompt fits without them
             is_rest_long = num_prefix + num_suffix + max_tokens > limit
-            field = "documents" if spec.documents and not is_rest_long else "messages" if spec.is_chat else "prompt"
+            field = "documents" if spec.documents and not is_rest_long else spec.text_field
             raise InputError(f"{field}: the prompt's {num_prefix + total + num_suffix} tokens + max_tokens "
                              f"{max_tokens} exceed the model's {limit} positions")
         return out
@@ -258,11 +261,7 @@ class Service:
         it; returns how many of its tokens were stored before this request. A conversation's next
         turn extends the stored earlier turns instead of prefilling them again."""
         system = spec.system or self.pipeline.system
-        ids = self.pipeline.tokenizer.prefix_ids(system, spec.history)
-        limit = self.pipeline.model.config.max_positions
-        if len(ids) >= limit:
-            raise InputError(f"messages: the conversation before the documents takes {len(ids)} tokens, "
-                             f"the model has {limit} positions")
+        ids = self.pipeline.tokenizer.prefix_ids(system, spec.history)  # within the window: `_tokenize`
         earlier = self.pipeline.tokenizer.earlier_prefixes(system, spec.history) if spec.history else []
         if spec.history:
             self._turn_stores.wait_all()  # a previous turn's exchange may still be being stored

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cachesmith.model import native
 from cachesmith.model.decode import decode_step
+from tests.model.test_native import _sdpa
 
 DTYPES = [pytest.param(torch.float32, marks=pytest.mark.skipif(not native.supports(torch.float32),
                                                                reason="no AVX-512 kernels here")),
           pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not native.supports(torch.bfloat16),
                                                                 reason="no AVX512_BF16 here"))]
-
-
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One row's grouped attention in float64 [H * D]: the reference."""
-    num_kv_heads = keys.shape[1]
-    grouped = q.double().view(1, num_kv_heads, q.shape[0] // num_kv_heads, q.shape[1])
-    out = F.scaled_dot_product_attention(grouped, keys.double().transpose(0, 1)[None],
-                                         values.double().transpose(0, 1)[None])
-    return out.reshape(-1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
