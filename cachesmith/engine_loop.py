@@ -31,7 +31,7 @@ from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.model import Decoding, Generation
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, RequestResult
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from cachesmith.model.chunk import extend_chunk
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.errors import InputError
 from cachesmith.recompute import BatchRunner, RecomputeConfig
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 if TYPE_CHECKING:  # types only: these sit above the pipeline in the data flow (see `one_planner`)
     from cachesmith.plan_one import OnePlanner

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import GREEDY, SamplingParams
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import ConfigError
 from cachesmith.model.sampling import SamplingParams
 from cachesmith.profiler.shadow import ShadowConfig
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 

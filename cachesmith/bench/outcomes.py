@@ -26,7 +26,7 @@ from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, parse_label, preset
 from cachesmith.workloads.card import instance_digest
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
 
 

@@ -32,7 +32,7 @@ from cachesmith.planner.pace import PaceBook
 from cachesmith.profiler.costs import fit_relative
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, parse_label, preset
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 PLANNER_PLANS = ((1, 1, 0.3), (1, 1, 0.7), (2, 4, 0.4))  # (w, p, r) the planner typically picks
 

@@ -25,7 +25,7 @@ from cachesmith.profiler.packaged import REUSE_PROBE, find_profile, rescaled, re
 from cachesmith.recompute import full_prefill
 from cachesmith.request import RequestResult
 from cachesmith.scheduler import SchedulerConfig
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 
 @dataclass

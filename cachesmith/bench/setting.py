@@ -15,7 +15,7 @@ from pathlib import Path
 from cachesmith.errors import ConfigError
 from cachesmith.methods import default_methods, parse_method
 from cachesmith.request import Request
-from cachesmith.workloads.instance import WorkloadInstance, load_workload_file
+from cachesmith.instance import WorkloadInstance, load_workload_file
 from cachesmith.workloads.tasks import generate
 from cachesmith.workloads.trace import PATTERNS, TraceConfig, make_trace, rate_for_utilization
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 from cachesmith.errors import ConfigError
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 Intervals = dict[tuple[str, int], tuple[float, float]]
 

@@ -22,7 +22,7 @@ from cachesmith.model.generate import Decoding
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import PatchFork, RecomputeConfig, RecomputeOutput, RecomputeRequest, Signal
 from cachesmith.workloads.card import instance_digest
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.scoring import score
 
 

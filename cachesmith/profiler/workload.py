@@ -24,7 +24,7 @@ from cachesmith.planner.planner import PlannerConfig
 from cachesmith.planner.profile import DemandCurve, Profile, ProfileError
 from cachesmith.profiler.demand import DemandProfiler
 from cachesmith.recompute import FIXED_FAMILIES
-from cachesmith.workloads.instance import WorkloadInstance, load_workload_file
+from cachesmith.instance import WorkloadInstance, load_workload_file
 
 WORKLOAD_FORMAT = 1
 # the planner plans by demand up to its saturation coverage; above it, the most the budget fits

@@ -32,7 +32,7 @@ from cachesmith.profiler.packaged import serving_profile
 from cachesmith.request import RequestResult
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.streaming import answer_text
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
 

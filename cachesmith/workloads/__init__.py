@@ -1,7 +1,7 @@
 """Workloads: real passages, task generators (PR, MSQ, VT, MV, MIX), scoring, quality gates,
 dataset cards and arrival traces. See `tasks.generate` and docs/workloads.md."""
 from cachesmith.workloads.gates import FidelityGate, QualityGate, TaskGate, make_gate
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.scoring import Score, score
 from cachesmith.workloads.tasks import MIX_TASKS, TASKS, WorkloadError, generate, generate_many
 from cachesmith.workloads.trace import Trace, TraceConfig, TraceRequest, make_trace, rate_for_utilization

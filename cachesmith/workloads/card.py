@@ -20,7 +20,7 @@ from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import Answer, RagPipeline
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.workloads.corpus import Corpus, load_corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.scoring import score
 from cachesmith.workloads.tasks import TASKS, generate_many, resolve
 

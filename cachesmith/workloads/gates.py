@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from cachesmith.errors import InputError
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.scoring import score
 
 

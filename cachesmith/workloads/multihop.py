@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from cachesmith.workloads.corpus import Corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.text import filler, insert_sentence, person_names, place_names
 
 # (phrase in the question, fact template) for person -> person hops

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from cachesmith.workloads.corpus import Corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.words import distinct_keys
 
 NEEDLE = "One of the special magic numbers for {key} is: {number}."

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from cachesmith.workloads.corpus import Corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.text import TOKENS_PER_WORD, pick_passages
 
 INSTRUCTION = ("You are given numbered paragraphs. Answer with the number of the paragraph that "

@@ -14,7 +14,7 @@ import random
 import string
 
 from cachesmith.workloads.corpus import Corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.text import filler, insert_sentence
 from cachesmith.workloads.words import distinct_keys
 

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 SET_F1_PASS = 0.5
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cachesmith.errors import InputError
 from cachesmith.workloads.corpus import Corpus, load_corpus
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.multihop import multi_hop
 from cachesmith.workloads.passage_retrieval import passage_retrieval
 from cachesmith.workloads.ruler import multi_value, split_assignments, variable_tracking

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cachesmith.bench.setting import BenchConfig, instances
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 
 def test_lines_without_gold_need_the_fidelity_gate(tmp_path):

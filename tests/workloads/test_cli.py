@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from cachesmith.cli import main
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.trace import Trace
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from cachesmith.errors import InputError
 from cachesmith.workloads.gates import FidelityGate, TaskGate, make_gate
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 
 
 def case(task="msq", gold=("Port Lantern",)):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.scoring import normalize_answer, score, set_f1, short_answer, token_f1
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cachesmith.workloads import corpus as corpus_mod
-from cachesmith.workloads.instance import WorkloadInstance
+from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.tasks import MIX_TASKS, TASKS, WorkloadError, generate, generate_many
 from cachesmith.workloads.text import split_sentences
 
