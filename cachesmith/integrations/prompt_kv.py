@@ -1,0 +1,130 @@
+"""cachesmith's KV of one prompt, for an engine that finishes and decodes it (the vLLM connector).
+
+In: a prompt's token ids and the request's cachesmith parameters, as a client sends them
+(`{"num_prefix_tokens": P, "chunk_token_counts": [n_1, ...], "method": ..., "slo_ms": ...}`), and
+how long the request has already waited. Out: `ConnectorParams` (validated, or an `InputError` that
+names the field) and, from `build_prompt_kv`, the `KVCache` of the whole prompt under the
+request's plan with a `LoadReport` of what it took: which chunks the store served, which were
+prefilled and stored, the plan and its budget.
+
+`method` "cachesmith" (the default) asks the system's planner for the plan of the request alone
+under what is left of `slo_ms` (`RagPipeline.one_planner`, as `cachesmith ask` plans); any other
+value is a fixed method (`full_prefill`, `full_reuse`, `<preset>@<coverage>`). Nothing here
+imports vLLM, so it is tested on tiny models in `make test`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from cachesmith.errors import CachesmithError, InputError
+from cachesmith.kvstore import KeyedRequest
+from cachesmith.methods import parse_method
+from cachesmith.model.tokenizer import PromptParts
+from cachesmith.pipeline import DEFAULT_SLO_S, RagPipeline
+from cachesmith.recompute import RecomputeConfig
+
+PARAMS_KEY = "cachesmith"  # the key of our parameters inside a request's kv_transfer_params
+PLANNED = "cachesmith"
+MAX_SLO_MS = 3_600_000.0
+MIN_BUDGET_S = 1e-3  # a request already past its SLO is planned for the least time (full reuse)
+_FIELDS = ("num_prefix_tokens", "chunk_token_counts", "method", "slo_ms")
+
+
+def _count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"{PARAMS_KEY}.{name}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConnectorParams:
+    num_prefix_tokens: int
+    chunk_token_counts: tuple[int, ...]
+    method: str = PLANNED  # "cachesmith": planned under slo_ms; else a fixed method
+    slo_ms: float = DEFAULT_SLO_S * 1000.0
+
+    @classmethod
+    def parse(cls, raw, num_prompt_tokens: int) -> ConnectorParams:
+        """The parameters of a prompt of `num_prompt_tokens` tokens, or an InputError naming the field."""
+        if not isinstance(raw, dict):
+            raise InputError(f"kv_transfer_params.{PARAMS_KEY} must be an object, not {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise InputError(f"{PARAMS_KEY}.{unknown[0]}: unknown field (known: {', '.join(_FIELDS)})")
+        for name in ("num_prefix_tokens", "chunk_token_counts"):
+            if name not in raw:
+                raise InputError(f"{PARAMS_KEY}.{name} is required")
+        counts = raw["chunk_token_counts"]
+        if not isinstance(counts, list):
+            raise InputError(f"{PARAMS_KEY}.chunk_token_counts must be a list of token counts")
+        params = cls(_count(raw["num_prefix_tokens"], "num_prefix_tokens", 0),
+                     tuple(_count(n, f"chunk_token_counts[{i}]", 1) for i, n in enumerate(counts)),
+                     raw.get("method", PLANNED), raw.get("slo_ms", DEFAULT_SLO_S * 1000.0))
+        params._check(num_prompt_tokens)
+        return params
+
+    def _check(self, num_prompt_tokens: int) -> None:
+        if not isinstance(self.method, str):
+            raise InputError(f"{PARAMS_KEY}.method={self.method!r}: must be a string")
+        if self.method != PLANNED:
+            try:
+                parse_method(self.method).plan(1)
+            except CachesmithError as exc:
+                raise InputError(f"{PARAMS_KEY}.method={self.method!r}: '{PLANNED}' (planned under slo_ms) "
+                                 f"or a fixed method: {exc}") from None
+        slo = self.slo_ms
+        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not (math.isfinite(slo) and 0 < slo <= MAX_SLO_MS):
+            raise InputError(f"{PARAMS_KEY}.slo_ms={slo!r}: must be a number in (0, {MAX_SLO_MS:.0f}]")
+        framed = self.num_prefix_tokens + sum(self.chunk_token_counts)
+        if framed > num_prompt_tokens - 1:  # the question keeps at least the prompt's last token
+            raise InputError(f"{PARAMS_KEY}: num_prefix_tokens + sum(chunk_token_counts) = {framed} must leave "
+                             f"at least one question token of the prompt's {num_prompt_tokens}")
+
+    def parts(self, token_ids: list[int]) -> PromptParts:
+        """The prompt split as the parameters say: prefix, the chunks, the question."""
+        start, chunks = self.num_prefix_tokens, []
+        for n in self.chunk_token_counts:
+            chunks.append(list(token_ids[start:start + n]))
+            start += n
+        return PromptParts(list(token_ids[:self.num_prefix_tokens]), chunks, list(token_ids[start:]))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What building one prompt's KV took; returned to the client in its `kv_transfer_params`."""
+    num_chunks: int
+    num_chunks_stored: int  # served by the store
+    num_chunks_prefilled: int  # missing: prefilled in isolation and stored
+    num_stored_tokens: int  # tokens of the chunks the store served
+    num_recomputed_tokens: int  # rows the plan recomputed
+    plan: str
+    budget_ms: float | None  # the planner's budget (planned requests only)
+
+    def to_params(self) -> dict:
+        return {PARAMS_KEY: asdict(self)}
+
+
+def _plan(pipe: RagPipeline, parts: PromptParts, params: ConnectorParams,
+          waited_s: float) -> tuple[RecomputeConfig, float | None]:
+    if params.method != PLANNED:
+        return parse_method(params.method).plan(pipe.model.num_layers), None
+    chosen = pipe.one_planner().plan(parts, max(MIN_BUDGET_S, params.slo_ms / 1000.0 - waited_s))
+    return chosen.config, chosen.budget_s * 1000.0
+
+
+def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorParams, waited_s: float = 0.0):
+    """(`KVCache` of the whole prompt, `LoadReport`): stored chunks read, missing ones prefilled and
+    stored, the plan run by cachesmith's runner. The caller releases the cache."""
+    parts = params.parts(token_ids)
+    plan, budget_ms = _plan(pipe, parts, params, waited_s)
+    ensured = [pipe.store.ensure(pipe.model, ids) for ids in parts.chunk_ids]
+    prefix_key = pipe.store.ensure(pipe.model, parts.prefix_ids)[0] if parts.prefix_ids else None
+    request = KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix_key, extra_capacity=1)
+    with pipe.transfer.stage([request], plan) as batch:
+        out = pipe.runner.run(batch.requests, plan, batch)[0]
+    stored = [not computed for _, computed in ensured]
+    report = LoadReport(len(ensured), sum(stored), len(ensured) - sum(stored),
+                        sum(len(ids) for ids, hit in zip(parts.chunk_ids, stored) if hit),
+                        int(out.selected.numel()), plan.label(), budget_ms)
+    return out.cache, report
