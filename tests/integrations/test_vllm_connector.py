@@ -9,6 +9,7 @@ packaged model in float32. Runs only under `make test-vllm`.
 - One redis store shared by vLLM and `cachesmith serve`: each serves chunks the other stored; the
   plan follows the request's SLO; refused parameters and a store that fails leave the request to
   vLLM's own prefill, whose answer it then gives.
+- With vLLM's prefix cache on, the plugin refuses to start and names the flag.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tests.redis_server import free_port
 from tests.server.test_serve_process import wait_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from vllm_server import VllmServer  # noqa: E402
+from vllm_server import VllmError, VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 NUM_REQUESTS, NUM_TOKENS = 20, 32
@@ -162,3 +163,12 @@ def test_a_redis_store_shared_with_cachesmith_serve_and_the_fallbacks(pipe, redi
     assert failed[1]["fallback"] == "vllm_prefill" and "not in the store" in failed[1]["error"]
     assert failed[0] == alone  # vLLM prefilled it: its own answer, not a wrong one
     assert prompts == {"built": 4, "fallback": 1}
+
+
+def test_the_plugin_refuses_vllms_prefix_cache():
+    # its blocks would be registered as the exact KV of their tokens for every later request
+    server = VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, extra_args=("--kv-transfer-config", connector()))
+    with pytest.raises(VllmError, match="exited"):
+        with server:
+            pass
+    assert "CachesmithConnector: launch vLLM with --no-enable-prefix-caching" in server.log.read_text()
