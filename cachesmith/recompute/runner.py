@@ -19,10 +19,11 @@ import torch
 
 from cachesmith.model import Decoder, KVCache
 from cachesmith.recompute import signals, split_attention
-from cachesmith.recompute.attention import ScatteredAttention, attend_with_probs, attention_probs
+from cachesmith.recompute.attention import ScatteredAttention, attention_probs
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
+from cachesmith.recompute.query_probe import qci_last_scores, qci_scores
 from cachesmith.recompute.sequence import RecomputeRequest, Sequence, build_sequence, fill_cached_rows
 
 
@@ -202,10 +203,10 @@ class BatchRunner:
         if is_position:
             scores = [signals.position_scores(s) for s in seqs]
         elif config.signal is Signal.QCI:
-            scores = self._qci_probe(seqs, self._suffix_rows(seqs, h),
-                                     range(config.warmup, config.warmup + config.probe), hooks)
+            scores = qci_scores(self.model, seqs, self._suffix_rows(seqs, h),
+                                range(config.warmup, config.warmup + config.probe), hooks, self._after)
         else:
-            scores = self._qci_last_probe(seqs, h, config.warmup, hooks)
+            scores = qci_last_scores(self.model, seqs, self._suffix_rows(seqs, h), config.warmup, hooks, self._after)
         for s, sc in zip(seqs, scores):
             s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
             s.is_position_signal = is_position
@@ -235,7 +236,7 @@ class BatchRunner:
                      hooks: RunnerHooks):
         """The query's last-layer attention (rewinds to w), then KV deviation on layer w's
         projections (reused by Patch, as CacheBlend's), the two rankings fused (`signals.fuse`)."""
-        qci = self._qci_last_probe(seqs, h, config.warmup, hooks)
+        qci = qci_last_scores(self.model, seqs, self._suffix_rows(seqs, h), config.warmup, hooks, self._after)
         start, h, start_kv = self._kv_dev_probe(replace(config, probe=0), seqs, h, hooks)
         for s, q in zip(seqs, qci):
             s.scores, s.ranking = signals.fuse(s.scores.cpu(), q.cpu())
@@ -277,59 +278,6 @@ class BatchRunner:
         sfx = slice(s.suffix_start, s.num_tokens)
         probs = attention_probs(q[sfx], k, pos[sfx], pos)
         return signals.normalized_entropy(signals.qci_from_probs(probs, s))
-
-    def _qci_probe(self, seqs: list[Sequence], hq: torch.Tensor, layers: range,
-                   hooks: RunnerHooks) -> list[torch.Tensor]:
-        """Query rows `hq` only, over the cached context; probabilities summed over probe layers,
-        heads and query tokens. The cache rows it writes are all rewritten by Patch (the rewind)."""
-        scores = [torch.zeros(s.num_context, device=self.model.device) for s in seqs]
-        rope = self.model.rope
-        for index in layers:
-            hooks.before_layer(index, "probe")
-            layer = self.model.layers[index]
-            q, k, v = layer.qkv(layer.input_norm(hq))
-            outs, a = [], 0
-            for i, s in enumerate(seqs):
-                b, sfx = a + s.num_suffix, slice(s.suffix_start, s.num_tokens)
-                fill_cached_rows(self.model, s, index)
-                s.cache.write(index, s.suffix_start, rope.apply(k[a:b], s.cos[sfx], s.sin[sfx]), v[a:b])
-                keys, values = s.cache.view(index, s.num_tokens)
-                pos = torch.arange(s.num_tokens, device=hq.device)
-                qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
-                out, probs = attend_with_probs(qi, keys, values, pos[sfx], pos)
-                scores[i] += signals.qci_from_probs(probs, s)
-                outs.append(out)
-                a = b
-            hq = layer.mlp_block(hq.add_(layer.out_proj(torch.cat(outs))))
-            self._after(hooks, index, "probe", hq.shape[0], sum(s.suffix_start for s in seqs))
-        return scores
-
-    def _qci_last_probe(self, seqs: list[Sequence], h: torch.Tensor, start: int,
-                        hooks: RunnerHooks) -> list[torch.Tensor]:
-        """FusionRAG: query rows run [start, L-1) over the prefix and themselves only, then the
-        last layer scores their attention over the cached context."""
-        last = self.model.num_layers - 1
-        hq, rope = self._suffix_rows(seqs, h), self.model.rope
-        for index in range(start, last):
-            hooks.before_layer(index, "probe")
-            layer = self.model.layers[index]
-            q, k, v = layer.qkv(layer.input_norm(hq))
-            outs, a = [], 0
-            for s in seqs:
-                b, sfx = a + s.num_suffix, slice(s.suffix_start, s.num_tokens)
-                keys, values = rope.apply(k[a:b], s.cos[sfx], s.sin[sfx]), v[a:b]
-                if s.request.prefix is not None:  # exact, so the query-only pass may see it
-                    pre = s.request.prefix
-                    pk = rope.apply(pre.keys[index], s.cos[:s.num_prefix], s.sin[:s.num_prefix])
-                    keys, values = torch.cat([pk, keys]), torch.cat([pre.values[index], values])
-                kpos = torch.cat([torch.arange(s.num_prefix), torch.arange(s.suffix_start, s.num_tokens)])
-                kpos = kpos.to(hq.device)
-                qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
-                outs.append(attend_with_probs(qi, keys, values, kpos[s.num_prefix:], kpos)[0])
-                a = b
-            hq = layer.mlp_block(hq.add_(layer.out_proj(torch.cat(outs))))
-            self._after(hooks, index, "probe", hq.shape[0], sum(s.num_prefix for s in seqs))
-        return self._qci_probe(seqs, hq, range(last, last + 1), hooks)
 
     def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[_PatchRows],
                      h_sel: torch.Tensor, hooks: RunnerHooks, pre=None):
