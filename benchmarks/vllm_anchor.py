@@ -42,7 +42,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 from llama_cpp import SOURCE_PACKAGE, LlamaServer  # noqa: E402
-from vllm_server import VLLM_PACKAGE, VllmServer, stop_on_sigterm  # noqa: E402
+from server_process import stop_on_sigterm  # noqa: E402
+from vllm_server import VLLM_PACKAGE, VllmServer  # noqa: E402
 
 from cachesmith.bench.run import measure_base  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402

@@ -25,7 +25,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 from vllm_anchor import QUESTION, document_sets  # noqa: E402
-from vllm_server import VllmServer, stop_on_sigterm  # noqa: E402
+from server_process import stop_on_sigterm  # noqa: E402
+from vllm_server import VllmServer  # noqa: E402
 
 from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
 from cachesmith.model.tokenizer import Tokenizer  # noqa: E402

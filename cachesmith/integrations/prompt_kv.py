@@ -18,7 +18,6 @@ import math
 from dataclasses import asdict, dataclass
 
 from cachesmith.errors import CachesmithError, InputError
-from cachesmith.kvstore import KeyedRequest
 from cachesmith.methods import parse_method
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import DEFAULT_SLO_S, RagPipeline
@@ -118,13 +117,10 @@ def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorPa
     stored, the plan run by cachesmith's runner. The caller releases the cache."""
     parts = params.parts(token_ids)
     plan, budget_ms = _plan(pipe, parts, params, waited_s)
-    ensured = [pipe.store.ensure(pipe.model, ids) for ids in parts.chunk_ids]
-    prefix_key = pipe.store.ensure(pipe.model, parts.prefix_ids)[0] if parts.prefix_ids else None
-    request = KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix_key, extra_capacity=1)
+    request = pipe.keyed_request(parts, 1)  # missing chunks are prefilled and stored here
     with pipe.transfer.stage([request], plan) as batch:
         out = pipe.runner.run(batch.requests, plan, batch)[0]
-    stored = [not computed for _, computed in ensured]
-    report = LoadReport(len(ensured), sum(stored), len(ensured) - sum(stored),
-                        sum(len(ids) for ids, hit in zip(parts.chunk_ids, stored) if hit),
+    report = LoadReport(len(request.was_stored), sum(request.was_stored), request.was_stored.count(False),
+                        sum(len(ids) for ids, hit in zip(parts.chunk_ids, request.was_stored) if hit),
                         int(out.selected.numel()), plan.label(), budget_ms)
     return out.cache, report

@@ -96,7 +96,7 @@ class CachesmithConnector(KVConnectorBase_V1):
         self.model_name = extra("model", "smollm2-135m")
         self.store = {"tiers": tuple(extra("store_tiers", ("memory", "disk"))), "root": extra("store_root", None),
                       "redis_url": extra("redis_url", None)}
-        self._pending: dict[str, Load] = {}
+        self._pending: dict[str, tuple[list[int], ConnectorParams, float]] = {}  # (ids, params, arrival)
         self._reports: dict[str, dict] = {}  # scheduler: request id -> what to return; worker: to send
         self._in_flight: set[str] = set()  # scheduler: loads sent to the workers, not yet reported
         self._awaiting: dict[str, dict] = {}  # scheduler: finished requests' params, filled on report
@@ -115,8 +115,7 @@ class CachesmithConnector(KVConnectorBase_V1):
             log.warning("request %s: %s", request.request_id, exc)
             self._reports[request.request_id] = {PARAMS_KEY: {"error": str(exc)}}
             return 0, False
-        self._pending[request.request_id] = Load(request.request_id, list(request.prompt_token_ids), params,
-                                                 request.arrival_time, [], torch.empty(0, dtype=torch.int64))
+        self._pending[request.request_id] = (list(request.prompt_token_ids), params, request.arrival_time)
         return max(0, len(request.prompt_token_ids) - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -126,15 +125,16 @@ class CachesmithConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = CachesmithMetadata()
         for new_req in scheduler_output.scheduled_new_reqs:
-            load = self._pending.pop(new_req.req_id, None)
-            if load is None:
+            pending = self._pending.pop(new_req.req_id, None)
+            if pending is None:
                 continue
-            load.block_ids = list(new_req.block_ids[0])
-            blocks = torch.tensor(load.block_ids, dtype=torch.int64)
+            token_ids, params, arrival_time = pending
+            block_ids = list(new_req.block_ids[0])
+            blocks = torch.tensor(block_ids, dtype=torch.int64)
             slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-            load.slots = slots[:len(load.token_ids) - 1]
-            meta.loads.append(load)
-            self._in_flight.add(load.request_id)
+            meta.loads.append(Load(new_req.req_id, token_ids, params, arrival_time, block_ids,
+                                   slots[:len(token_ids) - 1]))
+            self._in_flight.add(new_req.req_id)
         return meta
 
     def update_connector_output(self, connector_output) -> None:

@@ -60,6 +60,7 @@ class KeyedRequest:
     prefix_key: str | None = None
     coverage: float | None = None
     extra_capacity: int = 0
+    was_stored: tuple[bool, ...] = ()  # per chunk, when keyed by `RagPipeline.keyed_request`: False = prefilled then
 
 
 @dataclass
