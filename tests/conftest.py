@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight HF models saved to disk, the packaged real model, redis-servers."""
+"""Shared fixtures: tiny random-weight HF models saved to disk, the packaged real model, redis-servers,
+and the devices a test runs on."""
 from __future__ import annotations
 
 import pytest
@@ -46,3 +47,14 @@ def redis_server(tmp_path):
     server = start_redis(tmp_path)
     yield server
     server.stop()
+
+
+# "cuda" only where torch sees a GPU, so a run without one neither collects nor skips it; it carries
+# the `cuda` mark, so `make test-cuda` (pytest -m cuda) selects exactly the GPU cases.
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each device a test should pass on: "cpu", and "cuda" where there is one."""
+    return request.param

@@ -73,7 +73,8 @@ def block_checksum(data) -> int:
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:
-    t = t.contiguous().cpu()
+    """Bytes of a CPU tensor (bfloat16 through an int16 view)."""
+    t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().tobytes()
@@ -87,6 +88,8 @@ def _block_crcs(raw: bytes, row_bytes: int) -> tuple[int, ...]:
 def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, values: torch.Tensor) -> bytes:
     """keys/values [num_layers, num_tokens, num_kv_heads, head_dim] -> entry bytes."""
     num_layers, num_tokens, num_kv_heads, head_dim = keys.shape
+    # a device chunk comes to the host in one copy per tensor, not one synchronizing copy per layer
+    keys, values = keys.to("cpu"), values.to("cpu")
     row_bytes = num_kv_heads * head_dim * keys.element_size()
     blobs, checksums = [], []
     for layer in range(num_layers):

@@ -31,12 +31,15 @@ def read_bytes(source: RangeSource, offset: int, length: int) -> bytes:
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """Writable bytes of a contiguous CPU tensor (bfloat16 through an int16 view)."""
+    if t.device.type != "cpu":  # a device cache is filled through host staging (`kvstore.staging`)
+        raise TypeError(f"stored KV is read into host memory, not into a {t.device.type} tensor")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")
 
 
-def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block indices -> [first, end) runs of consecutive blocks."""
     runs: list[tuple[int, int]] = []
     for b in blocks:
         if runs and runs[-1][1] == b:
@@ -97,16 +100,18 @@ class EntryReader:
         if blocks is None or len(blocks) == num_blocks:
             return self._read_run(layer, (0, num_blocks), k_out, v_out)
         nbytes = 0
-        for run in _runs(blocks):
+        for run in block_runs(blocks):
             first, end = run[0] * BLOCK_ROWS, min(run[1] * BLOCK_ROWS, h.num_tokens)
             nbytes += self._read_run(layer, run, k_out[first:end], v_out[first:end])
         return nbytes
 
-    def read_chunk(self) -> ChunkKV:
+    def read_chunk(self, device: torch.device | str = "cpu") -> ChunkKV:
+        """The whole entry, verified in host memory, then moved to `device` (one copy per tensor)."""
         h = self.header
         shape = (h.num_layers, h.num_tokens, h.num_kv_heads, h.head_dim)
-        keys = torch.empty(shape, dtype=h.torch_dtype)
-        values = torch.empty(shape, dtype=h.torch_dtype)
+        is_pinned = torch.device(device).type == "cuda"
+        keys = torch.empty(shape, dtype=h.torch_dtype, pin_memory=is_pinned)  # [L, T, Hkv, D]
+        values = torch.empty(shape, dtype=h.torch_dtype, pin_memory=is_pinned)
         for layer in range(h.num_layers):
             self.read_layer_into(layer, keys[layer], values[layer])
-        return ChunkKV(h.token_ids, keys, values, h.model_fingerprint)
+        return ChunkKV(h.token_ids, keys.to(device), values.to(device), h.model_fingerprint)

@@ -134,13 +134,15 @@ class ChunkStore:
             tier.put(key, data)
 
     def get(self, key: str, model: Decoder | None = None) -> ChunkKV | None:
-        """The whole entry as a `ChunkKV`, or None (a miss, or every holder was corrupt)."""
+        """The whole entry as a `ChunkKV` on `model`'s device (CPU without one), or None (a miss,
+        or every holder was corrupt)."""
+        device = model.device if model is not None else "cpu"
         for _ in self.tiers:
             reader = self.open(key, model)
             if reader is None:
                 return None
             try:
-                return reader.read_chunk()
+                return reader.read_chunk(device)
             except CorruptEntry as exc:  # a data block failed: evict from that tier, try the next
                 self._evict(reader.tier, key, exc)
             finally:

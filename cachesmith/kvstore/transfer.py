@@ -2,9 +2,11 @@
 
 In: keyed requests (prefix key, chunk keys, suffix ids) and the batch's `(S, w, p, r)` plan.
 Out: `RecomputeRequest`s whose prefix and chunk tensors are views of the request's own KV cache (the
-one decoding will use): stored rows land there directly, pre-RoPE, and the runner rotates them in
-place. And a `BatchTransfer` hook the runner calls: `before_layer` blocks until that layer's KV has
-arrived (the stall), `after_selection` turns the selection into row loads.
+one decoding will use): stored rows land there, pre-RoPE, and the runner rotates them in place. On
+CPU they land directly; on a device through pinned host buffers and a side stream
+(`kvstore.staging`). And a `BatchTransfer` hook the runner calls: `before_layer` blocks until that
+layer's KV has been read (the stall) and orders the runner's stream after its copies,
+`after_selection` turns the selection into row loads.
 
 Transfer plan (paper §5.3): a WarmUp layer loads nothing; a Probe layer (and kv_dev's scoring layer)
 loads its full KV; a Patch layer loads only the rows it reuses, known once the selection is. The
@@ -12,7 +14,9 @@ prefix is loaded whole wherever cached KV is read. Loads run on the engine's lon
 threads in deadline (layer) order, one task per (layer, request), through a token-bucket link that
 emulates a capped bandwidth. Which rows are loaded or issued is one boolean matrix per request
 [layer, cached row] (numpy), so the runner's thread does no per-chunk bookkeeping. With prefetch
-off, a layer's loads are issued only when the runner reaches it.
+off, a layer's loads are issued only when the runner reaches it. On a device, a Patch layer loads
+all its cached rows: knowing which ones are reused would need the selection on the host, a sync
+that costs more than the few rows it saves (the recomputed rows are overwritten by the layer).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry
 from cachesmith.kvstore.link import Link
 from cachesmith.kvstore.reader import EntryReader
+from cachesmith.kvstore.staging import StagingPath
 from cachesmith.kvstore.store import ChunkStore
 from cachesmith.model import ChunkKV, Decoder, KVCache, prefill_chunk
 from cachesmith.recompute import RecomputeConfig, RecomputeRequest, RunnerHooks, Signal
@@ -43,6 +48,7 @@ class TransferConfig:
     num_workers: int = 2
     is_prefetch: bool = True
     ema_alpha: float = 0.3
+    is_staged: bool | None = None  # read through host buffers; None: only for a cache off the CPU
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
@@ -95,6 +101,7 @@ class TransferEngine:
         self.store, self.model = store, model
         self.config = config or TransferConfig()
         self.link = Link(self.config.bandwidth_gbps)
+        self.staging = StagingPath(model.device, self.config.is_staged)
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -179,6 +186,7 @@ class BatchTransfer(RunnerHooks):
         self._last_patched = -1  # Patch layers up to here have run: later selections skip them
         self._max_layer = -1  # the deepest layer the runner has reached
         self.staged: list[_Staged] = []
+        self.copies = engine.staging.batch()
         try:
             self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
         except BaseException:
@@ -274,7 +282,7 @@ class BatchTransfer(RunnerHooks):
         on_link = self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
         blocks = None if num_rows == wanted.size else np.unique(wanted.nonzero()[0] // BLOCK_ROWS).tolist()
         try:
-            nbytes = seg.reader.read_blocks_into(layer, seg.chunk.keys[layer], seg.chunk.values[layer], blocks)
+            nbytes = self.copies.load(seg.reader, layer, seg.chunk.keys[layer], seg.chunk.values[layer], blocks)
         except CorruptEntry as exc:
             log.warning("transfer: %s; the chunk will be recomputed", exc)
             seg.failed = True
@@ -286,7 +294,8 @@ class BatchTransfer(RunnerHooks):
         layers = [layer for layer in self.patch_layers if layer > self._last_patched]
         for i, (st, sel) in enumerate(zip(self.staged, selected)):
             reused = np.ones(st.num_cached, dtype=bool)  # the prefix (exact) is read with them
-            reused[st.num_prefix + sel.numpy()] = False
+            if sel.device.type == "cpu":  # on a device: every row (see the module docstring)
+                reused[st.num_prefix + sel.numpy()] = False
             for layer in layers:
                 self._need(layer, i, reused)
 
@@ -300,6 +309,7 @@ class BatchTransfer(RunnerHooks):
             self._cond.wait_for(lambda: self._pending[layer] == 0 or self._error is not None)
         if self._error is not None:
             raise self._error
+        self.copies.wait_layer(layer)
         first_unread = layer if layer > self._max_layer else self._max_layer + 1
         self._max_layer = max(self._max_layer, layer)
         self._recompute_failed(first_unread)
@@ -310,6 +320,7 @@ class BatchTransfer(RunnerHooks):
         if failed:  # let in-flight loads land first, so none writes over the recomputed rows
             with self._cond:
                 self._cond.wait_for(lambda: sum(self._pending) == 0)
+            self.copies.wait_all()
         for seg in failed:
             self._replace(seg, first_layer)
 
@@ -335,6 +346,7 @@ class BatchTransfer(RunnerHooks):
         self._is_closed = True
         with self._cond:
             self._cond.wait_for(lambda: sum(self._pending) == 0)
+        self.copies.wait_all()
         self._close_readers()
         self.engine.stats.stall_s += self.stall_s
 

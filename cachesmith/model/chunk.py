@@ -56,8 +56,10 @@ def prefill_chunk(model: Decoder, token_ids: Sequence[int] | torch.Tensor) -> Ch
     pre_rope_keys: list[torch.Tensor] = []
     model.forward(ids, cache=cache, pre_rope_keys=pre_rope_keys)
     values = torch.stack([cache.view(i)[1] for i in range(model.num_layers)])
+    # ids given on the host are taken as given: reading a device tensor back would sync
+    host_ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
     return ChunkKV(
-        token_ids=tuple(int(t) for t in ids.tolist()),
+        token_ids=tuple(int(t) for t in host_ids),
         keys=torch.stack(pre_rope_keys),
         values=values,
         model_fingerprint=model.fingerprint,
@@ -81,4 +83,4 @@ def extend_chunk(model: Decoder, base: ChunkKV, token_ids: Sequence[int]) -> Chu
     keys = torch.cat([base.keys, torch.stack(pre_rope_keys)], dim=1)
     values = cache.value_slab[:, :n + ids.numel()].clone(memory_format=torch.contiguous_format)
     cache.release()
-    return ChunkKV(base.token_ids + tuple(int(t) for t in ids.tolist()), keys, values, model.fingerprint)
+    return ChunkKV(base.token_ids + tuple(int(t) for t in token_ids), keys, values, model.fingerprint)

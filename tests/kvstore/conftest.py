@@ -1,11 +1,13 @@
-"""Fixtures for store tests: a tiny model and its chunks (redis-server: tests/conftest.py)."""
+"""Fixtures for store tests: a tiny model on each device a test should pass on (redis-server:
+tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
 
 from cachesmith.model import Decoder
+from tests.conftest import DEVICES
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return Decoder(tiny_llama_dir[0])
+@pytest.fixture(scope="module", params=DEVICES)
+def model(tiny_llama_dir, request):
+    return Decoder(tiny_llama_dir[0], request.param)

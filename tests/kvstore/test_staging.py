@@ -1,0 +1,123 @@
+"""The staged route from the store to a cache: host buffers, verified, then copied into the
+destination (on CUDA through a side stream). On CPU it is asked for explicitly, so CPU CI walks the
+same code a GPU runs; on a CUDA machine every test also runs there (`make test-cuda`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine
+from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry
+from cachesmith.kvstore.staging import StagingPath
+from cachesmith.model import Decoder, prefill_chunk
+from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
+from tests.kvstore.helpers import stored_requests
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir):
+    loaded: dict[str, Decoder] = {}
+
+    def get(device: str) -> Decoder:
+        if device not in loaded:
+            loaded[device] = Decoder(tiny_llama_dir[0], device)
+        return loaded[device]
+    return get
+
+
+def _stored_chunk(model, store, num_tokens=150):
+    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(7))
+    chunk = prefill_chunk(model, ids.tolist())
+    return chunk, store.put(chunk)
+
+
+@pytest.mark.parametrize("blocks", [None, [0, 2]], ids=["all", "blocks-0-2"])
+def test_staged_read_equals_the_direct_read(models, device, tmp_path, blocks):
+    model = models(device)
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    chunk, key = _stored_chunk(model, store)
+    layer, shape = 1, chunk.keys.shape[1:]  # [T, Hkv, D]
+    direct_k, direct_v = torch.zeros(shape, dtype=chunk.dtype), torch.zeros(shape, dtype=chunk.dtype)
+    with _opened(store, key, model) as reader:
+        reader.read_blocks_into(layer, direct_k, direct_v, blocks)
+    sentinel = -7.0  # rows outside the blocks read must be left as they were
+    k_dst = torch.full(shape, sentinel, dtype=chunk.dtype, device=model.device)
+    v_dst = torch.full(shape, sentinel, dtype=chunk.dtype, device=model.device)
+    copies = StagingPath(model.device, is_staged=True).batch()
+    with _opened(store, key, model) as reader:
+        nbytes = copies.load(reader, layer, k_dst, v_dst, blocks)
+    copies.wait_layer(layer)
+    read = torch.zeros(shape[0], dtype=torch.bool)
+    for b in blocks if blocks is not None else range(-(-shape[0] // BLOCK_ROWS)):
+        read[b * BLOCK_ROWS:(b + 1) * BLOCK_ROWS] = True
+    assert nbytes == 2 * int(read.sum()) * chunk.keys[0, 0].numel() * chunk.keys.element_size()
+    assert torch.equal(k_dst.cpu()[read], direct_k[read]) and torch.equal(v_dst.cpu()[read], direct_v[read])
+    assert torch.equal(k_dst.cpu()[read], chunk.keys[layer].cpu()[read])
+    assert bool((k_dst.cpu()[~read] == sentinel).all()) and bool((v_dst.cpu()[~read] == sentinel).all())
+
+
+class _opened:
+    def __init__(self, store, key, model):
+        self.reader = store.open(key, model)
+
+    def __enter__(self):
+        return self.reader
+
+    def __exit__(self, *exc):
+        self.reader.close()
+
+
+def test_a_corrupt_block_never_reaches_the_destination(models, device, tmp_path):
+    model = models(device)
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    chunk, key = _stored_chunk(model, store)
+    path = store.tiers[0].path(key)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # the last layer's V, last block
+    path.write_bytes(bytes(data))
+    shape = chunk.keys.shape[1:]
+    k_dst = torch.zeros(shape, dtype=chunk.dtype, device=model.device)
+    v_dst = torch.zeros(shape, dtype=chunk.dtype, device=model.device)
+    copies = StagingPath(model.device, is_staged=True).batch()
+    with _opened(store, key, model) as reader, pytest.raises(CorruptEntry, match="checksum"):
+        copies.load(reader, model.num_layers - 1, k_dst, v_dst, None)
+    copies.wait_all()
+    assert not bool(k_dst.any()) and not bool(v_dst.any())  # verified on the host, nothing copied
+
+
+@pytest.mark.parametrize("is_staged", [False, True], ids=["direct", "staged"])
+def test_staged_route_never_takes_a_host_view_of_the_cache(tiny_llama_dir, tmp_path, monkeypatch, is_staged):
+    """What a GPU run needs: a host view (`.numpy()`) of a device cache does not exist. The staged
+    route must take none of the cache; the direct route, which reads into the cache on purpose, is
+    seen by the same spy, so the spy can fail. (Loads run on loader threads: the spy wraps the
+    reader's one place that views bytes, which every thread goes through.)"""
+    import cachesmith.kvstore.reader as reader_module
+
+    model = Decoder(tiny_llama_dir[0])
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    _, keyed = stored_requests(model, store, seeds=(3,))
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+    engine = TransferEngine(store, model, TransferConfig(is_staged=is_staged))
+    viewed: list[int] = []
+    byte_view = reader_module._byte_view
+
+    def spy(t):
+        viewed.append(t.untyped_storage().data_ptr())
+        return byte_view(t)
+
+    monkeypatch.setattr(reader_module, "_byte_view", spy)
+    with engine.stage(keyed, plan) as batch:
+        cache = batch.staged[0].cache
+        BatchRunner(model).run(batch.requests, plan, batch)
+        slabs = {cache.key_slab.untyped_storage().data_ptr(), cache.value_slab.untyped_storage().data_ptr()}
+    engine.close()
+    assert viewed  # every load went through the spy
+    assert any(p in slabs for p in viewed) is (not is_staged)
+
+
+def test_store_get_lands_on_the_models_device(models, device, tmp_path):
+    model = models(device)
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    chunk, key = _stored_chunk(model, store)
+    got = store.get(key, model)
+    assert got.keys.device.type == model.device.type and torch.equal(got.keys.cpu(), chunk.keys.cpu())
+
