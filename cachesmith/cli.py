@@ -156,7 +156,8 @@ def _print_demand(curves) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import ChunkStore, StoreConfig
     from cachesmith.pipeline import RagPipeline
-    from cachesmith.profiler.run import ProfileConfig, run_costs_profile, run_profile
+    from cachesmith.profiler.mapped_demand import read_demand_source
+    from cachesmith.profiler.run import ProfileConfig, demand_source_path, run_costs_profile, run_profile
 
     num_requests = 200 if args.num_requests is None else args.num_requests
     config = ProfileConfig(num_requests=num_requests, task=args.task, variant=args.variant,
@@ -167,7 +168,9 @@ def _profile(args: argparse.Namespace) -> int:
     if args.workload is not None:
         return _profile_workload(pipe, args)
     if args.costs_only:
-        profile = run_costs_profile(pipe, config, args.out, args.demand_from)
+        source = demand_source_path(pipe, args.demand_from)
+        profile = run_costs_profile(pipe, config, args.out, source)
+        print(f"demand and entropy threshold: {read_demand_source(source).describe(profile.num_layers)}")
     else:
         profile = run_profile(pipe, config, args.out)
     print(f"profile for {profile.model_name} ({profile.dtype}, {profile.device}): cost model TTFT error "
@@ -356,9 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--num-shapes", type=int, default=36, help="batch shapes in the cost grid")
     prof.add_argument("--plans-per-shape", type=int, default=6)
     prof.add_argument("--costs-only", action="store_true",
-                      help="measure costs and bandwidth only; demand and entropy threshold from --demand-from")
+                      help="measure costs and bandwidth only; demand and entropy threshold from --demand-from, "
+                           "its rank depths mapped onto this model's layers")
     prof.add_argument("--demand-from", type=Path, default=None,
-                      help="profile to take demand from with --costs-only (default: the packaged one)")
+                      help="profile to take demand from with --costs-only (default: the one packaged for this "
+                           "model, else the packaged smollm2-135m one)")
     prof.add_argument("--quiet", type=float, default=None, metavar="BUSY",
                       help="on a shared machine: wait before each timed cost run until at most this "
                            "fraction of all cores is busy (e.g. 0.2)")

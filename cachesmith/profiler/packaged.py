@@ -7,8 +7,10 @@ single-request runs on this machine: full-layer passes by full prefills' (`speed
 other cost by full reuse's with a few rows recomputed (EPIC's plan: placing cached rows,
 partial passes and per-batch work, which is memory- and overhead-bound). The two do not move
 together from one machine to the next: on a machine with twice the matmul speed but not twice the
-memory speed, one factor priced the reuse families 22-28% low (docs/decisions.md). In: a
-pipeline (model, dtype, device). Out: a `Profile` and where it came from.
+memory speed, one factor priced the reuse families 22-28% low (docs/decisions.md). A model
+nothing is packaged for gets a profile made at its first start: costs measured on a quick grid,
+the packaged model's demand mapped onto its depth (`mapped_demand`), saved as this machine's
+measured profile. In: a pipeline (model, dtype, device). Out: a `Profile` and where it came from.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from pathlib import Path
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
-from cachesmith.profiler.run import QUICK_COSTS, default_path, kv_bytes_per_token_layer, run_costs_profile
+from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
+from cachesmith.profiler.run import (QUICK_COSTS, ProfileConfig, default_path, kv_bytes_per_token_layer,
+                                    run_costs_profile)
 from cachesmith.profiler.workload import load_workload_demand, with_workload_demand
 from cachesmith.recompute.config import epic
 
@@ -40,17 +44,20 @@ def _architecture(profile: Profile) -> tuple[int, int]:
 
 
 def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: Path | None = None,
-                 is_workload_demand_used: bool = True) -> tuple[Profile, str]:
+                 is_workload_demand_used: bool = True,
+                 quick_costs: ProfileConfig = QUICK_COSTS) -> tuple[Profile, str]:
     """(profile, "measured" | "packaged"). An explicit `path` must match the model, dtype, device;
-    the default measured one falls back to the packaged one when it is missing or unusable, and
-    carries the demand `cachesmith profile --workload` measured for the served workload, where
-    there is one (`profiler.workload`): the file beside it, or `workload_demand` (which must be
-    this model's and readable); `is_workload_demand_used=False` keeps the profile's own demand."""
+    the default measured one falls back to the packaged one when it is missing or unusable (and,
+    where nothing is packaged for the model, to costs measured now on the `quick_costs` grid,
+    `_default_profile`), and carries the demand `cachesmith profile --workload` measured for the
+    served workload, where there is one (`profiler.workload`): the file beside it, or
+    `workload_demand` (which must be this model's and readable); `is_workload_demand_used=False`
+    keeps the profile's own demand."""
     key = _key(pipe)
     if path is not None:
         profile, source = Profile.load(Path(path), *key), "measured"
     else:
-        profile, source = _default_profile(pipe, default_path(pipe), key)
+        profile, source = _default_profile(pipe, default_path(pipe), key, quick_costs)
     if workload_demand is not None:
         return load_workload_demand(Path(workload_demand), key[0], key[1]).applied(profile), source
     if path is None and is_workload_demand_used:
@@ -58,11 +65,15 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     return profile, source
 
 
-def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) -> tuple[Profile, str]:
+def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str],
+                     quick_costs: ProfileConfig = QUICK_COSTS) -> tuple[Profile, str]:
     """The measured profile, else the packaged one. A packaged profile keyed by another model
     identity never stops a run: with the same architecture it is used (costs depend on shapes; a
-    warning says so), otherwise costs are measured now (`QUICK_COSTS`: 40 s for the packaged model
-    on 2 cores) and saved as this machine's measured profile."""
+    warning says so), otherwise costs are measured now (`QUICK_COSTS`: up to 2 min for the packaged
+    model on 2 cores) and saved as this machine's measured profile. Where nothing is packaged for the
+    model, dtype and device, `_unprofiled` measures them."""
+    if not (PACKAGED_DIR / own.name).exists():
+        return _unprofiled(pipe, own, key, quick_costs)
     profile, source = measured_or_packaged(own, key, is_identity_checked=False)
     if source == "measured" or profile.model_fingerprint == key[0]:
         return profile, source
@@ -75,19 +86,54 @@ def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str]) ->
     log.warning("the packaged profile %s was measured for another architecture (%d layers, %d KV bytes per "
                 "token and layer; the loaded model has %d, %d): measuring this model's costs now, saved to %s",
                 own.name, *_architecture(profile), *loaded, own)
-    return run_costs_profile(pipe, QUICK_COSTS, own, demand_from=PACKAGED_DIR / own.name), "measured"
+    return run_costs_profile(pipe, quick_costs, own, demand_from=PACKAGED_DIR / own.name), "measured"
 
 
-def serving_profile(pipe: RagPipeline, path: Path | None = None) -> tuple[Profile, str]:
+def _unprofiled(pipe: RagPipeline, own: Path, key: tuple[str, str, str],
+                quick_costs: ProfileConfig) -> tuple[Profile, str]:
+    """A model nothing is packaged for: its measured profile at `own`, else one made now, once: its
+    costs measured on the `quick_costs` grid, its demand the packaged model's mapped onto its depth
+    (`mapped_demand`), saved at `own` so the next start reads it. One warning says what is borrowed
+    and how to measure the real thing; the next start, reading the saved file, says nothing."""
+    profile, problem = _load_measured(own, key)
+    if profile is not None:
+        return profile, "measured"
+    model = pipe.model
+    reference = read_demand_source(REFERENCE_PROFILE)
+    measured_on = "this model in another dtype or on another device" if reference.model_fingerprint == key[0] \
+        else "another model"
+    log.warning("%s, and none is packaged for %s: serving with the demand of the packaged %s profile mapped "
+                "onto this model's %d layers (demand measured on %s) and costs measured now on a "
+                "quick grid, saved to %s; for this model's own profile run `cachesmith profile --model %s "
+                "--dtype %s --device %s`", problem, own.stem, reference.model_name, model.num_layers, measured_on,
+                own, model.model_dir, key[1], key[2])
+    return run_costs_profile(pipe, quick_costs, own, demand_from=REFERENCE_PROFILE,
+                             show_progress=False), "measured"
+
+
+def serving_profile(pipe: RagPipeline, path: Path | None = None,
+                    quick_costs: ProfileConfig = QUICK_COSTS) -> tuple[Profile, str]:
     """(profile, where it came from) to serve or plan with, the rule `serve`, `ask` and the Python
     API share: `path` or the measured profile as is, else the packaged one calibrated to this
-    machine's speed (a few seconds of full prefills and reuse probes)."""
-    profile, source = find_profile(pipe, path)
+    machine's speed (a few seconds of full prefills and reuse probes), else, for a model nothing
+    is packaged for, one measured now (`_unprofiled`, on the `quick_costs` grid)."""
+    profile, source = find_profile(pipe, path, quick_costs=quick_costs)
     if source == "packaged":
         factors = calibrate(pipe, profile)
         log.info("packaged profile calibrated to this machine: %s", factors.label())
         return rescaled(profile, factors.full, factors.reuse), f"packaged ({factors.label()})"
     return profile, source if path is None else f"given ({path})"
+
+
+def _load_measured(own: Path, key: tuple[str, str, str] | None) -> tuple[Profile | None, str]:
+    """(the profile `cachesmith profile` wrote at `own`, checked against `key`, or None; what is
+    wrong with it where None)."""
+    if not own.exists():
+        return None, f"no measured profile at {own}"
+    try:
+        return Profile.load(own, *(key or ())), ""
+    except ProfileError as exc:
+        return None, str(exc)
 
 
 def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None,
@@ -97,13 +143,11 @@ def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None,
     checked only where `is_identity_checked`). A file that is there but unusable (other format
     version, model, dtype or device, missing fields, corrupt JSON) is logged, naming the fault,
     before the fallback; the caller rescales a packaged profile."""
-    problem = f"no measured profile at {own}"
+    profile, problem = _load_measured(own, key)
+    if profile is not None:
+        return profile, "measured"
     if own.exists():
-        try:
-            return Profile.load(own, *(key or ())), "measured"
-        except ProfileError as exc:
-            problem = str(exc)
-            log.warning("%s; falling back to the packaged profile", problem)
+        log.warning("%s; falling back to the packaged profile", problem)
     shipped = PACKAGED_DIR / own.name
     if not shipped.exists():
         raise ProfileError(f"{problem}, and none is packaged for {own.stem}: run `cachesmith profile` first")

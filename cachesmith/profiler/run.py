@@ -6,8 +6,8 @@ demand) is saved as it completes, every timed cost run is appended to `<stem>.ru
 demand answers are cached per evaluation, so a stopped run resumes. The cost runs go through the
 serving path (the transfer engine staging stored chunk KV from a store kept in `<stem>.kv/`).
 `run_costs_profile` measures the costs only and takes the demand distributions and entropy
-threshold from another profile (the packaged one by default): costs depend on the machine, demand
-on the model.
+threshold from another profile (the packaged one by default), its rank depths mapped onto this
+model's layers: costs depend on the machine, demand on the model.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from cachesmith.profiler.bandwidth import tier_bandwidth
 from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
                                        scaffold, process_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
+from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
 from cachesmith.profiler.quiet import QuietRun
 from cachesmith.recompute import full_prefill
 from cachesmith.workloads.tasks import generate_many, resolve
@@ -68,8 +69,11 @@ class ProfileConfig:
         return functools.partial(QuietRun, self.quiet_max_busy, max_wait_s=600.0)
 
 
-# what a serving run measures when no profile fits the loaded model's architecture: a small cost grid
-# on the memory tier (40 s for the packaged model on 2 cores); demand comes from elsewhere
+# what a serving run measures when no profile fits the loaded model: a small cost grid on the memory
+# tier, 18 timed batches of at most 2K tokens and 8 held-out ones. For the packaged model on 2 busy
+# cores: 42 s of timed runs, 2 min in all with the chunk pool and bandwidth; a tiny test model: 1 s.
+# Kept this small so a GPU, timing the same shapes, stays well under a minute (not yet measured there).
+# Demand comes from elsewhere (`run_costs_profile`)
 QUICK_COSTS = ProfileConfig(num_requests=1, max_tokens=2048, num_shapes=6, plans_per_shape=3,
                             num_pool_chunks=16, tiers=("memory",))
 
@@ -88,14 +92,17 @@ def _part(out: Path, name: str, compute):
     return value
 
 
-def _grid_limits(max_tokens: int) -> dict:
-    """Context range and chunk sizes of a grid capped at `max_tokens` a batch (toy sizes in tests)."""
-    hi = min(4096, max_tokens - 80)
+def _grid_limits(max_tokens: int, max_positions: int) -> dict:
+    """Context range and chunk sizes of a grid capped at `max_tokens` a batch (toy sizes in tests),
+    each request within the model's `max_positions`: a request's context overshoots its target by
+    up to one pool chunk (at most min(512, max_context) tokens), and prefix and suffix take 80."""
+    room = max_positions - 80
+    hi = min(4096, max_tokens - 80, max(room - 512, room // 2))
     return {"min_context": min(400, max(32, hi // 2)), "max_context": hi}
 
 
 def _bench(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bool) -> TimingBench:
-    limits = _grid_limits(config.max_tokens)
+    limits = _grid_limits(config.max_tokens, pipe.model.config.max_positions)
     return TimingBench(pipe.model, out.with_name(out.stem + ".kv"), config.num_pool_chunks,
                        chunk_tokens=(min(96, limits["min_context"]), min(512, limits["max_context"])),
                        show_progress=show_progress)
@@ -104,7 +111,7 @@ def _bench(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: b
 def _costs(pipe: RagPipeline, config: ProfileConfig, out: Path, gbps: dict[str, float], bench_of,
            show_progress: bool) -> dict:
     specs = default_grid(config.max_tokens, config.num_shapes, config.plans_per_shape,
-                         **_grid_limits(config.max_tokens))
+                         **_grid_limits(config.max_tokens, pipe.model.config.max_positions))
     start = time.perf_counter()
     runs = measure(bench_of(), specs, out.with_name(out.stem + ".runs.jsonl"), show_progress=show_progress,
                    gate=config.gate())
@@ -131,8 +138,8 @@ def _validate(bench: TimingBench, profile: Profile, config: ProfileConfig) -> di
     """Held-out shapes: the error as measured, and at the measuring machine's speed (the profile rescaled by
     its single-request full prefills, as a packaged profile is served: `packaged.speed_factor`)."""
     max_tokens = config.max_tokens
-    limits = _grid_limits(max_tokens)
-    shapes = [s for s in HELD_OUT if sum(s) + 80 * len(s) <= max_tokens] or \
+    limits = _grid_limits(max_tokens, bench.model.config.max_positions)
+    shapes = [s for s in HELD_OUT if sum(s) + 80 * len(s) <= max_tokens and max(s) <= limits["max_context"]] or \
         [(limits["max_context"] * 3 // 4,), (limits["max_context"] // 4,) * 2]
     rows = validation_error(bench, CostModel(profile), shapes=shapes, gate=config.gate())
     errs = [r["rel_err"] for r in rows]
@@ -158,7 +165,9 @@ def _base(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bo
         return benches[0]
 
     try:
-        gbps = _part(out, "bandwidth", lambda: tier_bandwidth(model, config.tiers, redis_url=config.redis_url))
+        num_tokens = min(2048, model.config.max_positions)  # one chunk, within the model's positions
+        gbps = _part(out, "bandwidth", lambda: tier_bandwidth(model, config.tiers, num_tokens,
+                                                              redis_url=config.redis_url))
         costs = _part(out, "costs", lambda: _costs(pipe, config, out, gbps, bench_of, show_progress))
         base = Profile(model.fingerprint, model.model_dir.name, dtype, model.device.type, model.num_layers,
                        kv_bytes_per_token_layer(pipe), {k: PhaseCost(**v) for k, v in costs["layer_costs"].items()},
@@ -188,33 +197,41 @@ def run_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None = Non
 
 
 def read_demand(path: Path) -> tuple[tuple[DemandCurve, ...], float]:
-    """(demand curves, entropy threshold) of a profile file of any format version: demand depends
-    on the model, not on how the costs were measured."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        curves = tuple(DemandCurve.from_json(d) for d in data["demand"])
-        return curves, float(data["entropy_threshold"])
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise ProfileError(f"profile {path}: no readable demand distributions ({type(exc).__name__}: {exc})") from exc
+    """(demand curves, entropy threshold) of a profile file of any format version, at the depths
+    it was measured at (`mapped_demand.DemandSource.onto` maps them onto another model's)."""
+    source = read_demand_source(path)
+    return source.curves, source.entropy_threshold
+
+
+def demand_source_path(pipe: RagPipeline, demand_from: Path | None = None) -> Path:
+    """Where a costs-only profile takes its demand: `demand_from`, else the profile packaged for
+    this model, dtype and device, else the packaged model's (`REFERENCE_PROFILE`)."""
+    from cachesmith.profiler.packaged import PACKAGED_DIR
+
+    if demand_from is not None:
+        return Path(demand_from)
+    own = PACKAGED_DIR / default_path(pipe).name
+    return own if own.exists() else REFERENCE_PROFILE
 
 
 def run_costs_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None = None,
                       demand_from: Path | None = None, show_progress: bool = True) -> Profile:
-    """Re-measure costs (and bandwidth) only; demand and entropy threshold come from `demand_from`
-    (default: the profile packaged for this model, dtype and device)."""
-    from cachesmith.profiler.packaged import PACKAGED_DIR
-
+    """Re-measure costs (and bandwidth) only; demand and entropy threshold come from
+    `demand_source_path(pipe, demand_from)`, its rank depths mapped onto this model's layers
+    (`mapped_demand.map_demand_depths`), so no curve names a depth the model does not have."""
     out = Path(out or default_path(pipe))
-    source = Path(demand_from) if demand_from is not None else PACKAGED_DIR / default_path(pipe).name
+    source = demand_source_path(pipe, demand_from)
     if not source.exists():
-        raise ProfileError(f"no profile at {source} to take the demand distributions from; "
-                           f"run `cachesmith profile` (costs and demand)")
-    curves, theta = read_demand(source)
+        raise ProfileError(f"no profile at {source} to take the demand distributions from; give another "
+                           f"--demand-from, or run `cachesmith profile` (costs and demand)")
+    demand = read_demand_source(source)  # read before the costs: a bad file fails now
     base, validation = _base(pipe, config, out, show_progress)
+    curves, theta = demand.onto(base.num_layers)
     profile = Profile(**{**base.__dict__, "demand": curves, "entropy_threshold": theta,
                          "fit_error": _fit_error(validation)})
     profile.save(out)
     return profile
 
 
-__all__ = ["QUICK_COSTS", "ProfileConfig", "default_path", "read_demand", "run_costs_profile", "run_profile"]
+__all__ = ["QUICK_COSTS", "ProfileConfig", "default_path", "demand_source_path", "read_demand", "run_costs_profile",
+           "run_profile"]

@@ -1,16 +1,20 @@
-"""Which profile serves, and rescaling one to this machine's speed."""
+"""Which profile serves, rescaling one to this machine's speed, and the profile a model nobody
+profiled gets at its first start."""
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 
 import pytest
 
-from cachesmith.planner import BatchShape
+from cachesmith.planner import BatchShape, Planner, PlanRequest, Profile
 from cachesmith.planner.cost_model import CostModel
 from cachesmith.planner.profile import PhaseCost
 from cachesmith.profiler import packaged
+from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
 from cachesmith.profiler.packaged import calibrate, rescaled
+from cachesmith.profiler.run import ProfileConfig
 from cachesmith.recompute.config import cacheblend, epic
 from tests.engine_helpers import save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
@@ -84,3 +88,40 @@ def test_calibrate_recovers_a_machines_two_speed_factors(tmp_path, monkeypatch):
     assert 2.0 < factors.full < 3.0 and factors.full == pytest.approx(sum(ratios) / 2, rel=1e-9)
     slower = calibrate(pipe, rescaled(profile, 1.0, 10.0), context_tokens=(128, 256))
     assert slower.reuse == pytest.approx(0.3, rel=1e-9)  # against a profile 10x slower on the reuse path
+
+
+# QUICK_COSTS shrunk to a few seconds (the serve test in tests/server runs the real one)
+TOY_COSTS = ProfileConfig(num_requests=1, max_tokens=512, num_shapes=3, plans_per_shape=2, num_pool_chunks=6,
+                          tiers=("memory",))
+
+
+@pytest.fixture(scope="module")
+def unprofiled_dir(tmp_path_factory):
+    """A 4-layer model of 1024 positions nothing is packaged for (saved before any test moves the home)."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("unprofiled") / "tiny-unprofiled")
+
+
+def test_a_model_nobody_profiled_serves_with_mapped_demand_and_costs_measured_once(unprofiled_dir, tmp_path,
+                                                                                    monkeypatch, caplog):
+    monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path / "home"))  # no measured profile
+    pipe = tiny_pipeline(unprofiled_dir, tmp_path / "kv")
+    own = tmp_path / "home" / "profiles" / "tiny-unprofiled-float32-cpu.json"
+    with caplog.at_level(logging.INFO):
+        profile, source = packaged.serving_profile(pipe, quick_costs=TOY_COSTS)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "packaged smollm2-135m profile mapped onto this model's 4 layers" in warnings[0]
+    assert f"cachesmith profile --model {unprofiled_dir} --dtype float32 --device cpu" in warnings[0]
+    assert source == "measured" and profile.num_layers == 4 and Profile.load(own) == profile
+    assert max(c.rank_depth for c in profile.demand) == 4 and profile.tier_gbps["memory"] > 0
+    assert profile.demand == read_demand_source(REFERENCE_PROFILE).onto(4)[0]
+    assert Planner(profile).plan([PlanRequest(300, 20, 0, 0.5)], 10.0).predicted_ttft_s <= 10.0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("costs measured again")
+
+    monkeypatch.setattr(packaged, "run_costs_profile", refuse)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the next start reads the saved one, quietly
+        assert packaged.serving_profile(pipe, quick_costs=TOY_COSTS) == (profile, "measured")
+    assert caplog.records == []

@@ -1,5 +1,6 @@
 """`cachesmith profile` end to end at toy sizes: every part written, the profile loads for this
-model only, and a second run resumes from the saved parts and cached answers."""
+model only, a second run resumes from the saved parts and cached answers, and a costs-only profile
+of a model nothing is packaged for takes the packaged demand mapped onto its depth."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlanRequest, Profile, ProfileError
 from cachesmith.profiler import run as run_mod
 from cachesmith.profiler.run import ProfileConfig, run_profile
+from tests.engine_helpers import save_tiny_chat_model
 
 pytestmark = pytest.mark.real_model
 
@@ -54,3 +56,16 @@ def test_profile_cli_rejects_bad_sizes(capsys):
     assert "num_requests=0" in capsys.readouterr().err
     assert cli.main(["profile", "--task", "pr", "--variant", "abstract"]) == 2
     assert "unknown variant 'abstract'" in capsys.readouterr().err
+
+
+def test_costs_only_profile_of_a_model_nothing_is_packaged_for_maps_the_packaged_demand(tmp_path, capsys):
+    model_dir = save_tiny_chat_model(tmp_path / "tiny-costs-only")  # 4 layers
+    out = tmp_path / "p.json"
+    assert cli.main(["profile", "--costs-only", "--model", str(model_dir), "--max-tokens", "512",
+                     "--num-shapes", "3", "--plans-per-shape", "2", "--tiers", "memory", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "smollm2-135m profile's" in printed and "mapped from its 30 layers onto this model's 4" in printed
+    rows = [line.split() for line in printed.splitlines()[printed.splitlines().index(
+        f"{'task':<6} {'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}") + 1:]]
+    assert len(rows) == len(Profile.load(out).demand) > 0
+    assert {int(r[2]) for r in rows} == {1, 2, 4}  # never a depth the model does not have

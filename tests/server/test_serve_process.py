@@ -1,5 +1,6 @@
 """`cachesmith serve` as a real process: SIGTERM drains in-flight streams, a restart on the same
-disk store still has the chunks added before, and two servers on one redis-server share chunks."""
+disk store still has the chunks added before, two servers on one redis-server share chunks, and a
+model nobody profiled serves after measuring its costs at start."""
 from __future__ import annotations
 
 import json
@@ -152,3 +153,35 @@ def test_two_servers_on_one_redis_share_chunks(setup, redis_url):
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_a_model_nobody_profiled_serves_after_a_quick_cost_grid(tiny_chat_dir, tmp_path):
+    """No `--profile` and an empty home: the server measures the quick cost grid, borrows the packaged
+    demand mapped onto the model's 4 layers, warns once, saves the profile and serves RAG requests."""
+    port, home = free_port(), tmp_path / "home"
+    cmd = [sys.executable, "-m", "cachesmith.cli", "serve", "--model", str(tiny_chat_dir), "--port", str(port),
+           "--store-root", str(tmp_path / "kv"), "--served-name", NAME]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CACHESMITH_HOME": str(home)})
+    try:
+        url = wait_up(proc, port)
+        docs = [" ".join(["river glacier lantern harbor meadow falcon"] * 20) + f" {d}." for d in range(3)]
+        body = {"model": NAME, "max_tokens": 4, "documents": docs,
+                "messages": [{"role": "user", "content": "Which word comes after river?"}]}
+        first = httpx.post(url + "/v1/chat/completions", json={**body, "slo_ms": 5000}, timeout=120)
+        assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] >= 1
+        # an SLO no plan meets: served by full reuse, every context row read from the stored chunks
+        second = httpx.post(url + "/v1/chat/completions", json={**body, "slo_ms": 1}, timeout=120).json()
+        assert second["cachesmith"]["cached_tokens"]["chunks"] == second["cachesmith"]["num_context_tokens"] > 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["cachesmith"]["num_context_tokens"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+    warnings = [line for line in out.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "mapped onto this model's 4 layers" in warnings[0], out
+    saved = json.loads((home / "profiles" / f"{tiny_chat_dir.name}-float32-cpu.json").read_text())
+    assert saved["num_layers"] == 4 and max(c["rank_depth"] for c in saved["demand"]) == 4
