@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test test-vllm setup system-deps bench sanitize lock latest clean
+.PHONY: demo test test-vllm test-cuda gpu-check setup system-deps bench sanitize lock latest clean
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
@@ -47,6 +47,40 @@ test-vllm: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
+
+# On a machine with an NVIDIA GPU, in its own python3 (torch and transformers installed there, no
+# venv; cachesmith imported from this checkout through PYTHONPATH). `gpu-check` runs the prepared
+# check of benchmarks/gpu_check.py on random weights of Llama-3-8B's shape and writes
+# docs/bench/gpu_check.json (exit status 1 when a bar fails; GPU_CHECK_ARGS adds flags, e.g.
+# --max-minutes 6). `test-cuda` runs the tests marked cuda (the `device` fixture's GPU cases) in
+# CUDA_TESTS: the folders whose tests import nothing beyond torch and transformers (the server's
+# tests need fastapi and openai). What that machine lacks travels with the checkout, prepared here
+# and kept out of git (`echo /.whl/ >> .git/info/exclude; echo /.tokenizer/ >> .git/info/exclude`):
+#   - the packaged tokenizer, which the served requests are tokenized with (the weights are random):
+#       mkdir -p .tokenizer && cp "$(.venv/bin/cachesmith models path smollm2-135m)"/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .tokenizer/
+#   - the server's packages as wheels for that machine's Python (3.12; 3.5 MB), the lock's versions:
+#       python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#         -d .whl fastapi==0.165.0 uvicorn==0.55.0
+#     both targets install .whl/*.whl into GPU_SITE (no index: nothing is fetched) and put it on PYTHONPATH.
+# Without the tokenizer or the wheels the serve leg is recorded as skipped (its bar then fails);
+# every other row still runs.
+PY_GPU ?= python3
+GPU_SITE ?= /tmp/cachesmith-site
+GPU_TOKENIZER ?= .tokenizer
+GPU_CHECK_ARGS ?=
+CUDA_TESTS ?= tests/kvstore tests/model tests/recompute
+GPU_WHEELS = if ls .whl/*.whl >/dev/null 2>&1; then \
+  $(PY_GPU) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+
+gpu-check:
+	@$(GPU_WHEELS)
+	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) benchmarks/gpu_check.py --shape 8b \
+	  $$(test -d $(GPU_TOKENIZER) && echo --tokenizer-dir $(GPU_TOKENIZER)) $(GPU_CHECK_ARGS)
+
+test-cuda:
+	@$(GPU_WHEELS)
+	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) -m pytest -q -m cuda $(CUDA_TESTS)
 
 # The native kernels' tests against a build with AddressSanitizer and UBSan (any finding aborts the
 # run). The sanitized library lives under a CACHESMITH_HOME of its own (the model and corpus linked
