@@ -144,7 +144,10 @@ class Decoder:
             raise InputError(
                 f"{field}: {start + ids.numel()} positions exceed the model's maximum of "
                 f"{self.config.max_positions}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+        # ids given on the host are checked there: a tensor's min and max are values read back
+        lo, hi = (int(ids.min()), int(ids.max())) if isinstance(token_ids, torch.Tensor) else \
+            (min(token_ids), max(token_ids))
+        if lo < 0 or hi >= self.config.vocab_size:
             raise InputError(f"{field} holds ids outside the vocabulary [0, {self.config.vocab_size})")
         return ids.to(self.device)
 

@@ -76,6 +76,17 @@ class DecoderLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed hidden x [T, hidden] -> pre-RoPE q and k side by side, qk [T, H + Hkv, D] (query
+        heads first), and v [T, Hkv, D]: one rotation then serves both, half the launches of two."""
+        cfg = self.config
+        qk, v = self.qkv_proj(x).split((self._q_size + self._kv_size, self._kv_size), dim=-1)
+        qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads:])], dim=1)
+        return qk, v
+
     def q(self, x: torch.Tensor) -> torch.Tensor:
         """Query only: normed hidden [T, hidden] -> pre-RoPE q [T, H, D]."""
         bias = None if self.qkv_bias is None else self.qkv_bias[: self._q_size]

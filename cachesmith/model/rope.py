@@ -28,6 +28,15 @@ def _inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def halves(cos: torch.Tensor, sin: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first halves of cos/sin rows [T, 1, 2 * half] (either half serves: each frequency is
+    there twice), or the rows as given when they are halves already: a caller rotating the same
+    positions many times (every layer) slices once."""
+    if cos.shape[-1] == half:
+        return cos, sin
+    return cos[..., :half], sin[..., :half]
+
+
 class RotaryEmbedding:
     """cos/sin tables computed in float32 (as transformers does) and cast to the model dtype."""
 
@@ -53,29 +62,40 @@ class RotaryEmbedding:
         if positions.numel() == 0:
             return self._tables(positions)
         needed = int(positions.max()) + 1
-        if self._cos is None or self._cos.shape[0] < needed:
-            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
-            self._cos, self._sin = self._tables(torch.arange(size, device=self.inv_freq.device))
+        self._reserve(needed)
         first = int(positions[0])
         if positions.numel() == needed - first and bool((positions.diff() == 1).all()):
             return self._cos[first:needed], self._sin[first:needed]  # a contiguous run: views
         return self._cos[positions], self._sin[positions]
 
+    def cos_sin_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` of positions [start, end), known on the host: views of the tables, and no value
+        is read back from the device to find them."""
+        self._reserve(end)
+        return self._cos[start:end], self._sin[start:end]
+
+    def _reserve(self, num_positions: int) -> None:
+        if self._cos is None or self._cos.shape[0] < num_positions:
+            size = max(num_positions, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
+            self._cos, self._sin = self._tables(torch.arange(size, device=self.inv_freq.device))
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, num_heads, head_dim] rotated with precomputed cos/sin (into `out` if given,
-        e.g. straight into a KV cache buffer)."""
+        e.g. straight into a KV cache buffer). cos/sin may be the tables' rows [T, 1, head_dim] or
+        their first halves [T, 1, head_dim // 2] (`halves`)."""
         # Written per half instead of cat(-x2, x1): no extra [T, H, D] temporaries (cos and sin
         # hold each frequency twice, so either half of them serves both halves of x).
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x.split((half, half), dim=-1)  # one dispatch for both views
+        c, s = halves(cos, sin, half)
         out = torch.empty_like(x) if out is None else out
-        torch.mul(x1, c, out=out[..., :half])
-        out[..., :half].addcmul_(x2, s, value=-1)
-        torch.mul(x2, c, out=out[..., half:])
-        out[..., half:].addcmul_(x1, s)
+        out1, out2 = out.split((half, half), dim=-1)
+        torch.mul(x1, c, out=out1)
+        out1.addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=out2)
+        out2.addcmul_(x1, s)
         return out
 
     @staticmethod
@@ -83,8 +103,8 @@ class RotaryEmbedding:
         """Rotate x [num_tokens, num_heads, head_dim] in place (e.g. cached K staged pre-RoPE into a
         KV cache); bit-identical to `apply`, with one half-size temporary."""
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x.split((half, half), dim=-1)
+        c, s = halves(cos, sin, half)
         first = torch.mul(x1, c)
         first.addcmul_(x2, s, value=-1)
         x2.mul_(c).addcmul_(x1, s)

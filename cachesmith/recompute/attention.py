@@ -50,10 +50,11 @@ class ScatteredAttention:
         else:
             bounds[-1] = num_q  # one call for everything
         self.blocks: list[tuple[int, int, int, torch.Tensor]] = []
+        host_positions = q_positions.tolist()  # a host tensor: its values are read without a device sync
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b <= a:
                 continue
-            num_keys = int(q_positions[b - 1]) + 1
+            num_keys = host_positions[b - 1] + 1
             visible = causal_by_position_mask(q_positions[a:b], torch.arange(num_keys))  # [b - a, num_keys]
             # additive float mask, built once: SDPA would convert a boolean one on every call
             mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
@@ -62,6 +63,8 @@ class ScatteredAttention:
     def __call__(self, layer: DecoderLayer, q: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor) -> torch.Tensor:
         """q [num_q, H, D]; keys/values [S, Hkv, D] -> [num_q, H * D]."""
+        if len(self.blocks) == 1 and self.blocks[0][2] == keys.shape[0]:  # one call over every key
+            return layer.attend(q, keys, values, mask=self.blocks[0][3])
         outs = [layer.attend(q[a:b], keys[:m], values[:m], mask=mask) for a, b, m, mask in self.blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

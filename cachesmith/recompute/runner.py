@@ -24,7 +24,8 @@ from cachesmith.errors import ConfigError, InputError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 from cachesmith.recompute.query_probe import qci_last_scores, qci_scores
-from cachesmith.recompute.sequence import RecomputeRequest, Sequence, build_sequence, fill_cached_rows
+from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence, fill_cached_rows,
+                                           stitch_cached_rows)
 
 
 # entropies after layer 0 -> (plan for the rest, per-request coverages or None)
@@ -37,9 +38,14 @@ class RecomputeOutput:
     cache: KVCache  # assembled KV of all S positions, ready for decoding
     selected: torch.Tensor  # context indices recomputed in the last Patch layer (CPU, sorted)
     scores: torch.Tensor | None  # [N] selection scores (None for warm-up-only plans)
-    qci_entropy: float | None  # normalized entropy of layer-0 QCI scores (when w >= 1)
+    entropy: torch.Tensor | None  # 0-dim normalized entropy of layer-0 QCI scores (when w >= 1)
     num_context: int
     num_suffix: int
+
+    @property
+    def qci_entropy(self) -> float | None:
+        """`entropy` as a float; read after the first token, when the device has caught up."""
+        return None if self.entropy is None else float(self.entropy)
 
     @property
     def first_token(self) -> int:
@@ -66,8 +72,15 @@ class _Ranked:
 
 
 class BatchRunner:
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, num_attention_blocks: int | None = None) -> None:
+        """`num_attention_blocks`: query blocks per request in a Patch layer's attention (None:
+        what was measured fastest for the device and dtype, `attention.default_num_blocks`; 1 is
+        what a CUDA device runs: one masked call per request and layer)."""
+        if num_attention_blocks is not None and num_attention_blocks < 1:
+            raise ConfigError(f"num_attention_blocks={num_attention_blocks} must be >= 1 (or None)")
         self.model = model
+        self.num_attention_blocks = num_attention_blocks
+        self._split_heads = (model.config.num_heads, model.config.num_kv_heads)  # qk's heads: q | k
         cfg = model.config
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
 
@@ -82,6 +95,9 @@ class BatchRunner:
         hooks = hooks or RunnerHooks()
         seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
         with torch.inference_mode():
+            if config.warmup < self.model.num_layers or replan is not None:  # cached KV will be read
+                for s in seqs:
+                    stitch_cached_rows(self.model, s)
             ranked = self._rank(seqs, config, hooks, replan)
             return ranked.outputs if ranked.outputs is not None else self._patch(ranked, hooks)
 
@@ -119,6 +135,8 @@ class BatchRunner:
         forks: list[PatchFork | None] = [None] * len(configs)
         hooks = RunnerHooks()
         with torch.inference_mode():
+            for s in seqs:
+                stitch_cached_rows(self.model, s)
             h = torch.cat([self.model.embed(s.token_ids) for s in seqs])  # [sum S, hidden]
             layer = 0
             order = sorted(range(len(configs)), key=lambda i: configs[i].warmup)
@@ -129,7 +147,8 @@ class BatchRunner:
                 if n == len(order) and not is_to_end:  # the deepest takes the walk itself
                     forks[j] = PatchFork(self, self._after_warmup(configs[j], seqs, h, hooks))
                     break
-                branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(layer)) for s in seqs]
+                branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(_num_cloned(s, layer)))
+                          for s in seqs]
                 forks[j] = PatchFork(self, self._after_warmup(configs[j], branch, h.clone(), hooks))
             if not is_to_end:
                 return forks, []
@@ -181,7 +200,8 @@ class BatchRunner:
 
     @staticmethod
     def _replan(replan: Replan, seqs: list[Sequence], num_layers: int) -> RecomputeConfig:
-        config, coverages = replan([s.qci_entropy for s in seqs])
+        # the one host read a planned run makes: the plan for the rest depends on these values
+        config, coverages = replan([None if s.qci_entropy is None else float(s.qci_entropy) for s in seqs])
         config.validate_for(num_layers)
         if config.warmup < 1:
             raise ConfigError(f"a plan decided after layer 0 needs warmup >= 1, got {config.label()}")
@@ -199,17 +219,17 @@ class BatchRunner:
             return self._kv_dev_probe(config, seqs, h, hooks)
         if config.signal is Signal.FUSED:
             return self._fused_probe(config, seqs, h, hooks)
-        is_position = config.signal is Signal.POSITION
-        if is_position:
-            scores = [signals.position_scores(s) for s in seqs]
-        elif config.signal is Signal.QCI:
+        if config.signal is Signal.POSITION:  # selected from chunk bounds alone: nothing to rank
+            for s in seqs:
+                s.is_position_signal = True
+            return config.warmup, h, None
+        if config.signal is Signal.QCI:
             scores = qci_scores(self.model, seqs, self._suffix_rows(seqs, h),
                                 range(config.warmup, config.warmup + config.probe), hooks, self._after)
         else:
             scores = qci_last_scores(self.model, seqs, self._suffix_rows(seqs, h), config.warmup, hooks, self._after)
         for s, sc in zip(seqs, scores):
-            s.scores, s.ranking = (None if is_position else sc), signals.rank(sc)
-            s.is_position_signal = is_position
+            s.scores, s.ranking = sc, signals.rank(sc)
         return config.warmup, h, None
 
     def _kv_dev_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
@@ -247,11 +267,11 @@ class BatchRunner:
         """Every row of every request computed exactly (WarmUp, or a kv_dev Probe layer)."""
         hooks.before_layer(index, phase)
         layer, rope = self.model.layers[index], self.model.rope
-        q, k, v = layer.qkv(layer.input_norm(h))
+        qk, v = layer.qk_v(layer.input_norm(h))  # qk [rows, H + Hkv, D]
         outs, devs, kv_rows = [], [], 0
         for s, a in zip(seqs, self._offsets(seqs)):
             b = a + s.num_tokens
-            qi, ki = rope.apply(q[a:b], s.cos, s.sin), rope.apply(k[a:b], s.cos, s.sin)
+            qi, ki = rope.apply(_rows(qk, a, b), s.cos, s.sin).split(self._split_heads, dim=1)
             if dev_target is not None:  # before the fresh rows overwrite the cached ones
                 devs.append(self._deviation(s, index, ki, v[a:b], dev_target, is_rotated=True))
                 kv_rows += s.num_context
@@ -260,7 +280,7 @@ class BatchRunner:
             outs.append(layer.attend(qi, keys, values, is_causal=True))
             if want_entropy:
                 s.qci_entropy = self._entropy(s, qi, ki)
-        h = layer.mlp_block(h.add_(layer.out_proj(torch.cat(outs))))
+        h = layer.mlp_block(h.add_(layer.out_proj(_joined(outs))))
         self._after(hooks, index, phase, h.shape[0], kv_rows)
         return h, devs
 
@@ -273,11 +293,11 @@ class BatchRunner:
         fresh_k = k[ctx] if is_rotated else self.model.rope.apply(k[ctx], s.cos[ctx], s.sin[ctx])
         return signals.kv_deviation(fresh_k, v[ctx], s.cache.keys[index][ctx], s.cache.values[index][ctx], target)
 
-    def _entropy(self, s: Sequence, q: torch.Tensor, k: torch.Tensor) -> float:
+    def _entropy(self, s: Sequence, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(s.num_tokens, device=q.device)
         sfx = slice(s.suffix_start, s.num_tokens)
         probs = attention_probs(q[sfx], k, pos[sfx], pos)
-        return signals.normalized_entropy(signals.qci_from_probs(probs, s))
+        return signals.entropy_of(signals.qci_from_probs(probs, s))
 
     def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[_PatchRows],
                      h_sel: torch.Tensor, hooks: RunnerHooks, pre=None):
@@ -285,18 +305,19 @@ class BatchRunner:
         With `pre` (kv_dev's projections) the layer's before-hook already ran during scoring."""
         if pre is None:
             hooks.before_layer(index, "patch")
-        layer, rope = self.model.layers[index], self.model.rope
-        q, k, v = pre if pre is not None else layer.qkv(layer.input_norm(h_sel))
+        layer = self.model.layers[index]
+        projected = pre if pre is not None else layer.qk_v(layer.input_norm(h_sel))
         outs, a, kv_rows = [], 0, 0
         for s, r in zip(seqs, rows):
             b = a + r.positions.numel()
             kv_rows += fill_cached_rows(self.model, s, index) - s.selected.numel()
-            s.cache.keys[index].index_copy_(0, r.positions, rope.apply(k[a:b], r.cos, r.sin))
-            s.cache.values[index].index_copy_(0, r.positions, v[a:b])
+            qi, ki, vi = self._rotated(projected, a, b, r.cos, r.sin)
+            s.cache.keys[index].index_copy_(0, r.positions, ki)
+            s.cache.values[index].index_copy_(0, r.positions, vi)
             keys, values = s.cache.view(index, s.num_tokens)
-            outs.append(r.attention(layer, rope.apply(q[a:b], r.cos, r.sin), keys, values))
+            outs.append(r.attention(layer, qi, keys, values))
             a = b
-        h_sel = layer.mlp_block(h_sel.add_(layer.out_proj(torch.cat(outs))))
+        h_sel = layer.mlp_block(h_sel.add_(layer.out_proj(_joined(outs))))
         lowered = self._after(hooks, index, "patch", h_sel.shape[0], kv_rows)
         if lowered:
             h_sel, rows = self._lower_coverage(seqs, rows, h_sel, lowered)
@@ -321,6 +342,18 @@ class BatchRunner:
         return h_sel[torch.cat(keep).to(h_sel.device)], rows
 
     # -- helpers -------------------------------------------------------------------------------
+    def _rotated(self, projected: tuple[torch.Tensor, ...], a: int, b: int, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [a, b) of a layer's projections, q and k rotated: `projected` is (qk, v) from
+        `qk_v` (one rotation for both) or (q, k, v) (kv_dev's scoring projections)."""
+        rope = self.model.rope
+        if len(projected) == 2:
+            qk, v = projected
+            q, k = rope.apply(_rows(qk, a, b), cos, sin).split(self._split_heads, dim=1)  # [b - a, H | Hkv, D]
+            return q, k, _rows(v, a, b)
+        q, k, v = projected
+        return rope.apply(_rows(q, a, b), cos, sin), rope.apply(_rows(k, a, b), cos, sin), _rows(v, a, b)
+
     def _after(self, hooks: RunnerHooks, layer: int, phase: str, num_rows: int, kv_rows: int):
         return hooks.after_layer(LayerInfo(layer, phase, num_rows, 2 * kv_rows * self._row_bytes))
 
@@ -346,10 +379,11 @@ class BatchRunner:
         positions = self._row_index(s, 0)
         dev = positions.to(self.model.device)
         cfg = self.model.config
-        if split_attention.is_available(self.model.device, self.model.dtype):
+        if self.num_attention_blocks is None and split_attention.is_available(self.model.device, self.model.dtype):
             attention = split_attention.SplitAttention(positions, s.num_suffix, cfg.num_heads, cfg.num_kv_heads)
         else:
-            attention = ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix)
+            attention = ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix,
+                                           self.num_attention_blocks)
         return _PatchRows(dev, s.cos[dev], s.sin[dev], attention)
 
     def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):
@@ -386,7 +420,7 @@ class PatchFork:
         if len(coverages) != len(self.ranked.seqs):
             raise InputError(f"coverages: {len(coverages)} given for {len(self.ranked.seqs)} requests")
         return [replace(s, coverage=check_coverage(c, f"coverages[{i}]"), selected=None,
-                        placed_layers=set(s.placed_layers), cache=s.cache.clone(self._num_written))
+                        placed_layers=set(s.placed_layers), cache=s.cache.clone(_num_cloned(s, self._num_written)))
                 for i, (s, c) in enumerate(zip(self.ranked.seqs, coverages))]
 
     @staticmethod
@@ -404,3 +438,18 @@ class PatchFork:
             outputs = forks[0].runner._patch(ranked, RunnerHooks())
         sizes = [len(f.ranked.seqs) for f in forks]
         return [outputs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(forks))]
+
+
+def _num_cloned(seq: Sequence, num_written: int) -> int | None:
+    """Layers a copy of `seq`'s cache needs: those written so far, or all of them (None) when its
+    chunks were stitched into every layer up front."""
+    return None if seq.is_stitched else num_written
+
+
+def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of `t`: `t` itself when that is all of it (one request), with no view op."""
+    return t if a == 0 and b == t.shape[0] else t[a:b]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -14,6 +14,7 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.model import ChunkKV, Decoder, KVCache
+from cachesmith.model.rope import halves
 from cachesmith.recompute.config import check_coverage
 
 
@@ -34,8 +35,8 @@ class Sequence:
     request: RecomputeRequest
     coverage: float
     token_ids: torch.Tensor  # [S]
-    cos: torch.Tensor  # [S, 1, head_dim]
-    sin: torch.Tensor  # [S, 1, head_dim]
+    cos: torch.Tensor  # [S, 1, head_dim // 2] (`rope.halves`: what every rotation reads)
+    sin: torch.Tensor  # [S, 1, head_dim // 2]
     segments: list[tuple[int, ChunkKV]]  # (start position, cached entry) for prefix and chunks
     num_prefix: int
     num_context: int
@@ -46,8 +47,9 @@ class Sequence:
     selected: torch.Tensor | None = None  # sorted context indices recomputed in Patch (CPU, long)
     scores: torch.Tensor | None = None  # [N] selection scores
     is_position_signal: bool = False
-    qci_entropy: float | None = None
+    qci_entropy: torch.Tensor | None = None  # 0-dim, on the model's device (`signals.entropy_of`)
     placed_layers: set[int] = field(default_factory=set)  # layers whose cached rows are placed, rotated
+    is_stitched: bool = False  # in-memory entries copied into the cache, every layer (`stitch_cached_rows`)
 
     @property
     def is_staged(self) -> bool:
@@ -91,7 +93,7 @@ def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index
             chunk_starts.append(start - num_prefix)
         start += entry.num_tokens
     num_tokens = token_ids.numel()
-    cos, sin = model.rope.cos_sin(torch.arange(num_tokens, device=model.device))
+    cos, sin = halves(*model.rope.cos_sin_range(0, num_tokens), model.config.head_dim // 2)
     return Sequence(
         request=req, coverage=coverage, token_ids=token_ids, cos=cos, sin=sin, segments=segments,
         num_prefix=num_prefix, num_context=num_context, num_suffix=suffix.numel(),
@@ -109,20 +111,35 @@ def _request_cache(model: Decoder, req: RecomputeRequest, num_tokens: int, field
     return req.cache
 
 
+def stitch_cached_rows(model: Decoder, seq: Sequence) -> None:
+    """Place the K and V of prefix and chunks handed in memory into the cache, every layer at once,
+    before the layer loop: one concatenation per tensor and one rotation of every layer's K, however
+    many chunks and layers, where a copy per chunk and layer made the loop's host work grow with the
+    number of chunks. WarmUp layers overwrite their rows with fresh ones. A staged request's rows
+    arrive layer by layer instead, and are rotated as each layer is reached (`fill_cached_rows`)."""
+    if seq.is_staged or seq.is_stitched or not seq.segments:
+        return
+    end = seq.suffix_start
+    entries = [entry for _, entry in seq.segments]
+    keys = seq.cache.key_slab[:, :end]  # [L, end, Hkv, D]
+    torch.cat([e.keys for e in entries], dim=1, out=keys)
+    torch.cat([e.values for e in entries], dim=1, out=seq.cache.value_slab[:, :end])
+    model.rope.apply_(keys, seq.cos[:end], seq.sin[:end])  # every layer's rows rotated at once
+    seq.is_stitched = True
+    seq.placed_layers.update(range(keys.shape[0]))
+
+
 def fill_cached_rows(model: Decoder, seq: Sequence, layer: int) -> int:
-    """Place the cached K (rotated to its assembled positions) and V of prefix and chunks into the
-    layer's cache buffer, once: a QCI probe fills a layer, and Patch revisits it after the rewind
-    (probes only write suffix rows, which Patch rewrites). A staged request's rows are already in
-    the buffer, pre-RoPE, so only the rotation runs: one in-place pass over every cached row.
-    Returns the number of cached rows."""
+    """Rotate the cached K of prefix and chunks in the layer's cache buffer to their assembled
+    positions, once: a QCI probe fills a layer, and Patch revisits it after the rewind (probes only
+    write suffix rows, which Patch rewrites). The rows are already in the buffer, pre-RoPE: staged
+    there by the transfer engine, or stitched (`stitch_cached_rows`). Returns the number of cached
+    rows."""
     end = seq.suffix_start
     if layer in seq.placed_layers:
         return end
+    if not (seq.is_staged or not seq.segments):
+        raise RuntimeError("cached rows read before the request's chunks were stitched into its cache")
     seq.placed_layers.add(layer)
-    keys, values = seq.cache.keys[layer], seq.cache.values[layer]
-    if not seq.is_staged:
-        for start, entry in seq.segments:
-            keys[start:start + entry.num_tokens] = entry.keys[layer]
-            values[start:start + entry.num_tokens] = entry.values[layer]
-    model.rope.apply_(keys[:end], seq.cos[:end], seq.sin[:end])
+    model.rope.apply_(seq.cache.keys[layer][:end], seq.cos[:end], seq.sin[:end])
     return end

@@ -1,8 +1,8 @@
 """Token selection signals: scores over a request's context tokens, ranking, and entropy.
 
-In: fresh and cached K/V (kv_dev), query attention probabilities (qci, qci_last), or chunk
-boundaries (position). Out: a float score per context token [N] (higher = recompute first), a
-ranking, and the selected set for a coverage.
+In: fresh and cached K/V (kv_dev) or query attention probabilities (qci, qci_last). Out: a float
+score per context token [N] (higher = recompute first), a ranking, and the selected set for a
+coverage; `position` (EPIC) selects from chunk bounds alone, with no score or ranking.
 """
 from __future__ import annotations
 
@@ -34,28 +34,23 @@ def qci_from_probs(probs: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return probs[:, :, start:start + seq.num_context].sum(dim=(0, 1))
 
 
-def normalized_entropy(scores: torch.Tensor) -> float:
-    """Entropy of scores (as a distribution) divided by log(N): 1 = uniform, 0 = one token."""
+def entropy_of(scores: torch.Tensor) -> torch.Tensor:
+    """Entropy of scores [N] (as a distribution) divided by log(N), as a 0-dim float64 tensor on the
+    scores' device: 1 = uniform (also when every score is 0), 0 = one token. Nothing is read back
+    to the host, so the layer loop does not wait for the device here."""
     n = scores.numel()
     if n <= 1:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64, device=scores.device)
     p = scores.double().clamp_min(0)
     total = p.sum()
-    if total <= 0:
-        return 1.0
-    p = p / total
-    entropy = -(p * torch.log(p.clamp_min(1e-300))).sum()
-    return float(entropy / math.log(n))
+    p = p / total.clamp_min(1e-300)
+    entropy = -(p * torch.log(p.clamp_min(1e-300))).sum() / math.log(n)
+    return torch.where(total > 0, entropy, torch.ones_like(entropy))
 
 
-def position_scores(seq: Sequence) -> torch.Tensor:
-    """EPIC ranking: earlier in its chunk ranks higher; the first chunk ranks after all others."""
-    scores = torch.empty(seq.num_context)
-    bounds = seq.chunk_starts + [seq.num_context]
-    for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        offset = -(2 * seq.num_context) if c == 0 else 0.0
-        scores[a:b] = offset - torch.arange(b - a, dtype=torch.float)
-    return scores
+def normalized_entropy(scores: torch.Tensor) -> float:
+    """`entropy_of` read back as a float."""
+    return float(entropy_of(scores))
 
 
 def fuse(kv_scores: torch.Tensor, qci_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,12 +85,20 @@ def select(seq: Sequence, coverage: float) -> torch.Tensor:
     `position` follows EPIC: the first ceil(r * |c|) tokens of every chunk but the first. Every
     other signal takes the top ceil(r * N) of the ranking. At r = 100% every context token is taken.
     """
-    if seq.is_position_signal and coverage < 1.0:
-        picks = []
-        bounds = seq.chunk_starts + [seq.num_context]
-        for a, b in list(zip(bounds[:-1], bounds[1:]))[1:]:
-            picks.append(torch.arange(a, a + num_selected(coverage, b - a)))
-        chosen = torch.cat(picks) if picks else torch.empty(0, dtype=torch.long)
-    else:
-        chosen = seq.ranking[: num_selected(coverage, seq.num_context)]
-    return torch.sort(chosen).values
+    if seq.is_position_signal:
+        return _chunk_heads(seq, coverage) if coverage < 1.0 else torch.arange(seq.num_context)
+    return torch.sort(seq.ranking[: num_selected(coverage, seq.num_context)]).values
+
+
+def _chunk_heads(seq: Sequence, coverage: float) -> torch.Tensor:
+    """EPIC's selection, sorted. How many of each chunk's first tokens are taken (none of the first
+    chunk's) is known on the host, so the indices come from arithmetic of a known size: no
+    data-dependent shape, and no work per chunk."""
+    bounds = seq.chunk_starts + [seq.num_context]
+    num_taken = [0] + [num_selected(coverage, b - a) for a, b in zip(bounds[1:-1], bounds[2:])]
+    total = sum(num_taken)
+    counts = torch.tensor(num_taken, dtype=torch.long)  # [num_chunks]
+    firsts = torch.tensor(bounds[:-1], dtype=torch.long)  # [num_chunks]
+    taken_before = torch.tensor([0] + num_taken[:-1], dtype=torch.long).cumsum(0)  # [num_chunks]
+    # [total] each taken token: its chunk's start + its rank among the chunk's taken tokens
+    return torch.repeat_interleave(firsts - taken_before, counts, output_size=total) + torch.arange(total)

@@ -40,10 +40,11 @@ class SplitAttention:
         bounds = [num_scattered * g // groups for g in range(groups + 1)] if groups else [0]
         bounds.append(num_q)
         self.blocks: list[tuple[int, int, int, int, torch.Tensor]] = []
+        host_positions = q_positions.tolist()
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b <= a:
                 continue
-            lo, hi = int(q_positions[a]), int(q_positions[b - 1]) + 1
+            lo, hi = host_positions[a], host_positions[b - 1] + 1
             visible = causal_by_position_mask(q_positions[a:b], torch.arange(lo, hi))  # [b - a, hi - lo]
             mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             self.blocks.append((a, b, lo, hi, mask.repeat(self.rep, 1)))  # rows folded r-major

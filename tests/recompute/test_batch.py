@@ -7,7 +7,7 @@ import torch
 from cachesmith.model import Decoder
 from cachesmith.recompute import (BatchRunner, HookChain, LayerStatsRecorder, RecomputeConfig,
                                   RunnerHooks, Signal)
-from cachesmith.recompute.sequence import build_sequence, fill_cached_rows
+from cachesmith.recompute.sequence import build_sequence, fill_cached_rows, stitch_cached_rows
 from tests.recompute.helpers import make_request, max_diff
 
 PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.3),
@@ -59,6 +59,7 @@ def test_hooks_see_phases_and_monitor_can_lower_coverage(model):
     assert out.selected.numel() == 0
     # after lowering, every cached row of the later layers holds the reused KV, bit for bit
     scratch = build_sequence(model, req, 0.0, 0)
+    stitch_cached_rows(model, scratch)
     num_cached = fill_cached_rows(model, scratch, 2)
     assert max_diff(out.cache.view(2)[0][:num_cached], scratch.cache.view(2, num_cached)[0]) == 0.0
     assert out.cache.num_tokens == num_cached + len(req.suffix_ids)

@@ -82,6 +82,18 @@ def test_position_signal_takes_chunk_heads_except_first(model):
     assert out.scores is None
 
 
+@pytest.mark.parametrize("coverage", [0.0, 0.05, 0.3, 0.99])
+def test_position_selection_and_ranking_follow_each_chunk(model, coverage):
+    """Uneven chunks against the definition written per chunk: the first ceil(r * |c|) tokens of
+    every chunk but the first."""
+    lens = (7, 13, 1, 29, 4)
+    req, _ = make_request(model, seed=25, chunk_lens=lens)
+    out = BatchRunner(model).run([req], RecomputeConfig(Signal.POSITION, 0, 0, coverage))[0]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    want = [a + j for a, n in list(zip(starts, lens))[1:] for j in range(math.ceil(coverage * n - 1e-9))]
+    assert out.selected.tolist() == want
+
+
 def test_coverage_per_request_sets_selection_size(model):
     reqs = [make_request(model, seed=30 + i, coverage=c)[0] for i, c in enumerate([0.0, 0.5, 1.0])]
     outs = BatchRunner(model).run(reqs, RecomputeConfig(Signal.QCI, 0, 2, 0.1))
