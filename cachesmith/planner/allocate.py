@@ -10,11 +10,14 @@ s_k / c_i per token. Taking (request, segment) moves in falling order of that ra
 greedy marginal-gain allocation; for concave curves it ends where the paper's pairwise token
 transfers from a uniform start end (no transfer raises the expectation). Unlike the transfers, the
 move order does not depend on the budget, so a bigger budget only extends the prefix taken, and
-the expected number of passing requests never falls as the budget grows. All in numpy.
+the expected number of passing requests never falls as the budget grows. All in numpy:
+`allocate_many` allocates under D curves at once (a search's rank depths, each with its own
+budget), from their envelopes padded into one `EnvelopeTable`, move for move as `allocate`.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,3 +72,65 @@ def allocate(context_tokens: Sequence[int], token_budget: float, cdf: Sequence[f
 def expected_passes(coverages: Sequence[float], cdf: Sequence[float]) -> float:
     index = (np.asarray(coverages, float) * (1 / STEP) + 1e-9).astype(int)
     return float(np.asarray(cdf, float)[np.minimum(index, NUM_STEPS)].sum())
+
+
+@dataclass(frozen=True)
+class EnvelopeTable:
+    """The concave envelopes of D pass curves (one per rank depth), padded to the longest:
+    what `allocate_many` walks, built once per demand (`of`)."""
+    vertex_ends: np.ndarray  # [D, S] the level each segment ends at (0 on padding)
+    step_costs: np.ndarray  # [D, S] coverage each segment buys: its grid steps x STEP (0 on padding)
+    slopes: np.ndarray  # [D, S] gain per grid step (0 on padding)
+    is_real: np.ndarray  # [D, S] False on padding
+
+    def rows(self, rows: np.ndarray) -> "EnvelopeTable":
+        """The envelopes of curves `rows` only."""
+        return EnvelopeTable(self.vertex_ends[rows], self.step_costs[rows], self.slopes[rows], self.is_real[rows])
+
+    @classmethod
+    def stack(cls, tables: Sequence["EnvelopeTable"]) -> "EnvelopeTable":
+        """Tables one after the other, padded to the widest."""
+        width = max(t.slopes.shape[1] for t in tables)
+
+        def pad(name: str) -> np.ndarray:
+            return np.concatenate([np.pad(getattr(t, name), ((0, 0), (0, width - t.slopes.shape[1]))) for t in tables])
+        return cls(pad("vertex_ends"), pad("step_costs"), pad("slopes"), pad("is_real"))
+
+    @classmethod
+    def of(cls, envelopes: Sequence[tuple[np.ndarray, np.ndarray]]) -> "EnvelopeTable":
+        num_segments = max(1, *(slopes.size for _, slopes in envelopes))
+        shape = (len(envelopes), num_segments)
+        ends, steps, slopes, real = np.zeros(shape, int), np.zeros(shape, int), np.zeros(shape), np.zeros(shape, bool)
+        for d, (vertices, segment_slopes) in enumerate(envelopes):
+            size = segment_slopes.size
+            ends[d, :size], steps[d, :size] = vertices[1:], np.diff(vertices)
+            slopes[d, :size], real[d, :size] = segment_slopes, True
+        return cls(ends, steps * STEP, slopes, real)
+
+
+def allocate_many(context_tokens: np.ndarray, token_budgets: np.ndarray, table: EnvelopeTable) -> np.ndarray:
+    """`allocate` for each of D curves at once, curve d with token_budgets[d]: per-request
+    coverages [D, R], the same floats `allocate` returns (its move order, stable, per curve)."""
+    ctx = np.asarray(context_tokens, float)  # [R]
+    num_curves, num_segments = table.slopes.shape
+    num_moves = ctx.size * num_segments
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = table.slopes[:, None, :] / (STEP * ctx)[None, :, None]  # [D, R, S]
+    # padding sorts after every real move (a real -ratio is < 0, or -inf for a request without context)
+    key = np.where(table.is_real[:, None, :], -ratio, np.inf).reshape(num_curves, num_moves)
+    # flat indices of each curve's moves in its own order [D, R * S]
+    order = np.argsort(key, axis=1, kind="stable") + (np.arange(num_curves) * num_moves)[:, None]
+    cost = (table.step_costs[:, None, :] * ctx[None, :, None]).ravel()  # [D * R * S]
+    spent = np.cumsum(cost[order], 1)  # [D, R * S]
+    taken = np.empty(cost.size, bool)
+    taken[order] = spent <= (np.asarray(token_budgets, float) + 1e-9)[:, None]  # a prefix: costs are >= 0
+    taken = taken.reshape(num_curves, ctx.size, num_segments) & table.is_real[:, None, :]  # [D, R, S]
+    # a request's taken segments are a prefix of its own (its ratios fall), so its level is the last one's end
+    level = np.where(taken, table.vertex_ends[:, None, :], 0).max(2)  # [D, R]
+    return np.round(level * STEP, 4)
+
+
+def expected_passes_many(coverages: np.ndarray, cdfs: np.ndarray) -> np.ndarray:
+    """`expected_passes` of coverage rows [D, R], row d under pass curve cdfs[d] [D, 21]: [D]."""
+    index = (np.asarray(coverages, float) * (1 / STEP) + 1e-9).astype(int)
+    return cdfs[np.arange(len(cdfs))[:, None], np.minimum(index, NUM_STEPS)].sum(1)

@@ -152,6 +152,15 @@ class CostModel:
         self.bandwidth_gbps = bandwidth_gbps or max(profile.tier_gbps.values(), default=10.0)
         if not self.bandwidth_gbps > 0:
             raise InputError(f"bandwidth_gbps={self.bandwidth_gbps} must be positive")
+        self._coefficient_tables: dict[tuple[str, ...], np.ndarray] = {}
+
+    def coefficient_table(self, kinds: tuple[str, ...]) -> np.ndarray:
+        """[len(kinds), 5] cost coefficients of each layer kind ("overhead": the per-batch overhead),
+        built once per model: decisions price every kind at once with it."""
+        if kinds not in self._coefficient_tables:
+            costs = {**self.profile.layer_costs, "overhead": self.profile.overhead}
+            self._coefficient_tables[kinds] = np.array([costs[kind].coefficients() for kind in kinds])
+        return self._coefficient_tables[kinds]
 
     def with_bandwidth(self, gbps: float) -> "CostModel":
         return CostModel(self.profile, gbps)

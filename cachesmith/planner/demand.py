@@ -19,11 +19,16 @@ from cachesmith.planner.profile import DemandCurve, ProfileError
 COVERAGE_GRID = np.round(np.arange(0, 21) * 0.05, 2)  # the 5% grid demands are measured on
 
 
+def read_index(coverages) -> np.ndarray:
+    """The demand grid point at or below each of arbitrary coverages."""
+    index = np.floor(np.asarray(coverages, float) / 0.05 + 1e-9).astype(int)
+    return np.minimum(np.maximum(index, 0), 20)  # `clip`, without its Python-level wrapper
+
+
 def read_at(cdf: np.ndarray, coverages) -> np.ndarray:
-    """A pass probability on the demand grid [21] read at arbitrary coverages: the grid point at or
-    below each."""
-    index = np.floor(np.asarray(coverages, float) / 0.05 + 1e-9).astype(int).clip(0, 20)
-    return cdf[index]
+    """A pass probability on the demand grid [21] (or several stacked [G, 21]) read at arbitrary
+    coverages: the grid point at or below each."""
+    return cdf[..., read_index(coverages)]
 
 
 class DemandModel:
@@ -45,16 +50,19 @@ class DemandModel:
             # cdf[a, g]: fraction of requests passing at COVERAGE_GRID[g] with anchor depth a
             cdf = np.stack([cv.pass_rate(COVERAGE_GRID) for cv in group])
             self._tables[key] = (depths, cdf)
+        # read by every decision: sorted once
+        self._signals = sorted(s for task, s in self._tables if task is None)
+        self._tasks = sorted({task for task, _ in self._tables if task is not None})
 
     @property
     def signals(self) -> list[str]:
         """The signals the served mix's curves describe."""
-        return sorted(s for task, s in self._tables if task is None)
+        return list(self._signals)
 
     @property
     def tasks(self) -> list[str]:
         """The tasks with curves of their own."""
-        return sorted({task for task, _ in self._tables if task is not None})
+        return list(self._tasks)
 
     def task_size(self, task: str | None) -> int:
         """How many profiling requests `task`'s curves (None: the served mix's) were measured on."""

@@ -69,6 +69,9 @@ class PaceBook:
     _levels: dict[tuple, _Level] = field(default_factory=dict)
     _error_sq: float = 0.0  # running mean of log(measured / priced)^2 over the batches priced
     _num_errors: int = 0
+    # (signal, family, size class) -> pace, until the next batch is observed: every decision reads
+    # a few per signal, and the levels only move when a batch is observed
+    _memo: dict[tuple, float] = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, signal: str, pace: float, probe: int = 1, num_tokens: int | None = None) -> None:
         """A batch of this kind ran at `pace` x its predicted time (relative to the uncorrected
@@ -86,12 +89,23 @@ class PaceBook:
             level = self._levels.setdefault(key, _Level())
             level.mean = pace if level.count == 0 else (1 - self.alpha) * level.mean + self.alpha * pace
             level.count += 1
+        self._memo.clear()
 
     def pace(self, signal: str, probe: int = 1, num_tokens: int | None = None) -> float:
         """The factor for this kind of batch: the most specific level, shrunk toward its parents."""
         return self._pace(signal, probe, size_class(num_tokens))
 
+    def pace_in_class(self, signal: str, probe: int, size: int | None) -> float:
+        """`pace` for a batch of size class `size` (`size_class`): a decision computes it once."""
+        return self._pace(signal, probe, size)
+
     def _pace(self, signal: str, probe: int, size: int | None) -> float:
+        key = (signal, family(probe), size)
+        if key not in self._memo:
+            self._memo[key] = self._walk_levels(signal, probe, size)
+        return self._memo[key]
+
+    def _walk_levels(self, signal: str, probe: int, size: int | None) -> float:
         estimate = 1.0
         for i, key in enumerate(self._keys(signal, probe, size)):
             level = self._levels.get(key)

@@ -135,11 +135,12 @@ def test_one_version_of_the_mix_keeps_every_envelope_it_built():
     reqs = [PlanRequest(1500, 30, 0, 0.9)]
     budget = sum(p.band(p.shape(reqs), "kv_dev")) / 2
     p.plan(reqs, budget)
-    built = dict(p._mix_envelopes)
-    assert len(built) > 1 and not p._envelopes  # hint-free: every envelope is the mix's
-    p.plan(reqs, budget)  # nothing learned in between: every envelope is reused, none rebuilt
-    assert all(p._mix_envelopes[k] is v for k, v in built.items()) and p._mix_envelopes.keys() == built.keys()
+    built = dict(p.tables.mixed)
+    # hint-free: the search allocated with the mix's envelopes
+    assert len(built) > 1 and all("envelopes" in vars(demand) for demand in built.values())
+    p.plan(reqs, budget)  # nothing learned in between: every table is reused, none rebuilt
+    assert all(p.tables.mixed[k] is v for k, v in built.items()) and p.tables.mixed.keys() == built.keys()
     p.observe_verdict("qci", 5, 1, 0.2, False)
-    p.plan(reqs, budget)  # the weights moved: the envelopes are the new mix's
-    assert p._mix_version == ("ServedMix", p.served_mix.version) and p.served_mix.version > 0
-    assert all(p._mix_envelopes[k] is not v for k, v in built.items() if k in p._mix_envelopes)
+    p.plan(reqs, budget)  # the weights moved: the tables are the new mix's
+    assert p.tables.mix_version == ("ServedMix", p.served_mix.version) and p.served_mix.version > 0
+    assert all(p.tables.mixed[k] is not v for k, v in built.items() if k in p.tables.mixed)
