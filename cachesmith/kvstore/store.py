@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachesmith.errors import ConfigError
+from cachesmith.kvstore.disk_quota import DEFAULT_DISK_FRACTION
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key
 from cachesmith.kvstore.reader import EntryReader, read_bytes
-from cachesmith.kvstore.tiers import DiskTier, MemoryTier, RedisTier, Tier
+from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, DiskTier, MemoryTier, RedisTier, Tier
 from cachesmith.model import ChunkKV, Decoder, prefill_chunk
 from cachesmith.model.assets import cachesmith_home
 
@@ -26,10 +27,16 @@ TIER_NAMES = ("memory", "disk", "redis")
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """Which tiers, and the bound of each: memory `memory_bytes`; disk `disk_max_bytes` (None or 0:
+    `DEFAULT_DISK_FRACTION` of the free space plus what the store holds, at start; LRU, entries in
+    use kept); redis `redis_ttl_s` per entry (None: no expiry) and the redis server's `maxmemory`."""
+
     tiers: tuple[str, ...] = ("memory", "disk")  # fastest first
     root: Path | None = None  # disk tier root; default $CACHESMITH_HOME/kv
     memory_bytes: int = 1 << 30
     redis_url: str | None = None
+    disk_max_bytes: int | None = None
+    redis_ttl_s: int | None = DEFAULT_REDIS_TTL_S
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIER_NAMES]
@@ -39,6 +46,12 @@ class StoreConfig:
             raise ConfigError("tiers include 'redis' but redis_url is not set")
         if self.memory_bytes <= 0:
             raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive")
+        if self.disk_max_bytes is not None and self.disk_max_bytes < 0:
+            raise ConfigError(f"disk_max_bytes={self.disk_max_bytes} must be positive, or 0/None for the default "
+                              f"({DEFAULT_DISK_FRACTION:.0%} of the free space plus what the store holds)")
+        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
+            raise ConfigError(f"redis_ttl_s={self.redis_ttl_s} must be a positive number of seconds, "
+                              f"or None for no expiry")
 
 
 @dataclass
@@ -78,8 +91,8 @@ class ChunkStore:
     @staticmethod
     def _build(cfg: StoreConfig) -> list[Tier]:
         makers = {"memory": lambda: MemoryTier(cfg.memory_bytes),
-                  "disk": lambda: DiskTier(cfg.root or cachesmith_home() / "kv"),
-                  "redis": lambda: RedisTier(cfg.redis_url)}
+                  "disk": lambda: DiskTier(cfg.root or cachesmith_home() / "kv", cfg.disk_max_bytes),
+                  "redis": lambda: RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s)}
         return [makers[name]() for name in cfg.tiers]
 
     @staticmethod

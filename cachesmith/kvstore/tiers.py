@@ -1,5 +1,6 @@
 """Store tiers: byte stores holding serialized entries. Memory (LRU by bytes), disk (one file per
-chunk, atomic writes), and redis (shared across processes and machines).
+chunk, atomic writes, LRU by bytes within a quota: `disk_quota`), and redis (shared across processes
+and machines; entries expire after a TTL, and the server's `maxmemory` bounds its bytes).
 
 Each tier answers `source(key)` with a `RangeSource` (or None), so one layer or a few rows can be read
 without reading the rest. Failures to write return False and log; they never raise into serving.
@@ -17,78 +18,14 @@ from collections import OrderedDict
 from pathlib import Path
 
 from cachesmith.errors import InputError
+from cachesmith.kvstore.disk_quota import DiskQuota, TierUsage, default_max_bytes, scan_entries
 from cachesmith.kvstore.keys import validate_key
+from cachesmith.kvstore.sources import BytesSource, FileSource, _SequentialReads
+
+__all__ = ["BytesSource", "DiskTier", "FileSource", "MemoryTier", "RedisTier", "Tier", "TierUsage"]
 
 log = logging.getLogger(__name__)
-
-
-class _SequentialReads:
-    """readinto_many for sources without scatter reads: consecutive readinto calls."""
-
-    def readinto_many(self, offset: int, buffers: list[memoryview]) -> int:
-        total = 0
-        for buf in buffers:
-            n = self.readinto(offset + total, buf)
-            total += n
-            if n < len(buf):
-                break
-        return total
-
-
-class BytesSource(_SequentialReads):
-    def __init__(self, data: bytes) -> None:
-        self.data = memoryview(data)
-        self.size = len(data)
-
-    def readinto(self, offset: int, buffer: memoryview) -> int:
-        n = max(0, min(len(buffer), self.size - offset))
-        buffer[:n] = self.data[offset:offset + n]
-        return n
-
-    def close(self) -> None:
-        return None
-
-
-class FileSource(_SequentialReads):
-    def __init__(self, path: Path) -> None:
-        self.fd = -1  # so close() is safe when the open below fails
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-
-    def readinto(self, offset: int, buffer: memoryview) -> int:
-        total = 0
-        while total < len(buffer):
-            n = os.preadv(self.fd, [buffer[total:]], offset + total)
-            if n == 0:
-                break
-            total += n
-        return total
-
-    def readinto_many(self, offset: int, buffers: list[memoryview]) -> int:
-        """One scatter read (preadv) for consecutive ranges, e.g. a layer's K and V."""
-        total = os.preadv(self.fd, buffers, offset)
-        if total < sum(len(b) for b in buffers):  # a short read: finish buffer by buffer
-            return total + super().readinto_many(offset + total, _rest(buffers, total))
-        return total
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
-
-
-def _rest(buffers: list[memoryview], skip: int) -> list[memoryview]:
-    out = []
-    for buf in buffers:
-        if skip >= len(buf):
-            skip -= len(buf)
-            continue
-        out.append(buf[skip:])
-        skip = 0
-    return out
+DEFAULT_REDIS_TTL_S = 7 * 24 * 3600  # an entry nobody read for a week is recomputed when next needed
 
 
 class Tier(ABC):
@@ -109,6 +46,16 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[str]:
         """Every key this tier holds, sorted."""
+
+    def usage(self) -> TierUsage:
+        """Entries, bytes and the byte bound, for `cachesmith store stats` (here: by opening each)."""
+        sizes = []
+        for key in self.keys():
+            source = self.source(key)
+            if source is not None:
+                sizes.append(source.size)
+                source.close()
+        return TierUsage(self.name, len(sizes), sum(sizes), None)
 
     @property
     def is_up(self) -> bool:
@@ -161,6 +108,11 @@ class MemoryTier(Tier):
         with self._lock:
             return sorted(self._entries)
 
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.name, len(self._entries), self.num_bytes, self.max_bytes,
+                             note="this process's own")
+
 
 def _is_alive(pid: int) -> bool:
     try:
@@ -173,12 +125,29 @@ def _is_alive(pid: int) -> bool:
 
 
 class DiskTier(Tier):
+    """One file per entry under `root`, within `max_bytes` (None or 0: `DEFAULT_DISK_FRACTION` of the
+    free space plus what the store holds, at start). Least recently used entries not in use are
+    evicted before a write that would not fit; several processes on one root: see `disk_quota`."""
+
     name = "disk"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise InputError(f"disk tier max_bytes={max_bytes} must be positive (or 0/None for the default)")
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.num_swept = self._sweep_temp_files()
+        self.is_default_quota = not max_bytes
+        self.quota = self._scan(max_bytes)
+
+    def _scan(self, max_bytes: int | None) -> DiskQuota:
+        found = scan_entries(self.root)
+        num_stored = sum(size for _, size, _ in found)
+        quota = DiskQuota(self.path, max_bytes or default_max_bytes(self.root, num_stored), found)
+        if num_stored > quota.max_bytes:  # a lowered quota: the next write evicts down to it
+            log.warning("disk tier %s holds %d bytes in %d entries, above disk_max_bytes=%d; writes evict "
+                        "the least recently used", self.root, num_stored, len(found), quota.max_bytes)
+        return quota
 
     def _sweep_temp_files(self) -> int:
         """Remove temporary files of writers that died mid-write (`kill -9` during a put): their
@@ -204,13 +173,27 @@ class DiskTier(Tier):
         return self.root / key[:2] / f"{key}.cskv"
 
     def source(self, key: str):
+        """The entry's open file, pinned (never evicted) until closed; None if absent."""
+        path = self.path(key)
+        self.quota.pin(key)  # before the open: an eviction between the two would remove a file in use
         try:
-            return FileSource(self.path(key))
+            source = FileSource(path, on_close=lambda: self.quota.unpin(key))
         except FileNotFoundError:
+            self.quota.unpin(key)
+            self.quota.forget_if_missing(key)  # deleted by another process or `store prune`
             return None
+        except BaseException:
+            self.quota.unpin(key)
+            raise
+        if self.quota.touch(key, source.size):
+            source.touch_atime()
+        return source
 
     def put(self, key: str, data: bytes) -> bool:
         path = self.path(key)
+        num_reserved = self.quota.reserve(key, len(data))  # evicts first, so the files never exceed it
+        if num_reserved is None:
+            return False
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,15 +202,27 @@ class DiskTier(Tier):
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-            return True
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            self.quota.cancel(key, num_reserved)
             level = "disk full" if exc.errno == errno.ENOSPC else "write failed"
             log.warning("disk tier: %s for %s (%s); serving continues without it", level, key[:12], exc)
             return False
+        self.quota.commit(key, len(data), num_reserved)
+        return True
 
     def delete(self, key: str) -> None:
+        """Remove the entry even while in use (a corrupt or deleted chunk): open readers keep their file."""
         self.path(key).unlink(missing_ok=True)
+        self.quota.forget(key)
+
+    def usage(self) -> TierUsage:
+        return self.quota.usage()
+
+    def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, progress=None):
+        """Evict LRU entries not in use down to `max_bytes` and those unused for `older_than_s`, of
+        any model (entries are content-addressed). Returns (entries, bytes) evicted."""
+        return self.quota.prune(max_bytes, older_than_s, progress)
 
     def contains(self, key: str) -> bool:
         return self.path(key).is_file()
@@ -242,14 +237,23 @@ class DiskTier(Tier):
 
 class RedisTier(Tier):
     """Entries as redis strings; GETRANGE reads a layer or a row range. Unreachable -> warn, skip:
-    every call then answers as an empty tier, so the store serves from its local tiers."""
+    every call then answers as an empty tier, so the store serves from its local tiers.
+
+    Bounds: each entry expires `ttl_s` after its last write or open (None: never). Bytes are bounded
+    by the redis server's own `maxmemory` with `maxmemory-policy allkeys-lru`, not here: the tier
+    cannot see what other servers write. A server reporting `maxmemory 0` is warned about at start."""
 
     name = "redis"
     PREFIX = "cachesmith:kv:"
     DELETED = "cachesmith:kv-deleted"  # pub/sub channel: keys deleted through any server
 
-    def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0,
+                 ttl_s: int | None = DEFAULT_REDIS_TTL_S) -> None:
         import redis
+
+        if ttl_s is not None and ttl_s <= 0:
+            raise InputError(f"redis tier ttl_s={ttl_s} must be a positive number of seconds (None: no expiry)")
+        self.ttl_s = ttl_s
 
         self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -259,6 +263,20 @@ class RedisTier(Tier):
         self._refused = redis.exceptions.RedisError
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
+        self.memory_config = self._check_maxmemory()
+
+    def _check_maxmemory(self) -> dict[str, str]:
+        """The server's maxmemory and policy, warning when nothing bounds its bytes; {} when unknown
+        (CONFIG refused, as managed redis services do, or the server unreachable): then no warning."""
+        try:
+            config = {_text(k): _text(v) for k, v in self.client.config_get("maxmemory*").items()}
+        except (self._refused, OSError):
+            return {}
+        if config.get("maxmemory") == "0":
+            log.warning("redis tier %s: the server has maxmemory 0, so only the TTL (ttl_s=%s) bounds the "
+                        "entries' bytes; set maxmemory and maxmemory-policy allkeys-lru on it",
+                        self.url, self.ttl_s)
+        return config
 
     @property
     def is_available(self) -> bool:
@@ -286,12 +304,22 @@ class RedisTier(Tier):
 
     def source(self, key: str):
         name = self.PREFIX + validate_key(key)
-        size = self._call(lambda: self.client.strlen(name), 0)
+        size = self._call(lambda: self._size_and_refresh(name), 0)
         return _RedisSource(self, name, size) if size else None
+
+    def _size_and_refresh(self, name: str) -> int:
+        """STRLEN, and the TTL restarted in the same round trip (a read keeps a hot entry alive)."""
+        if self.ttl_s is None:
+            return self.client.strlen(name)
+        size, _ = self.client.pipeline(transaction=False).strlen(name).expire(name, self.ttl_s).execute(
+            raise_on_error=False)  # an EXPIRE refused (a read-only replica) must not fail the read
+        if isinstance(size, Exception):
+            raise size
+        return size
 
     def put(self, key: str, data: bytes) -> bool:
         name = self.PREFIX + validate_key(key)
-        return bool(self._call(lambda: self.client.set(name, data), False))
+        return bool(self._call(lambda: self.client.set(name, data, ex=self.ttl_s), False))
 
     def delete(self, key: str) -> None:
         self._call(lambda: self.client.delete(self.PREFIX + validate_key(key)), None)
@@ -338,6 +366,21 @@ class RedisTier(Tier):
         names = self._call(lambda: list(self.client.scan_iter(match=self.PREFIX + "*", count=1000)), [])
         return sorted(n.decode()[len(self.PREFIX):] if isinstance(n, bytes) else n[len(self.PREFIX):]
                       for n in names)
+
+    def usage(self) -> TierUsage:
+        names = [self.PREFIX + key for key in self.keys()]
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        sizes = self._call(pipe.execute, []) if names else []
+        max_bytes = int(self.memory_config.get("maxmemory", 0)) or None
+        bound = (f"maxmemory (server-wide) with policy {self.memory_config.get('maxmemory-policy')}"
+                 if max_bytes else "maxmemory 0: unbounded" if self.memory_config else "maxmemory unknown")
+        return TierUsage(self.name, len(sizes), sum(sizes), max_bytes, note=f"{bound}; ttl_s={self.ttl_s}")
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _RedisSource(_SequentialReads):
