@@ -4,6 +4,7 @@
   cachesmith demo [--dtype bfloat16]
   cachesmith ask --doc FILE ... --question TEXT [--method cachesmith --slo-ms 5000 | cacheblend@0.15 | ...]
   cachesmith precompute CORPUS.jsonl [--store-root DIR] [--tiers memory disk redis --redis-url URL]
+  cachesmith store stats|prune [--store-root DIR] [--max-bytes 20G | --older-than DAYS]
   cachesmith profile [--num-requests 200]      (offline, resumable; --costs-only keeps the packaged demand)
   cachesmith serve [--host 127.0.0.1 --port 8000 --api-key-file F --max-queue 64]
   cachesmith bench --task mix --pattern gamma --cv 3 --slo-scale 1 2 --methods cachesmith cacheblend@0.15
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cachesmith import cli_eval, cli_workload
+from cachesmith import cli_eval, cli_store, cli_workload
 from cachesmith.errors import CachesmithError
 
 if TYPE_CHECKING:
@@ -216,10 +217,11 @@ def _serve(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise CachesmithError(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") from exc
     server = ServerConfig(args.host, args.port, api_key, args.max_body_bytes, args.drain_timeout,
-                          is_strict=args.strict)
+                          is_strict=args.strict, max_connections=args.max_connections)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
     config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
-                           StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url),
+                           StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url,
+                                       **cli_store.store_bounds(args)),
                            args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
                            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
                            is_decode_overlapped=not args.serial_decode)
@@ -236,6 +238,7 @@ def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (documents + slo_ms extensions)")
     _add_model_args(serve)
     _add_store_args(serve)
+    cli_store.add_bounds_args(serve)  # --disk-max-bytes, --redis-ttl-s
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer API key")
@@ -244,7 +247,11 @@ def _add_serve_parser(sub) -> None:
                             "cachesmith+task+learn (also learns the served mix from POST /v1/feedback verdicts), "
                             "cachesmith, full_prefill, <preset>@<coverage>, ...")
     serve.add_argument("--served-name", default=None, help="model id clients use (default: --model)")
-    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting or being admitted (chunk uploads too) before 429")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="open connections before uvicorn answers 503 itself (default: --max-queue + "
+                            "--max-batch-size + 64 decoding streams + 32)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--default-slo-ms", type=float, default=5000.0, help="TTFT SLO of requests without slo_ms")
     serve.add_argument("--default-max-tokens", type=int, default=64)
@@ -337,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--keys-out", type=Path, default=None, help="write each passage's chunk id here")
     pre.set_defaults(func=_precompute)
     cli_workload.add_parser(sub, _add_model_args)
+    cli_store.add_parser(sub)
     _add_bench_parser(sub)
     _add_serve_parser(sub)
     cli_eval.add_parsers(sub, _add_model_args)

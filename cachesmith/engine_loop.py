@@ -9,11 +9,15 @@ decode thread steps every decoding sequence together (continuous batching: seque
 leave between steps) and starts no step while a prefill batch runs, so the TTFT SLOs keep the cores;
 only when `max_decoding` sequences wait does decoding run beside prefill, and the prefill thread
 then waits for room before its next batch (memory stays bounded). `is_decode_overlapped=False`
-decodes each batch whole on the prefill thread instead. Admissions (tokenizing, prefilling missing chunk KV) run in the caller's
-thread, one at a time, so they never hold up scheduling. A queue limit answers `QueueFull` with a
-retry-after estimate; `cancel` drops a request still queued; `close()` stops admissions and drains
-what is queued. A batch that raises turns into per-request errors; the loop keeps serving. Served
-results carry each token's clock time (for end-to-end and inter-token latency).
+decodes each batch whole on the prefill thread instead. Admissions (tokenizing, prefilling missing
+chunk KV) run in the caller's thread, one at a time, so they never hold up scheduling. A request
+holds a place in the queue from the moment it is accepted (`reserve`, before any costly work for
+it) until it is queued or refused: beyond `max_queue` places a `QueueFull` with a retry-after
+estimate answers at once. An admission that raises (any exception) resolves its future with an
+internal error and gives its place back. `cancel` drops a request still queued; `close()` stops
+admissions and drains what is queued. A batch that raises turns into per-request errors; the loop
+keeps serving. Served results carry each token's clock time (for end-to-end and inter-token
+latency).
 """
 from __future__ import annotations
 
@@ -45,6 +49,19 @@ class QueueFull(CachesmithError):
 
 class EngineClosed(CachesmithError):
     """The loop is shutting down and takes no new requests."""
+
+
+class Slot:
+    """One place in the queue, held by a request from its acceptance until it is queued or refused.
+    `release` gives it back; only the first call counts, so every path may call it (try/finally)."""
+
+    def __init__(self, loop: "EngineLoop", arrival_s: float) -> None:
+        self.arrival_s = arrival_s  # when the request was accepted: its TTFT starts here
+        self.is_released = False
+        self._loop = loop
+
+    def release(self) -> None:
+        self._loop._release(self)
 
 
 class EngineLoop:
@@ -92,10 +109,11 @@ class EngineLoop:
             return self._num_in_batch + self._num_decoding
 
     def retry_after_s(self) -> float:
-        """Time for the queue ahead to drain, from the mean batch time so far (1 s before any)."""
+        """Time for the queue ahead (queued and being admitted) to drain, from the mean batch time so
+        far (1 s before any)."""
         st = self.engine.stats
         per_batch = st.busy_s / st.num_batches if st.num_batches else 1.0
-        return per_batch * math.ceil(max(1, self.engine.queue_depth) / self.engine.config.scheduler.max_batch_size)
+        return per_batch * math.ceil(max(1, self.queue_depth) / self.engine.config.scheduler.max_batch_size)
 
     @property
     def is_closing(self) -> bool:
@@ -105,41 +123,64 @@ class EngineLoop:
         """The lock admissions hold; hold it too to write the store beside the loop."""
         return self._admit_lock
 
-    def check_capacity(self) -> None:
-        """Raise `EngineClosed` or `QueueFull` now, before a caller does costly work for a request."""
+    def reserve(self) -> Slot:
+        """A place in the queue for a request about to be admitted, taken before any costly work for
+        it (tokenizing, prefilling its chunks). Raises `EngineClosed`, or `QueueFull` when
+        `max_queue` requests are queued or being admitted."""
         with self._cond:
             if self._is_closing:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
             depth = self.queue_depth  # the condition's lock is reentrant
             if depth >= self.max_queue:
                 raise QueueFull(depth, self.max_queue, self.retry_after_s())
+            self._num_admitting += 1
+            return Slot(self, self.engine.clock.now())
+
+    def _release(self, slot: Slot, admitted=None, future: Future | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> None:
+        """Give `slot` back (once), queueing `admitted` in the same step, so the depth never dips."""
+        with self._cond:
+            if slot.is_released:
+                return
+            slot.is_released = True
+            self._num_admitting -= 1
+            if admitted is not None:
+                self._futures[admitted.request.request_id] = future
+                if on_token is not None:
+                    self._sinks[admitted.request.request_id] = on_token
+                self.engine.submit(admitted)
+            self._cond.notify_all()
 
     def submit(self, instance: WorkloadInstance, slo_s: float,
                on_token: Callable[[int, int], None] | None = None, arrival_s: float | None = None,
-               sampling: SamplingParams = GREEDY) -> Future:
-        """Queue a request; `arrival_s` (default now, on the engine's clock) starts its TTFT."""
-        with self._cond:
-            self.check_capacity()
-            self._num_admitting += 1
-            arrival = self.engine.clock.now() if arrival_s is None else arrival_s
-            request = Request(next(self._ids), instance, slo_s, arrival, sampling)
-        future: Future = Future()
-        future.request_id = request.request_id  # what `cancel` takes
+               sampling: SamplingParams = GREEDY, slot: Slot | None = None) -> Future:
+        """Queue a request; `arrival_s` (default: when its slot was taken) starts its TTFT. `slot`: a
+        place taken by `reserve` (default: one taken now); it is given back here, whatever happens."""
+        slot = slot or self.reserve()
+        try:
+            with self._cond:
+                arrival = slot.arrival_s if arrival_s is None else arrival_s
+                request = Request(next(self._ids), instance, slo_s, arrival, sampling)
+            future: Future = Future()
+            future.request_id = request.request_id  # what `cancel` takes
+            admitted = self._admit(request, future)
+            self._release(slot, admitted, future, on_token)
+        finally:
+            slot.release()  # a no-op after the release above; the one release on any exception
+        return future
+
+    def _admit(self, request: Request, future: Future):
+        """The admitted request, or None with `future` resolved: refused (`InputError`) or failed."""
         try:
             with self._admit_lock:
-                admitted = self.engine.admit(request)
+                return self.engine.admit(request)
         except InputError as exc:
             future.set_result(RequestResult.refused(request, str(exc)))
-            admitted = None
-        with self._cond:
-            self._num_admitting -= 1
-            if admitted is not None:
-                self._futures[request.request_id] = future
-                if on_token is not None:
-                    self._sinks[request.request_id] = on_token
-                self.engine.submit(admitted)
-            self._cond.notify_all()
-        return future
+        except Exception as exc:  # the server's fault (a store read, memory): this request only
+            log.exception("admitting request %d failed", request.request_id)
+            future.set_result(RequestResult.failed(
+                request, f"internal error while admitting the request: {type(exc).__name__}: {exc}"))
+        return None
 
     def _loop(self) -> None:
         while True:

@@ -216,3 +216,27 @@ def test_idle_time_measures_shadow_samples_and_a_new_request_still_runs(pipe):
     assert engine.planner.learned.is_active and engine.planner.learned.num_samples == 2
     assert loop.submit(instance(7), 30.0).result(timeout=60).error is None  # serving goes on
     assert loop.close(timeout=30)
+
+
+def test_places_are_held_from_acceptance_and_an_admission_that_raises_gives_its_back(pipe):
+    engine = live_engine(pipe, "full_reuse")
+    loop = EngineLoop(engine, max_queue=2)
+    held = [loop.reserve(), loop.reserve()]  # accepted, not yet admitted (a server tokenizing them)
+    with pytest.raises(QueueFull, match="2 requests waiting, max_queue=2"):
+        loop.reserve()
+    held[0].release()
+    held[0].release()  # only the first release counts
+    assert loop.queue_depth == 1
+    held[1].release()
+    original = engine.admit
+    for error in (OSError("disk went away"), MemoryError("no room"), RuntimeError("bug")):
+        engine.admit = lambda request, e=error: (_ for _ in ()).throw(e)
+        for seed in range(3):  # more than max_queue: a leaked place would refuse the next
+            res = loop.submit(instance(70 + seed), 30.0).result(timeout=5)
+            assert res.is_internal_error and f"{type(error).__name__}: {error}" in res.error
+        assert loop.queue_depth == 0
+    engine.admit = original
+    slot = loop.reserve()
+    res = loop.submit(instance(80), 30.0, slot=slot).result(timeout=30)
+    assert res.error is None and slot.is_released and loop.queue_depth == 0
+    assert loop.close(timeout=10)  # nothing leaked: the drain ends

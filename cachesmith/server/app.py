@@ -5,12 +5,13 @@ streaming), `/v1/chunks` (add, list, get, delete stored chunks), `/v1/models`, `
 `/metrics` (Prometheus). Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad body (naming the field), 401 without the API key, 404 for an unknown model or
 chunk, 409 for deleting a chunk in use, 413 over the body limit, 429 + Retry-After when the queue
-is full, 503 while shutting down. Blocking work (admission, chunk prefill) runs in a worker thread.
+is full, 500 for the server's own failure, 503 while shutting down. The API key is checked before
+a body is read; a request takes its place in the queue before any costly work (a 429 costs nothing
+but the parsed body); blocking work (admission, chunk prefill) then runs in a worker thread.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -18,25 +19,28 @@ from urllib.parse import quote
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cachesmith.request import RequestResult
 from cachesmith.server.config import ServerConfig
-from cachesmith.server.errors import ApiError, install_error_handlers
-from cachesmith.server.limits import BodyLimit
+from cachesmith.server.errors import ApiError, InternalErrors, install_error_handlers
+from cachesmith.server.limits import BearerAuth, BodyLimit
 from cachesmith.server.metrics import ServiceMetrics
+from cachesmith.server.openai_fields import IgnoredFieldsLog
 from cachesmith.server.openapi import describe
 from cachesmith.server.responses import Shape, completion_body, sse
 from cachesmith.server.schemas import (CHUNK_ID_PATTERN, ChatCompletionRequest, ChunksRequest, CompletionRequest,
                                        FeedbackRequest)
-from cachesmith.server.service import Service
+from cachesmith.server.service import CompletionSpec, Service
 from cachesmith.server.streaming import TokenStream
 
 log = logging.getLogger(__name__)
 IGNORED_HEADER = "x-cachesmith-ignored-fields"
 MAX_IGNORED_HEADER = 1024  # characters: proxies refuse long headers
+# worker threads beyond the queue's places: /metrics, chunk reads and cancels never wait behind admissions
+THREAD_MARGIN = 16
 
 
 def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
@@ -45,15 +49,21 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        limiter = anyio.to_thread.current_default_thread_limiter()  # this event loop's
+        limiter.total_tokens = max(limiter.total_tokens, service.config.max_queue + THREAD_MARGIN)
         yield
         # uvicorn has let in-flight HTTP requests finish; serve whatever is still queued
         await run_in_threadpool(service.close, config.drain_timeout_s)
 
     app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(InternalErrors)  # middleware added first runs last, next to the routes
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:  # added last: it runs first, before the body is read
+        open_paths = {"/health", app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+        app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=frozenset(open_paths - {None}))
     install_error_handlers(app)
     describe(app, service.config, config.is_strict)
-    auth = [Depends(_bearer(config.api_key))]
+    ignored_log = IgnoredFieldsLog(log)
 
     @app.get("/health")
     async def health():
@@ -62,26 +72,26 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
                              "uptime_s": round(time.time() - service.started_at, 3)},
                             status_code=503 if status == "draining" else 200)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def prometheus():
         # in a worker thread: the store-tier-up gauge may wait on a redis PING (up to its timeout)
         body = await run_in_threadpool(metrics.exposition)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": service.config.name, "object": "model",
                                             "created": int(service.started_at), "owned_by": "cachesmith"}]}
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _generate(service, body, Shape.COMPLETION, request, config.is_strict)
+        return await _generate(service, body, Shape.COMPLETION, request, config.is_strict, ignored_log)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _generate(service, body, Shape.CHAT, request, config.is_strict)
+        return await _generate(service, body, Shape.CHAT, request, config.is_strict, ignored_log)
 
-    @app.post("/v1/feedback", dependencies=auth)
+    @app.post("/v1/feedback")
     async def feedback(body: FeedbackRequest):
         learned = service.feedback(body.id, body.passed)
         if learned is None:
@@ -89,25 +99,29 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
                            "not_found")
         return {"id": body.id, "object": "feedback", "passed": body.passed, "learned": learned}
 
-    @app.post("/v1/chunks", dependencies=auth)
+    @app.post("/v1/chunks")
     async def add_chunks(body: ChunksRequest):
-        records = await run_in_threadpool(service.add_chunks, body.documents)
+        slot = service.reserve()  # a 429 before any prefill
+        try:
+            records = await run_in_threadpool(service.add_chunks, body.documents, slot)
+        finally:
+            slot.release()
         return {"object": "list", "data": [r.to_dict() for r in records]}
 
-    @app.get("/v1/chunks", dependencies=auth)
+    @app.get("/v1/chunks")
     async def list_chunks(limit: int = Query(100, ge=1, le=1000),
                           after: str | None = Query(None, pattern=CHUNK_ID_PATTERN)):
         records, has_more = await run_in_threadpool(service.list_chunks, limit, after)
         return {"object": "list", "data": [r.to_dict() for r in records], "has_more": has_more}
 
-    @app.get("/v1/chunks/{chunk_id}", dependencies=auth)
+    @app.get("/v1/chunks/{chunk_id}")
     async def get_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
         record = await run_in_threadpool(service.chunk, chunk_id)
         if record is None:
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
         return record.to_dict()
 
-    @app.delete("/v1/chunks/{chunk_id}", dependencies=auth)
+    @app.delete("/v1/chunks/{chunk_id}")
     async def delete_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
         if not await run_in_threadpool(service.delete_chunk, chunk_id):
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
@@ -161,18 +175,8 @@ async def _cancel_if_abandoned(events, request: Request, service: Service, futur
         await _drop_if_waiting(service, future)
 
 
-def _bearer(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
-                           "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
-    return check
-
-
-def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict: bool) -> dict[str, str]:
+def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict: bool,
+                     ignored_log: IgnoredFieldsLog) -> dict[str, str]:
     """Fields the request sent that the server does not act on: refused under `--strict` when
     unknown; else logged and named in a response header, so a client can see what had no effect."""
     unknown = sorted(body.model_extra or {})
@@ -182,7 +186,7 @@ def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict:
     ignored = body.ignored_fields()
     if not ignored:
         return {}
-    log.warning("request fields accepted but not acted on: %s", ", ".join(ignored))
+    ignored_log.log(ignored)
     # a header holds latin-1 only, and a body may carry any name of any length: percent-encoded, capped
     value = ", ".join(quote(name, safe="[]._-") for name in ignored)
     if len(value) > MAX_IGNORED_HEADER:
@@ -190,9 +194,26 @@ def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict:
     return {IGNORED_HEADER: value}
 
 
+async def _submit(service: Service, spec: CompletionSpec, stream: TokenStream | None):
+    """Take the request's place in the queue first (a 429 before any tokenizing or prefill), then
+    admit it in a worker thread; a request refused or failed while admitting is answered now."""
+    slot = service.reserve()
+    try:
+        future = await run_in_threadpool(service.submit, spec, stream.on_token if stream else None, slot)
+    finally:
+        slot.release()  # a no-op once the request is queued
+    result = future.result() if future.done() else None
+    if result is not None and result.error is not None:
+        if result.is_internal_error:
+            raise ApiError(500, result.error, None, "internal_error", "server_error")
+        # refused while admitting (a prompt past the KV capacity): the documents, else the client's text
+        raise ApiError(400, result.error, "documents" if spec.documents else spec.text_field)
+    return future
+
+
 async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape,
-                    request: Request, is_strict: bool = False):
-    headers = _ignored_headers(body, is_strict)
+                    request: Request, is_strict: bool, ignored_log: IgnoredFieldsLog):
+    headers = _ignored_headers(body, is_strict, ignored_log)
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
@@ -204,10 +225,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     spec = body.to_spec()
     max_tokens = spec.max_tokens or service.config.default_max_tokens
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
-    future = await run_in_threadpool(service.submit, spec, stream.on_token if stream else None)
-    if future.done() and future.result().error is not None and not future.result().is_internal_error:
-        # refused while admitting (a prompt past the KV capacity): the documents, else the client's text
-        raise ApiError(400, future.result().error, "documents" if spec.documents else spec.text_field)
+    future = await _submit(service, spec, stream)
     head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.name}
     service.name_completion(head["id"], future)

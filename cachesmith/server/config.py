@@ -17,6 +17,9 @@ class ServerConfig:
     # refuse a completion body's unknown top-level fields (default: accept, log and name them in the
     # x-cachesmith-ignored-fields header, as vLLM accepts them)
     is_strict: bool = False
+    # open connections (and requests in progress) before uvicorn itself answers 503; None: room for
+    # the queue, the batch being prefilled, every decoding stream and CONNECTION_MARGIN more
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -25,5 +28,7 @@ class ServerConfig:
             raise ConfigError(f"max_body_bytes={self.max_body_bytes} must be at least 1024")
         if self.drain_timeout_s <= 0:
             raise ConfigError(f"drain_timeout_s={self.drain_timeout_s} must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(f"max_connections={self.max_connections} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key is empty; leave it unset to serve without one")

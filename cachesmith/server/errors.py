@@ -1,10 +1,12 @@
 """Errors as OpenAI-shaped JSON: `{"error": {"message", "type", "param", "code"}}`.
 
-In: exceptions raised anywhere below a route (our own, pydantic's, Starlette's). Out: responses
-whose status says whose fault it was and whose message names the field and the limit.
+In: exceptions raised anywhere below a route (our own, pydantic's, Starlette's, and any other as
+a 500). Out: responses whose status says whose fault it was and whose message names the field and
+the limit.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from fastapi import FastAPI, Request
@@ -16,6 +18,9 @@ from starlette.routing import Match
 from cachesmith.engine_loop import EngineClosed, QueueFull
 from cachesmith.errors import InputError
 from cachesmith.server.service import ChunkInUse, UnknownChunk
+
+log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 500  # of an internal error's own text in a response
 
 
 class ApiError(Exception):
@@ -73,6 +78,39 @@ def allowed_methods(request: Request) -> list[str]:
 def too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"request body exceeds the limit of {max_bytes} bytes (max_body_bytes)", "body",
                     "body_too_large")
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    text = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode("utf-8")
+    return ApiError(500, f"internal error: {text[:MAX_ERROR_CHARS]}", None, "internal_error", "server_error")
+
+
+class InternalErrors:
+    """ASGI middleware, innermost: an exception no handler answered (the server's own failure: a
+    disk, memory) becomes a 500 in the API's shape, logged here with its traceback. Not raised
+    further: uvicorn would then drop the connection, and a keep-alive client's next request would
+    meet a reset. One raised after the answer started (a stream cut short) is, so that it closes."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        is_started = False
+
+        async def watched(message):
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if is_started:
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await internal_error(exc).response()(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

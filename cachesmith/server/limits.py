@@ -1,11 +1,15 @@
-"""Request body size limit, as pure ASGI middleware: a body over the limit never reaches a route.
+"""Pure ASGI middleware that answers before a body is read: the API key, then the body size limit.
 
-A declared Content-Length over the limit is answered at once; a chunked body is counted as it
-arrives and answered the same way when it crosses the limit (it is buffered up to the limit, which
-is small, then replayed to the app). The answer is a 413 in the API's error shape, naming the
-limit. (Starlette's own limiter answers a declared length with plain text, outside our handlers.)
+`BearerAuth` checks `Authorization: Bearer <key>` on the headers alone, so a client without the key
+gets a 401 before any of its body is read or parsed. `BodyLimit`: a declared Content-Length over the
+limit is answered at once; a chunked body is counted as it arrives and answered the same way when it
+crosses the limit (it is buffered up to the limit, which is small, then replayed to the app). The
+answers are in the API's error shape, naming the limit. (Starlette's own limiter answers a declared
+length with plain text, outside our handlers.)
 """
 from __future__ import annotations
+
+import hmac
 
 from cachesmith.server.errors import ApiError
 
@@ -46,3 +50,22 @@ class BodyLimit:
         error = ApiError(413, f"request body exceeds the limit of {self.max_bytes} bytes (max_body_bytes)",
                          "body", "body_too_large")
         await error.response()(scope, receive, send)
+
+
+class BearerAuth:
+    """Every HTTP request but those to `open_paths` needs the bearer key, checked before its body."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.key, self.open_paths = app, api_key.encode(), open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._is_authorized(scope):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                         "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+    def _is_authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)

@@ -189,6 +189,8 @@ def _load_metrics(svc: Service, model: str):
                   svc.queue_depth)
     yield _by(CounterMetricFamily, model, "requests_rejected", "Requests turned away before queueing",
               "reason", {reason: svc.num_rejected[reason] for reason in ("queue_full", "closed", "invalid")})
+    yield _single(CounterMetricFamily, model, "turn_stores_dropped", "Chat turns answered without storing their "
+                  "conversation for the next turn: the store queue was full", svc.num_turn_stores_dropped)
     yield _by(CounterMetricFamily, model, "feedback", "Verdicts clients sent on completions (POST "
               "/v1/feedback)", "verdict", {verdict: svc.num_feedback[verdict] for verdict in ("passed", "failed")})
 

@@ -2,7 +2,9 @@
 
 In: the request bodies' pydantic models (as mixins). Out: the fields, their checks, and
 `ignored_fields(body)`: the names a request sent that the server did not act on (the app logs
-them and names them in the `x-cachesmith-ignored-fields` response header).
+them and names them in the `x-cachesmith-ignored-fields` response header). A body may carry any
+name of any length: `IgnoredFieldsLog` logs them escaped and cut short, each set of names at most
+once a minute, so a client can neither forge log lines nor flood the log.
 
 Frameworks built on the OpenAI SDK send fields such as `tools=[]`, `store`, `metadata` or
 `parallel_tool_calls` on every call; refusing them would lock those clients out, and ignoring them
@@ -13,6 +15,10 @@ schema, so a schema-driven client knows it before sending.
 """
 from __future__ import annotations
 
+import logging
+import math
+import threading
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -22,6 +28,9 @@ from cachesmith.server.json_types import Bool
 # the fields below, by mixin: named in the ignored-fields header when a request sends them
 COMMON_IGNORED = ("logit_bias", "metadata", "store", "service_tier", "user", "prompt_cache_key",
                   "safety_identifier")
+MAX_LOGGED_NAMES, MAX_LOGGED_NAME_CHARS = 10, 64
+LOG_EVERY_S = 60.0  # a set of names is logged at most this often
+MAX_LOGGED_SETS = 256  # distinct sets logged per LOG_EVERY_S: a client inventing names cannot flood the log
 CHAT_IGNORED = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "functions", "function_call",
                 "modalities", "audio", "reasoning_effort", "prediction", "web_search_options", "verbosity")
 
@@ -82,3 +91,38 @@ def ignored_fields(body: BaseModel) -> list[str]:
     known = [name for name in (*COMMON_IGNORED, *CHAT_IGNORED)
              if name in body.model_fields_set and name in type(body).model_fields]
     return known + sorted(body.model_extra or {})
+
+
+def loggable_names(names: list[str]) -> str:
+    """`names` for a log line: each escaped (no raw newline or control character, non-ASCII as
+    escapes) and cut to `MAX_LOGGED_NAME_CHARS`; at most `MAX_LOGGED_NAMES`, then how many more."""
+    shown = []
+    for name in names[:MAX_LOGGED_NAMES]:
+        escaped = name.encode("unicode_escape").decode("ascii")
+        shown.append(escaped if len(escaped) <= MAX_LOGGED_NAME_CHARS else escaped[:MAX_LOGGED_NAME_CHARS] + "...")
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f", +{more} more" if more else "")
+
+
+class IgnoredFieldsLog:
+    """Logs the fields a request sent that had no effect: each set of names (as logged) at most
+    once per `LOG_EVERY_S`, and at most `MAX_LOGGED_SETS` sets in that time."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S) -> None:
+        self.logger, self.every_s = logger, every_s
+        self._last: dict[str, float] = {}  # line -> when it was last logged
+        self._lock = threading.Lock()
+
+    def log(self, names: list[str]) -> bool:
+        """Log `names` unless logged lately; True if a line was written."""
+        line, now = loggable_names(names), time.monotonic()
+        with self._lock:
+            if now - self._last.get(line, -math.inf) < self.every_s:
+                return False
+            if len(self._last) >= MAX_LOGGED_SETS:  # forget the lines that are due again
+                self._last = {k: t for k, t in self._last.items() if now - t < self.every_s}
+                if len(self._last) >= MAX_LOGGED_SETS:
+                    return False
+            self._last[line] = now
+        self.logger.warning("request fields accepted but not acted on: %s", line)
+        return True

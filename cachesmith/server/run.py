@@ -1,6 +1,7 @@
 """Running the app with uvicorn: in the foreground (`cachesmith serve`: SIGINT/SIGTERM stop taking
 connections, let in-flight requests finish, then drain the queue), or on a background thread
-(`BackgroundServer`, for tests and the load benchmark; port 0 picks a free port).
+(`BackgroundServer`, for tests and the load benchmark; port 0 picks a free port). Past
+`max_connections` open connections uvicorn answers 503 itself, before the app sees the request.
 """
 from __future__ import annotations
 
@@ -14,10 +15,25 @@ from cachesmith.server.config import ServerConfig
 from cachesmith.server.service import Service
 
 
+# connections beyond the queue, the batch and the decoding streams: health checks, metrics scrapes,
+# chunk calls, idle keep-alive connections of client pools
+CONNECTION_MARGIN = 32
+
+
+def max_connections(service: Service, config: ServerConfig) -> int:
+    """The configured limit, else room for every request the service may hold at once (queued or
+    being admitted, in the batch being prefilled, decoding) and `CONNECTION_MARGIN` more."""
+    if config.max_connections is not None:
+        return config.max_connections
+    return (service.config.max_queue + service.engine.config.scheduler.max_batch_size + service.loop.max_decoding
+            + CONNECTION_MARGIN)
+
+
 def _uvicorn_config(service: Service, config: ServerConfig) -> uvicorn.Config:
     return uvicorn.Config(create_app(service, config), host=config.host, port=config.port,
                           log_level=config.log_level, timeout_graceful_shutdown=config.drain_timeout_s,
-                          access_log=config.log_level == "debug", lifespan="on")
+                          access_log=config.log_level == "debug", lifespan="on",
+                          limit_concurrency=max_connections(service, config))
 
 
 def run_server(service: Service, config: ServerConfig) -> None:

@@ -8,8 +8,9 @@ A completion body accepts fields it does not know, and OpenAI's fields it does n
 (`openai_fields`), which the app names back to the client; the server's `--strict` refuses unknown
 ones. Inside a body's parts (documents, options) unknown fields are refused by name. OpenAI
 fields cachesmith cannot honour (n > 1, echo, suffix, best_of > 1, tools it would have to call)
-are refused with the reason rather than ignored. Decoding is greedy unless `temperature` > 0
-(then `top_p`, `top_k`, `seed` and the penalties apply).
+are refused with the reason rather than ignored. Every text and field name must be valid Unicode
+(no lone surrogate; `json_types.UnicodeBody`). Decoding is greedy unless `temperature` > 0 (then
+`top_p`, `top_k`, `seed` and the penalties apply).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, json_boolean, json_float, json_int,
-                                           json_integer, schema_pattern)
+from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, UnicodeBody, json_boolean, json_float,
+                                           json_int, json_integer, schema_pattern)
 from cachesmith.server.chat_messages import ChatMessage, chat_parts
 from cachesmith.server.openai_fields import TOOLS_RULE, ChatFields, CommonFields, ignored_fields
 from cachesmith.server.service import CompletionSpec, DocumentRef
@@ -117,7 +118,7 @@ class StreamOptions(_Body):
     include_obfuscation: Bool = False  # OpenAI's padding of stream events: none is sent here
 
 
-class _Generation(CommonFields):
+class _Generation(UnicodeBody, CommonFields):
     """What completions and chat completions share. Unknown fields are kept (`model_extra`) so
     that the app can name them: frameworks send fields of newer API versions."""
     model_config = ConfigDict(extra="allow")
@@ -223,11 +224,11 @@ class ChatCompletionRequest(ChatFields, _Generation):
                                        for name in sorted(m.model_extra or {})]
 
 
-class ChunksRequest(_Body):
+class ChunksRequest(UnicodeBody, _Body):
     documents: list[Annotated[str, schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)
 
 
-class FeedbackRequest(_Body):
+class FeedbackRequest(UnicodeBody, _Body):
     """A client's verdict on a completion's answer (`passed`: it was right or good enough)."""
     id: str = Field(min_length=1, max_length=128, description="the completion's id, as it was answered")
     passed: bool

@@ -3,9 +3,10 @@
 In: `CompletionSpec`s (documents as texts or ids of stored chunks, a question, an SLO) and chunk
 management calls. Out: `Future[RequestResult]`s, with tokens streamed to an optional callback, and
 `ChunkRecord`s. Owns the pipeline, the live engine behind its `EngineLoop`, and the pins that keep
-a chunk an in-flight request needs from being deleted under it. Text documents are tokenized and
-their chunk KV stored (prefilled on a miss) after the request's arrival time is taken, so that
-work counts in its TTFT, as it would for a client.
+a chunk an in-flight request needs from being deleted under it. A request holds a place in the
+loop's queue (`reserve`) from its acceptance, before any costly work for it, so a burst past
+`max_queue` is refused at once; its arrival time is taken then too, so tokenizing its documents and
+storing their chunk KV (prefilled on a miss) count in its TTFT, as they would for a client.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine, EngineConfig
-from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
+from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, Slot
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.keys import dtype_name, validate_key
@@ -32,9 +33,11 @@ from cachesmith.profiler.packaged import serving_profile
 from cachesmith.request import RequestResult
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.streaming import answer_text
+from cachesmith.server.turns import conversation_key, turn_prefixes
 from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
+MAX_PENDING_TURN_STORES = 64  # chat exchanges waiting to be stored; past it a turn is answered unstored
 
 
 class ChunkInUse(CachesmithError):
@@ -136,7 +139,9 @@ class Service:
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
         self._pins: Counter = Counter()
         self._pin_lock = threading.Lock()
-        self._turn_stores = BackgroundJobs("cachesmith-turns")
+        self._turn_stores = BackgroundJobs("cachesmith-turns", MAX_PENDING_TURN_STORES)
+        self.num_turn_stores_dropped = 0  # finished chat turns not stored: the job queue was full
+        self._drop_lock = threading.Lock()
         self._completions: OrderedDict[str, int] = OrderedDict()  # completion id -> request id, the latest
         self._completions_lock = threading.Lock()
         self.num_feedback: Counter = Counter()  # verdicts clients sent, by "passed" / "failed"
@@ -146,25 +151,37 @@ class Service:
         return self.pipeline.store
 
     # -- completions ---------------------------------------------------------------------------
-    def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None) -> Future:
-        """Queue one request. Raises `InputError` (bad spec), `QueueFull` or `EngineClosed`; an
-        error found while admitting (unknown chunk, context too long) resolves the future at once."""
-        arrival = self.engine.clock.now()
+    def reserve(self) -> Slot:
+        """A place in the queue for a request or chunk upload about to be admitted, before any
+        costly work for it (`EngineLoop.reserve`): raises `QueueFull` or `EngineClosed`."""
+        try:
+            return self.loop.reserve()
+        except (QueueFull, EngineClosed) as exc:
+            self.num_rejected[_reason(exc)] += 1
+            raise
+
+    def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None,
+               slot: Slot | None = None) -> Future:
+        """Queue one request, in `slot` (default: one reserved now; given back here whatever
+        happens). Raises `InputError` (bad spec), `QueueFull` or `EngineClosed`; an error found
+        while admitting (unknown chunk, context too long) resolves the future at once."""
+        slot = slot or self.reserve()
         pinned: list[str] = []
         try:
             max_tokens, slo_s = self._limits(spec)
-            self.loop.check_capacity()  # before any costly work
             keys, fresh = self._store_chunks(spec.documents, self._tokenize(spec, max_tokens), pinned)
             num_prefix_stored = self._ensure_prefix(spec, pinned)
             instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
                                         answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
                                         chunk_ids=tuple(keys), history=spec.history)
-            future = self.loop.submit(instance, slo_s, on_token, arrival_s=arrival, sampling=spec.sampling)
+            future = self.loop.submit(instance, slo_s, on_token, sampling=spec.sampling, slot=slot)
         except BaseException as exc:
             self._unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError)):
                 self.num_rejected[_reason(exc)] += 1
             raise
+        finally:
+            slot.release()  # a no-op once the loop queued the request
         future.add_done_callback(lambda f: self._finished(f, spec, pinned, num_prefix_stored, fresh))
         return future
 
@@ -261,10 +278,10 @@ class Service:
         it; returns how many of its tokens were stored before this request. A conversation's next
         turn extends the stored earlier turns instead of prefilling them again."""
         system = spec.system or self.pipeline.system
-        ids = self.pipeline.tokenizer.prefix_ids(system, spec.history)  # within the window: `_tokenize`
-        earlier = self.pipeline.tokenizer.earlier_prefixes(system, spec.history) if spec.history else []
-        if spec.history:
-            self._turn_stores.wait_all()  # a previous turn's exchange may still be being stored
+        if spec.history:  # the previous turn's exchange may still be waiting to be stored: now, here
+            self._turn_stores.take_over(conversation_key(system, spec.history))
+        # within the window (`_tokenize`); rendered and tokenized outside the admission lock
+        ids, earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)
         self._pin([self.store.key_for(self.pipeline.model, ids)], pinned)
         with self.loop.admission():
             return self.pipeline.ensure_prefix(ids, earlier)[1]
@@ -281,7 +298,9 @@ class Service:
         if spec.is_chat and result.error is None and not spec.answer_prefix:
             text, _ = answer_text(result, spec.stop)
             turns = (*spec.history, ("user", spec.question), ("assistant", text))
-            self._turn_stores.submit(self._store_turn, spec.system or self.pipeline.system, turns)
+            system = spec.system or self.pipeline.system
+            if not self._turn_stores.submit(conversation_key(system, turns), self._store_turn, system, turns):
+                self._dropped_turn_store()
         for listener in self.listeners:
             try:
                 listener(result)
@@ -290,12 +309,20 @@ class Service:
 
     def _store_turn(self, system: str | None, turns: tuple[tuple[str, str], ...]) -> None:
         """Store a finished exchange's conversation KV for its next turn (off the request's path)."""
-        tokenizer = self.pipeline.tokenizer
-        ids = tokenizer.conversation_ids(system, turns)
+        ids, earlier = turn_prefixes(self.pipeline.tokenizer, system, turns, is_head=False)
         if len(ids) >= self.pipeline.model.config.max_positions:
             return  # no next turn fits anyway
         with self.loop.admission():
-            self.pipeline.ensure_prefix(ids, tokenizer.earlier_prefixes(system, turns))
+            self.pipeline.ensure_prefix(ids, earlier)
+
+    def _dropped_turn_store(self) -> None:
+        with self._drop_lock:
+            self.num_turn_stores_dropped += 1
+            is_first = self.num_turn_stores_dropped == 1
+        if is_first:  # once: a full queue would otherwise log every turn
+            log.warning("%d chat exchanges are waiting to be stored: a turn was answered without storing it "
+                        "(its next turn computes it again); further drops are only counted "
+                        "(cachesmith:turn_stores_dropped_total)", MAX_PENDING_TURN_STORES)
 
     def _pin(self, keys: list[str], pinned: list[str]) -> None:
         with self._pin_lock:
@@ -311,21 +338,25 @@ class Service:
                     del self._pins[key]
 
     # -- chunks --------------------------------------------------------------------------------
-    def add_chunks(self, texts: Sequence[str]) -> list[ChunkRecord]:
-        """Store the KV of each text as a chunk (prefilled now unless already stored)."""
-        ids = []
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise InputError(f"documents[{i}]: must be a non-empty string")
-            ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
-            self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
-        records = []
-        for text, token_ids in zip(texts, ids):
-            with self.loop.admission():
-                key, is_new = self.store.ensure(self.pipeline.model, token_ids)
-            info = self.chunk(key)
-            records.append(replace(info, is_new=is_new))
-        return records
+    def add_chunks(self, texts: Sequence[str], slot: Slot | None = None) -> list[ChunkRecord]:
+        """Store the KV of each text as a chunk (prefilled now unless already stored). An upload
+        holds a place in the queue, as a request does (`slot`, default: one reserved now)."""
+        slot = slot or self.reserve()
+        try:
+            ids = []
+            for i, text in enumerate(texts):
+                if not isinstance(text, str) or not text.strip():
+                    raise InputError(f"documents[{i}]: must be a non-empty string")
+                ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
+                self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
+            records = []
+            for token_ids in ids:
+                with self.loop.admission():
+                    key, is_new = self.store.ensure(self.pipeline.model, token_ids)
+                records.append(replace(self.chunk(key), is_new=is_new))
+            return records
+        finally:
+            slot.release()
 
     def chunk(self, chunk_id: str) -> ChunkRecord | None:
         """The stored chunk of this model under `chunk_id`, or None."""

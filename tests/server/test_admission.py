@@ -1,0 +1,146 @@
+"""Admission under load and failure: a request holds its place in the queue from its acceptance, so
+a burst past `max_queue` is refused (429) before any tokenizing or prefill; an admission that raises
+gives its place back; uvicorn refuses connections past `max_connections`; the API key is checked
+before the body is read."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from cachesmith.server import ServerConfig
+from cachesmith.server.run import CONNECTION_MARGIN, max_connections
+from tests.server.test_app import body, error_of
+
+pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
+
+
+def passage(i: int) -> str:
+    return f"passage number {i} of the burst: river glacier lantern harbor"
+
+
+def test_a_burst_past_the_queue_is_refused_before_any_tokenizing_or_prefill(server_for):
+    srv = server_for(max_queue=3)
+    service = srv.server.config.app.state.service
+    tokenizer, store = service.pipeline.tokenizer, service.store
+    chunk_ids, ensure = tokenizer.chunk_ids, store.ensure
+    tokenized, prefilled = [], []
+    gate, entered = threading.Event(), threading.Event()
+
+    def spy_chunk_ids(text, *args, **kwargs):
+        tokenized.append(text)
+        return chunk_ids(text, *args, **kwargs)
+
+    def spy_ensure(model, ids):  # the first prefill holds the admission lock until the gate opens
+        prefilled.append(tokenizer.decode(ids))
+        if not entered.is_set():
+            entered.set()
+            gate.wait(30)
+        return ensure(model, ids)
+
+    tokenizer.chunk_ids, store.ensure = spy_chunk_ids, spy_ensure
+    answers: dict[int, httpx.Response] = {}
+
+    def client(i):
+        answers[i] = httpx.post(srv.url + "/v1/completions", json=body(prompt=f"Q{i}?", documents=[passage(i)]),
+                                timeout=60)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+    threads[0].start()
+    assert entered.wait(10)  # the first request is prefilling its chunk, and holds its place
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 10  # two more take the two places left; the last two are refused now,
+    while sum(r.status_code == 429 for r in list(answers.values())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # while the prefill is still held
+    refused = [i for i, r in list(answers.items()) if r.status_code == 429]
+    assert len(refused) == 2 and not gate.is_set(), {i: r.status_code for i, r in answers.items()}
+    for i in refused:
+        assert int(answers[i].headers["retry-after"]) >= 1 and error_of(answers[i])["code"] == "queue_full"
+        assert "max_queue=3" in error_of(answers[i])["message"]
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert sorted(r.status_code for r in answers.values()) == [200, 200, 200, 429, 429]
+    for i in refused:  # nothing was tokenized or prefilled for a refused request
+        assert not any(passage(i) in text for text in tokenized + prefilled)
+    assert all(any(passage(i) in text for text in prefilled) for i in answers if i not in refused)
+    assert service.queue_depth == 0 and service.num_rejected["queue_full"] == 2
+
+
+def raising(error: BaseException):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+@pytest.mark.parametrize("error", [OSError("disk went away"), MemoryError("no room for the cache")])
+def test_an_admission_that_raises_is_a_500_and_gives_its_place_back(server_for, error):
+    srv = server_for(max_queue=2)
+    service = srv.server.config.app.state.service
+    engine, store = service.engine, service.store
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        # more failures than places: a place leaked by each would turn the next request into a 429
+        for where, target in (("engine", engine), ("store", store)):
+            name = "admit" if where == "engine" else "ensure"
+            setattr(target, name, raising(error))
+            for i in range(3):
+                r = c.post("/v1/completions", json=body(prompt=f"{where} {i}?", documents=[passage(10 + i)],
+                                                        stream=i == 1))
+                err = error_of(r)
+                assert r.status_code == 500 and err["code"] == "internal_error", (where, i, r.text)
+                assert f"{type(error).__name__}: {error}" in err["message"]
+                assert service.queue_depth == 0 and not service._pins
+            delattr(target, name)  # the class's own method again
+        assert c.post("/v1/completions", json=body()).status_code == 200
+        assert c.get("/health").json()["queue_depth"] == 0
+    assert service.loop._num_admitting == 0
+
+
+def test_past_max_connections_uvicorn_answers_503_itself(server_for):
+    srv = server_for(ServerConfig(port=0, log_level="error", max_connections=2))
+    service = srv.server.config.app.state.service
+    assert srv.server.config.limit_concurrency == 2
+    engine = service.engine
+    gate, entered, original = threading.Event(), threading.Event(), engine.prefill_batch
+    engine.prefill_batch = lambda d, b: (entered.set(), gate.wait(30), original(d, b))[2]
+    held = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", json=body(), timeout=60))
+    held.start()
+    assert entered.wait(10)
+    refused = httpx.get(srv.url + "/health", timeout=10)  # a second connection: one too many
+    gate.set()
+    held.join(60)
+    assert refused.status_code == 503
+    deadline = time.monotonic() + 10  # the held connection closes a moment after its answer
+    while httpx.get(srv.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_the_default_connection_limit_leaves_room_for_queue_batch_and_streams(tiny_chat_dir):
+    from tests.server.conftest import make_service
+
+    service = make_service(tiny_chat_dir, max_queue=10)
+    try:
+        batch = service.engine.config.scheduler.max_batch_size
+        assert max_connections(service, ServerConfig()) == 10 + batch + service.loop.max_decoding + CONNECTION_MARGIN
+        assert max_connections(service, ServerConfig(max_connections=7)) == 7
+    finally:
+        service.close(10)
+
+
+def test_the_api_key_is_checked_before_the_body_is_read(server_for):
+    srv = server_for(ServerConfig(port=0, api_key="s3cret", max_body_bytes=4096, log_level="warning"))
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/completions", content=b"{not json", headers=headers)
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"  # not the JSON's 400
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert c.post("/v1/chunks", content=b"x" * 8192, headers=headers).status_code == 401  # not a 413
+        assert c.get("/v1/no-such-route").status_code == 401
+        assert c.get("/health").status_code == 200 and c.get("/openapi.json").status_code == 200
+        auth = {**headers, "Authorization": "Bearer s3cret"}
+        r = c.post("/v1/completions", content=b"{not json", headers=auth)
+        assert r.status_code == 400 and "not valid JSON" in error_of(r)["message"]
