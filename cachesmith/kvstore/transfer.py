@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +107,10 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
-        self._workers: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []  # changed in place: the finalizer holds this list
+        # an engine dropped without `close` (a discarded pipeline) must not live on in its loader
+        # threads: they hold the queue only, and this stops them once the engine is collected
+        weakref.finalize(self, _stop_loaders, self._queue, self._workers, self._order)
 
     def record_load(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -124,27 +128,41 @@ class TransferEngine:
         """Queue one load in deadline order; the workers start on first use and live on."""
         with self._lock:
             if not self._workers:
-                self._workers = [threading.Thread(target=self._work, daemon=True, name=f"kv-loader-{i}")
-                                 for i in range(self.config.num_workers)]
+                self._workers.extend(threading.Thread(target=_load_loop, args=(self._queue,), daemon=True,
+                                                      name=f"kv-loader-{i}") for i in range(self.config.num_workers))
                 for t in self._workers:
                     t.start()
         self._queue.put((layer, next(self._order), batch, request, rows))
 
-    def _work(self) -> None:
-        while True:
-            layer, _, batch, request, rows = self._queue.get()
-            if batch is None:
-                return
-            batch.run_load(layer, request, rows)
-
     def close(self) -> None:
         """Stop the loader threads (a closed engine starts new ones if used again)."""
         with self._lock:
-            workers, self._workers = self._workers, []
-        for _ in workers:
-            self._queue.put((-1, next(self._order), None, -1, None))
+            workers = list(self._workers)
+            self._workers.clear()
+        _stop_loaders(self._queue, workers, self._order)
         for t in workers:
             t.join()
+
+
+def _load_loop(jobs: queue.PriorityQueue) -> None:
+    """A loader thread's life. It holds the queue, never the engine: between jobs nothing it
+    references keeps the engine (and its model's weights) alive."""
+    while _run_job(jobs.get()):
+        pass
+
+
+def _run_job(job: tuple) -> bool:
+    """One queued load (its batch is referenced only while it runs); False for the stop sentinel."""
+    layer, _, batch, request, rows = job
+    if batch is None:
+        return False
+    batch.run_load(layer, request, rows)
+    return True
+
+
+def _stop_loaders(jobs: queue.PriorityQueue, workers: list[threading.Thread], order) -> None:
+    for _ in workers:
+        jobs.put((-1, next(order), None, -1, None))
 
 
 @dataclass

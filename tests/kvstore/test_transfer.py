@@ -2,7 +2,9 @@
 bandwidth cap and prefetch behave, and faults only slow or recompute."""
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -218,3 +220,23 @@ def test_plan_decided_after_layer_0_stages_what_it_needs(model, tmp_path, final)
         out = BatchRunner(model).run(batch.requests, provisional, batch, replan=replan)
     for a, b in zip(out, ref):
         assert max_diff(a.logits, b.logits) == 0.0 and torch.equal(a.selected, b.selected)
+
+
+def test_a_dropped_engine_is_collected_and_its_loader_threads_stop(model, tmp_path):
+    """An engine its owner dropped without `close` (a discarded pipeline) must not live on in its
+    loader threads, holding the model's weights."""
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    _, keyed = stored_requests(model, store, seeds=(3,))
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+    engine = TransferEngine(store, model)
+    with engine.stage(keyed, plan) as batch:
+        BatchRunner(model).run(batch.requests, plan, batch)
+    threads = list(engine._workers)
+    assert threads and all(t.is_alive() for t in threads)
+    dropped = weakref.ref(engine)
+    del engine, batch
+    gc.collect()
+    assert dropped() is None
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
