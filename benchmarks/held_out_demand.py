@@ -1,4 +1,4 @@
-"""Is CacheSmith's trail behind its fixed-signal ablations a mechanism or the sample? (issue #18)
+"""Is CacheSmith's trail behind its fixed-signal ablations a mechanism or the sample?
 
 Two disjoint samples of measured outcomes exist: the evaluation table (A, about 60 instances per
 task) and the demand table the packaged profile's demand curves come from (B, about 100 per task,

@@ -1,4 +1,4 @@
-"""Does sizing plans for a slower pace than the mean pay on a machine whose pace swings? (issue #18)
+"""Does sizing plans for a slower pace than the mean pay on a machine whose pace swings?
 
 The grid study's four tasks on the simulator, its machine made noisy: each batch runs at
 exp(x) x its simulated time, x an AR(1) series of std `--sigmas` and lag-1 correlation `--corr`

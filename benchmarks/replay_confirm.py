@@ -1,4 +1,4 @@
-"""Confirm the simulated grid on the real model (issue #18): MIX traces replayed through the real
+"""Confirm the simulated grid on the real model: MIX traces replayed through the real
 engine on the replay clock, CacheSmith against Full Prefill, Full Reuse and the four presets at 15%.
 
 Settings: Poisson at utilization 0.7, Gamma CV 2 and Gamma CV 3 (the same utilization), SLO 2x the

@@ -1,4 +1,4 @@
-"""How well each signal rule picks the signal a request needs less coverage with (issue #18),
+"""How well each signal rule picks the signal a request needs less coverage with,
 held out: the rules are fit on the profile's demand instances, scored on the outcome table's (seeds
 disjoint). Oracle per request and anchor depth: the signal with the lower minimum sufficient
 coverage; requests where the two tie (or neither passes) say nothing and are not counted.

@@ -1,4 +1,4 @@
-"""Validate the simulator against the replay clock (issue #8): the same MIX traces served by the
+"""Validate the simulator against the replay clock: the same MIX traces served by the
 real engine on the replay clock and by the simulator (cost-model time, outcome-table verdicts).
 
 Settings: one Poisson and two bursty (Gamma CV 2 and 3) traces at the same utilization, each

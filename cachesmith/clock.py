@@ -1,7 +1,7 @@
-"""Clocks of the serving loop (DESIGN.md §5): `live` follows the wall clock (the server);
+"""Clocks of the serving loop: `live` follows the wall clock (the server);
 `replay` is virtual, advanced by each batch's measured execution time, so a trace of arrivals
 replays faithfully however long the machine takes between batches (decode, scoring and logging
-run off the clock, as under prefill-decode disaggregation). The simulator's clock (#8) advances by
+run off the clock, as under prefill-decode disaggregation). The simulator's clock advances by
 the cost model instead.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The serving loop (paper §5, DESIGN.md §3): queue -> scheduler -> planner -> runner (+ transfer
+"""The serving loop (paper §5): queue -> scheduler -> planner -> runner (+ transfer
 engine) -> first token -> decode, on a live or replay clock.
 
 In: `Request`s (submitted as they arrive, or a whole trace to `run`). Out: one `RequestResult` per

@@ -4,7 +4,7 @@ In: `submit(instance, slo_s, on_token)` from any thread. Out: a `Future` resolvi
 request's `RequestResult` (refused ones at once, with their error), and `on_token(index, token_id)`
 calls as tokens are produced: the first token as soon as its batch's prefill ends, the rest while
 decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
-finished batch's sequences to a decode thread (prefill-decode disaggregation, DESIGN.md §5). The
+finished batch's sequences to a decode thread (prefill-decode disaggregation). The
 decode thread steps every decoding sequence together (continuous batching: sequences join and
 leave between steps) and starts no step while a prefill batch runs, so the TTFT SLOs keep the cores;
 only when `max_decoding` sequences wait does decoding run beside prefill, and the prefill thread

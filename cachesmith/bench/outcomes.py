@@ -1,4 +1,4 @@
-"""Outcome tables (issue #8): whether each workload instance passes its quality gate under each plan,
+"""Outcome tables: whether each workload instance passes its quality gate under each plan,
 measured once with the real engine, so the simulator can replay quality without a model.
 
 In: a `RagPipeline` and workload instances. Out: an `OutcomeTable`: per instance its token counts,

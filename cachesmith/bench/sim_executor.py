@@ -1,4 +1,4 @@
-"""The simulator's runtime (DESIGN.md §5 `simulate`): the Engine's executor with no model. A batch
+"""The simulator's runtime (the `simulate` clock): the Engine's executor with no model. A batch
 takes the cost model's TTFT (transfer over the simulated link included) on this machine's measured
 pace, and each request's gate verdict is read from the outcome tables under the plan it ran.
 

@@ -1,4 +1,4 @@
-"""The `(S, w, p, r)` recompute plan and the named baseline presets (DESIGN.md §2).
+"""The `(S, w, p, r)` recompute plan and the named baseline presets.
 
 In: a signal name, warm-up depth, probe length and default coverage. Out: a validated, frozen
 `RecomputeConfig`; `validate_for(num_layers)` checks the depth against a concrete model.

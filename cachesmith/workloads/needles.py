@@ -1,5 +1,5 @@
 """Several needles in different chunks, asking for one key: an answer that needs cross-chunk
-attention (DESIGN.md §4: full prefill 82.5%, full reuse 37.5% on SmolLM2-135M at ~1.7K tokens).
+attention (measured: full prefill 82.5%, full reuse 37.5% on SmolLM2-135M at ~1.7K tokens).
 
 In: a corpus and a seed. Out: `WorkloadInstance`s with `num_chunks` Wikipedia chunks of about
 `chunk_tokens` tokens (estimated at 1.3 tokens per word), `num_needles` of which carry a needle.

@@ -7,7 +7,7 @@ Out: `Reference`: last-position logits [vocab] (float32), the selected context i
 the selection scores over context tokens [N] (float64; None for `position` and for plans that
 compute every layer in full), and the final assembled rotated K / V of every layer [S, Hkv, D].
 
-Nothing here comes from `cachesmith.recompute` except the config types. Semantics (DESIGN.md §2,
+Nothing here comes from `cachesmith.recompute` except the config types. Semantics (the plan's contract,
 docs/decisions.md "Recompute semantics"), layout [prefix P | chunks (context, N) | suffix n]:
 - WarmUp [0, w): every token computed exactly, nothing cached is read.
 - qci: the suffix rows alone run [w, w+p) over the cached prefix + context and their own fresh

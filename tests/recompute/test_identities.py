@@ -1,4 +1,4 @@
-"""The exact identities of DESIGN.md §2 on tiny random models (float32, 1e-4)."""
+"""The exact identities of the (S, w, p, r) semantics on tiny random models (float32, 1e-4)."""
 from __future__ import annotations
 
 import pytest
