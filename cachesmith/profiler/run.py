@@ -26,7 +26,8 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import CostModel
 from cachesmith.planner.profile import DemandCurve, PhaseCost, Profile, ProfileError
 from cachesmith.profiler.bandwidth import tier_bandwidth
-from cachesmith.profiler.costs import (HELD_OUT, TimingBench, default_grid, fit_costs, measure, relative_errors,
+from cachesmith.profiler.cost_grid import default_grid
+from cachesmith.profiler.costs import (HELD_OUT, TimingBench, fit_costs, measure, relative_errors,
                                        scaffold, process_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
 from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source

@@ -3,7 +3,9 @@ from cachesmith.recompute.config import (FIXED_FAMILIES, PRESET_NAMES, Recompute
                                          fixed_splits, full_prefill, full_reuse, fused_family, fusionrag,
                                          last_layer, parse_label, preset, prophetkv)
 from cachesmith.recompute.hooks import HookChain, LayerInfo, LayerStat, LayerStatsRecorder, RunnerHooks
-from cachesmith.recompute.runner import BatchRunner, PatchFork, RecomputeOutput
+from cachesmith.recompute.fork import PatchFork
+from cachesmith.recompute.run_state import RecomputeOutput
+from cachesmith.recompute.runner import BatchRunner
 from cachesmith.recompute.sequence import RecomputeRequest
 
 __all__ = ["FIXED_FAMILIES", "PRESET_NAMES", "BatchRunner", "PatchFork", "HookChain", "LayerInfo", "LayerStat",

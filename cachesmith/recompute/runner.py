@@ -13,62 +13,25 @@ deviation, and rewinds to w); Patch recomputes selected rows + the suffix.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from cachesmith.model import Decoder, KVCache
+from cachesmith.model import Decoder
 from cachesmith.recompute import signals, split_attention
 from cachesmith.recompute.attention import ScatteredAttention, attention_probs
-from cachesmith.errors import ConfigError, InputError
+from cachesmith.errors import ConfigError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
+from cachesmith.recompute.fork import PatchFork
 from cachesmith.recompute.query_probe import qci_last_scores, qci_scores
+from cachesmith.recompute.run_state import PatchRows, Ranked, RecomputeOutput, num_cloned
 from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence, fill_cached_rows,
                                            stitch_cached_rows)
 
 
 # entropies after layer 0 -> (plan for the rest, per-request coverages or None)
 Replan = Callable[[list[float | None]], tuple[RecomputeConfig, list[float | None] | None]]
-
-
-@dataclass
-class RecomputeOutput:
-    logits: torch.Tensor  # [vocab] float32, last position
-    cache: KVCache  # assembled KV of all S positions, ready for decoding
-    selected: torch.Tensor  # context indices recomputed in the last Patch layer (CPU, sorted)
-    scores: torch.Tensor | None  # [N] selection scores (None for warm-up-only plans)
-    entropy: torch.Tensor | None  # 0-dim normalized entropy of layer-0 QCI scores (when w >= 1)
-    num_context: int
-    num_suffix: int
-
-    @property
-    def qci_entropy(self) -> float | None:
-        """`entropy` as a float; read after the first token, when the device has caught up."""
-        return None if self.entropy is None else float(self.entropy)
-
-    @property
-    def first_token(self) -> int:
-        return int(torch.argmax(self.logits))
-
-
-@dataclass
-class _PatchRows:
-    """Rows a request computes in Patch layers: selected context + suffix, sorted by position."""
-    positions: torch.Tensor  # [num_rows] on the model device
-    cos: torch.Tensor  # [num_rows, 1, head_dim]
-    sin: torch.Tensor
-    attention: ScatteredAttention | split_attention.SplitAttention
-
-
-@dataclass
-class _Ranked:
-    """A batch after WarmUp and Probe: every request ranked, nothing selected yet."""
-    seqs: list[Sequence]
-    h: torch.Tensor  # [sum S, hidden] every row entering the first Patch layer
-    patch_start: int
-    start_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # kv_dev: normed rows, K, V of patch_start
-    outputs: list[RecomputeOutput] | None = None  # set when no Patch layer is left
 
 
 class BatchRunner:
@@ -99,7 +62,7 @@ class BatchRunner:
                 for s in seqs:
                     stitch_cached_rows(self.model, s)
             ranked = self._rank(seqs, config, hooks, replan)
-            return ranked.outputs if ranked.outputs is not None else self._patch(ranked, hooks)
+            return ranked.outputs if ranked.outputs is not None else self.patch(ranked, hooks)
 
     def fork(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> "PatchFork":
         """The batch run through WarmUp and Probe once, ready to be patched at any coverages
@@ -147,7 +110,7 @@ class BatchRunner:
                 if n == len(order) and not is_to_end:  # the deepest takes the walk itself
                     forks[j] = PatchFork(self, self._after_warmup(configs[j], seqs, h, hooks))
                     break
-                branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(_num_cloned(s, layer)))
+                branch = [replace(s, placed_layers=set(s.placed_layers), cache=s.cache.clone(num_cloned(s, layer)))
                           for s in seqs]
                 forks[j] = PatchFork(self, self._after_warmup(configs[j], branch, h.clone(), hooks))
             if not is_to_end:
@@ -157,7 +120,7 @@ class BatchRunner:
             return forks, self._finish(seqs, h, [s.num_tokens for s in seqs])
 
     def _rank(self, seqs: list[Sequence], config: RecomputeConfig, hooks: RunnerHooks,
-              replan: Replan | None) -> "_Ranked":
+              replan: Replan | None) -> "Ranked":
         """Embedding, WarmUp and Probe: every request ranked, nothing selected yet (or the outputs,
         when no Patch layer is left)."""
         num_layers = self.model.num_layers
@@ -171,18 +134,19 @@ class BatchRunner:
         return self._after_warmup(config, seqs, h, hooks)
 
     def _after_warmup(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
-                      hooks: RunnerHooks) -> "_Ranked":
+                      hooks: RunnerHooks) -> "Ranked":
         """Probe after the WarmUp layers (`h`: the rows entering layer w)."""
         num_layers = self.model.num_layers
         if config.warmup >= num_layers:
-            return _Ranked(seqs, h, num_layers, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
+            return Ranked(seqs, h, num_layers, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
         patch_start, h, start_kv = self._probe(config, seqs, h, hooks)
         if patch_start == num_layers:  # a kv_dev probe that reached the last layer: all full
-            return _Ranked(seqs, h, patch_start, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
-        return _Ranked(seqs, h, patch_start, start_kv)
+            return Ranked(seqs, h, patch_start, None, self._finish(seqs, h, [s.num_tokens for s in seqs]))
+        return Ranked(seqs, h, patch_start, start_kv)
 
-    def _patch(self, ranked: "_Ranked", hooks: RunnerHooks) -> list[RecomputeOutput]:
-        """Selection at each request's coverage, then the Patch layers."""
+    def patch(self, ranked: Ranked, hooks: RunnerHooks) -> list[RecomputeOutput]:
+        """Selection at each request's coverage, then the Patch layers (a ranked batch's, or a fork's
+        copies of one)."""
         seqs = ranked.seqs
         for s in seqs:
             s.selected = signals.select(s, s.coverage)
@@ -299,7 +263,7 @@ class BatchRunner:
         probs = attention_probs(q[sfx], k, pos[sfx], pos)
         return signals.entropy_of(signals.qci_from_probs(probs, s))
 
-    def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[_PatchRows],
+    def _patch_layer(self, index: int, seqs: list[Sequence], rows: list[PatchRows],
                      h_sel: torch.Tensor, hooks: RunnerHooks, pre=None):
         """Selected context rows + suffix rows recomputed over the mixed KV of the layer.
         With `pre` (kv_dev's projections) the layer's before-hook already ran during scoring."""
@@ -375,7 +339,7 @@ class BatchRunner:
                            for s, a in zip(seqs, self._offsets(seqs))])
         return h[index.to(h.device)]
 
-    def _patch_rows(self, s: Sequence) -> _PatchRows:
+    def _patch_rows(self, s: Sequence) -> PatchRows:
         positions = self._row_index(s, 0)
         dev = positions.to(self.model.device)
         cfg = self.model.config
@@ -384,7 +348,7 @@ class BatchRunner:
         else:
             attention = ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix,
                                            self.num_attention_blocks)
-        return _PatchRows(dev, s.cos[dev], s.sin[dev], attention)
+        return PatchRows(dev, s.cos[dev], s.sin[dev], attention)
 
     def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):
         last, a = [], 0
@@ -399,51 +363,6 @@ class BatchRunner:
             outputs.append(RecomputeOutput(logits[i], s.cache, selected, s.scores, s.qci_entropy,
                                            s.num_context, s.num_suffix))
         return outputs
-
-
-class PatchFork:
-    """A ranked batch (`BatchRunner.fork`) patched at any coverages, as often as asked. Each run
-    patches copies of the ranked state, so runs do not see each other: the first Patch layer's
-    hidden rows and kv_dev's projections are only read, and each copy's cache holds the layers the
-    ranking wrote (later layers are placed from the cached chunks as Patch reaches them)."""
-
-    def __init__(self, runner: BatchRunner, ranked: _Ranked) -> None:
-        self.runner, self.ranked = runner, ranked
-        # [0, patch_start) hold WarmUp and Probe rows; a probe may also have placed later layers
-        self._num_written = max([ranked.patch_start] + [i + 1 for s in ranked.seqs for i in s.placed_layers])
-
-    def run(self, coverages: list[float]) -> list[RecomputeOutput]:
-        """The batch's outputs with request i patched at `coverages[i]`."""
-        return PatchFork.run_together([self], [coverages])[0]
-
-    def _copies(self, coverages: list[float]) -> list[Sequence]:
-        if len(coverages) != len(self.ranked.seqs):
-            raise InputError(f"coverages: {len(coverages)} given for {len(self.ranked.seqs)} requests")
-        return [replace(s, coverage=check_coverage(c, f"coverages[{i}]"), selected=None,
-                        placed_layers=set(s.placed_layers), cache=s.cache.clone(_num_cloned(s, self._num_written)))
-                for i, (s, c) in enumerate(zip(self.ranked.seqs, coverages))]
-
-    @staticmethod
-    def run_together(forks: list["PatchFork"], coverages: list[list[float]]) -> list[list[RecomputeOutput]]:
-        """Several forks of one plan (e.g. of different requests) patched as one batch: their rows
-        share each Patch layer's projections, as a served batch's do. Per fork, its outputs."""
-        starts = {f.ranked.patch_start for f in forks}
-        if len(starts) != 1 or len({f.runner for f in forks}) != 1:
-            raise ConfigError(f"forks patched together need one runner and one first Patch layer, got {sorted(starts)}")
-        seqs = [s for f, c in zip(forks, coverages) for s in f._copies(c)]
-        kvs = [f.ranked.start_kv for f in forks]
-        start_kv = None if kvs[0] is None else tuple(torch.cat(parts) for parts in zip(*kvs))
-        ranked = _Ranked(seqs, torch.cat([f.ranked.h for f in forks]), starts.pop(), start_kv)
-        with torch.inference_mode():
-            outputs = forks[0].runner._patch(ranked, RunnerHooks())
-        sizes = [len(f.ranked.seqs) for f in forks]
-        return [outputs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(forks))]
-
-
-def _num_cloned(seq: Sequence, num_written: int) -> int | None:
-    """Layers a copy of `seq`'s cache needs: those written so far, or all of them (None) when its
-    chunks were stitched into every layer up front."""
-    return None if seq.is_stitched else num_written
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:

@@ -33,7 +33,8 @@ from cachesmith.server.openapi import describe
 from cachesmith.server.responses import Shape, completion_body, sse
 from cachesmith.server.schemas import (CHUNK_ID_PATTERN, ChatCompletionRequest, ChunksRequest, CompletionRequest,
                                        FeedbackRequest)
-from cachesmith.server.service import CompletionSpec, Service
+from cachesmith.server.service import Service
+from cachesmith.server.specs import CompletionSpec
 from cachesmith.server.streaming import TokenStream
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from starlette.routing import Match
 
 from cachesmith.engine_loop import EngineClosed, QueueFull
 from cachesmith.errors import InputError
-from cachesmith.server.service import ChunkInUse, UnknownChunk
+from cachesmith.server.specs import ChunkInUse, UnknownChunk
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of an internal error's own text in a response

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from cachesmith.server.service import ServiceConfig
+from cachesmith.server.specs import ServiceConfig
 
 
 class ErrorDetail(BaseModel):

@@ -25,7 +25,7 @@ from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, UnicodeBody
                                            json_int, json_integer, schema_pattern)
 from cachesmith.server.chat_messages import ChatMessage, chat_parts
 from cachesmith.server.openai_fields import TOOLS_RULE, ChatFields, CommonFields, ignored_fields
-from cachesmith.server.service import CompletionSpec, DocumentRef
+from cachesmith.server.specs import CompletionSpec, DocumentRef
 
 MAX_STOP = 4
 CHUNK_ID_PATTERN = "^[0-9a-f]{64}$"

@@ -15,8 +15,9 @@ from cachesmith.planner import BatchShape, CostModel, Profile, ProfileError
 from cachesmith.planner.cost_model import overhead_features, phase_seconds
 from cachesmith.planner.profile import LAYER_KINDS, PROFILE_FORMAT, PhaseCost
 from cachesmith.profiler import run as run_mod
+from cachesmith.profiler.cost_grid import default_grid
 from cachesmith.profiler.costs import (ALL, HELD_OUT, PROFILE_PLANS, VALIDATION_PLANS, RunSpec, RunTiming, _samples,
-                                       default_grid, design_row, fit_costs, predicted_ttft, process_factors)
+                                       design_row, fit_costs, predicted_ttft, process_factors)
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
 from tests.planner.synthetic_profile import make_profile

@@ -7,7 +7,7 @@ import torch
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Decoder
 from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal, full_prefill
-from cachesmith.recompute.runner import PatchFork
+from cachesmith.recompute.fork import PatchFork
 from tests.recompute.helpers import make_request
 
 PLANS = [RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3), RecomputeConfig(Signal.KV_DEV, 1, 1, 0.3),

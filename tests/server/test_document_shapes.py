@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from cachesmith.server.schemas import ChatCompletionRequest, CompletionRequest
-from cachesmith.server.service import DocumentRef
+from cachesmith.server.specs import DocumentRef
 from tests.server.conftest import NAME
 
 pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer

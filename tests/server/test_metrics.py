@@ -24,7 +24,7 @@ from cachesmith.server.metrics import (
     prompt_token_sources,
     token_gaps_s,
 )
-from cachesmith.server.service import CompletionSpec, DocumentRef
+from cachesmith.server.specs import CompletionSpec, DocumentRef
 from tests.planner.test_served_mix import two_task_demand
 from tests.server.conftest import NAME, make_service, tiny_profile
 

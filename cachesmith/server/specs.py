@@ -1,0 +1,97 @@
+"""What the serving front takes and hands back: its config, a completion's spec (documents as texts
+or stored chunk ids, a question, an SLO, sampling), a stored chunk's record, and the errors a
+chunk id can meet. Plain values: the HTTP layer builds them, `Service` consumes them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachesmith.engine import EngineConfig
+from cachesmith.errors import CachesmithError, ConfigError, InputError
+from cachesmith.kvstore import StoreConfig
+from cachesmith.model.sampling import GREEDY, SamplingParams
+
+
+class ChunkInUse(CachesmithError):
+    """A chunk an in-flight request reads cannot be deleted until that request is done."""
+
+
+class UnknownChunk(InputError):
+    """A document names a chunk id the store does not hold (a 404: the request may be right)."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(clock="live"))
+    store: StoreConfig = field(default_factory=StoreConfig)
+    profile_path: Path | None = None  # default: measured here, else the packaged one (calibrated)
+    served_name: str | None = None  # the model id clients name (default: `model`)
+    max_queue: int = 64
+    default_slo_s: float = 5.0
+    max_slo_s: float = 3600.0
+    default_max_tokens: int = 64
+    max_tokens_limit: int = 512
+    max_documents: int = 64
+    is_decode_overlapped: bool = True  # decode on its own thread (False: between batches)
+
+    def __post_init__(self) -> None:
+        if self.engine.clock != "live":
+            raise ConfigError(f"engine.clock={self.engine.clock!r}: a server runs on the live clock")
+        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_documents"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ConfigError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
+                              f"{self.max_tokens_limit}")
+        if not (0 < self.default_slo_s <= self.max_slo_s and math.isfinite(self.max_slo_s)):
+            raise ConfigError(f"need 0 < default_slo_s ({self.default_slo_s}) <= max_slo_s ({self.max_slo_s}) < inf")
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.model
+
+
+@dataclass(frozen=True)
+class DocumentRef:
+    """One retrieved passage: its text, or the id of a chunk already in the store."""
+    text: str | None = None
+    chunk_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionSpec:
+    documents: tuple[DocumentRef, ...]
+    question: str
+    system: str = ""
+    max_tokens: int | None = None  # None: the service default
+    slo_s: float | None = None  # None: the service default
+    gold: tuple[str, ...] = ()  # optional: gates the answer (QSA metrics) when given
+    task: str = "custom"  # how the gate scores the answer (a workload task name, or custom)
+    answer_prefix: str = ""  # opens the assistant turn; the model continues it
+    sampling: SamplingParams = GREEDY
+    history: tuple[tuple[str, str], ...] = ()  # earlier chat turns (role, content), before the documents
+    is_chat: bool = False  # a chat turn: its exchange is stored for the conversation's next turn
+    stop: tuple[str, ...] = ()  # where the client's text ends (what the next turn will send back)
+
+    @property
+    def text_field(self) -> str:
+        """The request field holding the client's own text: `messages` (a chat) or `prompt`."""
+        return "messages" if self.is_chat else "prompt"
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    chunk_id: str
+    num_tokens: int
+    tiers: tuple[str, ...]
+    text: str
+    is_new: bool = False
+
+    def to_dict(self) -> dict:
+        return {"id": self.chunk_id, "object": "chunk", "num_tokens": self.num_tokens,
+                "tiers": list(self.tiers), "text": self.text, "is_new": self.is_new}
