@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 
-from cachesmith.kvstore.reader import EntryReader, block_runs
 from cachesmith.kvstore.entry_format import BLOCK_ROWS
+from cachesmith.kvstore.reader import EntryReader, block_runs
 
 
 def is_staged_for(device: torch.device, is_staged: bool | None) -> bool:
@@ -76,19 +77,16 @@ class BatchStaging:
     def _copy(self, layer: int, runs: list[tuple[int, int]], dsts: tuple[torch.Tensor, ...],
               srcs: tuple[torch.Tensor, ...]) -> None:
         """Verified host rows of each block run into the destination; rows outside the runs are
-        left alone (an earlier load of this layer may have filled them)."""
-        if not self.path.is_async:
+        left alone (an earlier load of this layer may have filled them). On CUDA the pinned source
+        stays alive until its copy has run: torch's host allocator holds the block back until then."""
+        is_async = self.path.is_async
+        with torch.cuda.stream(self.path.stream) if is_async else nullcontext():
             for first, end in runs:
+                rows = slice(first * BLOCK_ROWS, end * BLOCK_ROWS)
                 for dst, src in zip(dsts, srcs):
-                    dst[first * BLOCK_ROWS:end * BLOCK_ROWS].copy_(src[first * BLOCK_ROWS:end * BLOCK_ROWS])
-            return
-        with torch.cuda.stream(self.path.stream):
-            for first, end in runs:
-                for dst, src in zip(dsts, srcs):
-                    # the pinned source stays alive until the copy is done: torch's host allocator
-                    # records the stream's use and holds the block back until then
-                    dst[first * BLOCK_ROWS:end * BLOCK_ROWS].copy_(src[first * BLOCK_ROWS:end * BLOCK_ROWS],
-                                                                  non_blocking=True)
+                    dst[rows].copy_(src[rows], non_blocking=is_async)
+            if not is_async:
+                return
             event = torch.cuda.Event()
             event.record(self.path.stream)
         with self._lock:
