@@ -6,7 +6,8 @@
 One layer, or any subset of its token rows, is a known byte range, so a reader fetches only what a
 layer needs. Checksums cover blocks of `BLOCK_ROWS` rows of each layer's K and V, so a
 partial read still verifies everything it returns. Blocks use xxh3-64 (about 5x faster than crc32
-here, so verification does not halve the read rate); the header uses crc32.
+here, so verification does not halve the read rate); the header uses crc32. The header names
+the entry's namespace (a tenant's, hashed) when it has one.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class EntryHeader:
     token_ids: tuple[int, ...]
     checksums: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # [layer][K|V][block]
     data_offset: int
+    namespace: str = ""  # the tenant (and cache salt) the entry belongs to, hashed: `keys.namespace_of`
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -85,7 +87,8 @@ def _block_crcs(raw: bytes, row_bytes: int) -> tuple[int, ...]:
     return tuple(block_checksum(raw[i:i + step]) for i in range(0, len(raw), step))
 
 
-def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, values: torch.Tensor,
+              namespace: str = "") -> bytes:
     """keys/values [num_layers, num_tokens, num_kv_heads, head_dim] -> entry bytes."""
     num_layers, num_tokens, num_kv_heads, head_dim = keys.shape
     # a device chunk comes to the host in one copy per tensor, not one synchronizing copy per layer
@@ -96,11 +99,14 @@ def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, v
         k, v = _as_bytes(keys[layer]), _as_bytes(values[layer])
         blobs += [k, v]
         checksums.append([_block_crcs(k, row_bytes), _block_crcs(v, row_bytes)])
-    header = json.dumps({
+    fields = {
         "key": key, "model_fingerprint": model_fingerprint, "dtype": dtype_name(keys.dtype),
         "num_layers": num_layers, "num_tokens": num_tokens, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "token_ids": list(token_ids), "checksums": checksums,
-    }).encode()
+    }
+    if namespace:  # absent for the empty namespace: such entries read as they always did
+        fields["namespace"] = namespace
+    header = json.dumps(fields).encode()
     fixed = _FIXED.pack(MAGIC, VERSION, len(header), zlib.crc32(header))
     pad = (-(len(fixed) + len(header))) % _ALIGN
     return b"".join([fixed, header, b"\0" * pad, *blobs])
@@ -125,7 +131,7 @@ def parse_header(read) -> EntryHeader:
 @functools.lru_cache(maxsize=4096)
 def _decode_header(raw: bytes) -> EntryHeader:
     """The verified JSON header -> `EntryHeader`, cached by its bytes: a batch opens every chunk it
-    reads, and parsing the token ids and checksums cost ~0.2 ms an entry (docs/decisions.md)."""
+    reads, and parsing the token ids and checksums cost ~0.2 ms an entry."""
     header_len = len(raw)
     h = json.loads(raw)
     if h["dtype"] not in DTYPES:
@@ -133,4 +139,5 @@ def _decode_header(raw: bytes) -> EntryHeader:
     data_offset = _FIXED.size + header_len + (-(_FIXED.size + header_len)) % _ALIGN
     checksums = tuple((tuple(k), tuple(v)) for k, v in h["checksums"])
     return EntryHeader(h["key"], h["model_fingerprint"], h["dtype"], h["num_layers"], h["num_tokens"],
-                       h["num_kv_heads"], h["head_dim"], tuple(h["token_ids"]), checksums, data_offset)
+                       h["num_kv_heads"], h["head_dim"], tuple(h["token_ids"]), checksums, data_offset,
+                       h.get("namespace", ""))

@@ -15,7 +15,7 @@ from pathlib import Path
 from cachesmith.errors import ConfigError
 from cachesmith.kvstore.disk_quota import DEFAULT_DISK_FRACTION
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
-from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key
+from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validate_namespace
 from cachesmith.kvstore.reader import EntryReader, read_bytes
 from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, DiskTier, MemoryTier, RedisTier, Tier
 from cachesmith.model import ChunkKV, Decoder, prefill_chunk
@@ -96,12 +96,12 @@ class ChunkStore:
         return [makers[name]() for name in cfg.tiers]
 
     @staticmethod
-    def key_for(model: Decoder, token_ids: Sequence[int]) -> str:
-        return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids)
+    def key_for(model: Decoder, token_ids: Sequence[int], namespace: str = "") -> str:
+        return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids, namespace)
 
     def _verify(self, reader: EntryReader, key: str, model: Decoder | None) -> None:
         h = reader.header
-        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids) != key:
+        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids, h.namespace) != key:
             raise CorruptEntry("entry does not match its key")
         if model is None:
             return
@@ -162,9 +162,10 @@ class ChunkStore:
                 reader.close()
         return None
 
-    def put(self, chunk: ChunkKV) -> str:
-        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids)
-        data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values)
+    def put(self, chunk: ChunkKV, namespace: str = "") -> str:
+        validate_namespace(namespace)
+        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace)
+        data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace)
         written = [tier.put(key, data) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
         return key
@@ -213,13 +214,13 @@ class ChunkStore:
         """Every key some tier holds (any model: `open(key, model)` tells which are this model's)."""
         return sorted(set().union(*(t.keys() for t in self.tiers)))
 
-    def ensure(self, model: Decoder, token_ids: Sequence[int]) -> tuple[str, bool]:
-        """Key of a stored, verified entry for `token_ids`, computing and storing it on a miss.
-        Returns (key, was_computed)."""
-        key = self.key_for(model, token_ids)
+    def ensure(self, model: Decoder, token_ids: Sequence[int], namespace: str = "") -> tuple[str, bool]:
+        """Key of a stored, verified entry for `token_ids` in `namespace`, computing and storing it
+        on a miss. Returns (key, was_computed)."""
+        key = self.key_for(model, token_ids, namespace)
         reader = self.open(key, model)
         if reader is not None:
             reader.close()
             return key, False
-        self.put(prefill_chunk(model, list(token_ids)))
+        self.put(prefill_chunk(model, list(token_ids)), namespace)
         return key, True

@@ -345,7 +345,7 @@ class BatchTransfer(RunnerHooks):
     def _replace(self, seg: _Segment, first_layer: int) -> None:
         """A corrupt entry: recompute the chunk into the layers the runner has not read yet (the
         earlier ones already hold what it computed), evict it and store it anew."""
-        key = self.engine.store.key_for(self.model, seg.chunk.token_ids)
+        key, namespace = seg.reader.header.key, seg.reader.header.namespace
         fresh = prefill_chunk(self.model, list(seg.chunk.token_ids))
         seg.chunk.keys[first_layer:].copy_(fresh.keys[first_layer:])
         seg.chunk.values[first_layer:].copy_(fresh.values[first_layer:])
@@ -355,7 +355,7 @@ class BatchTransfer(RunnerHooks):
         seg.reader.close()
         seg.reader = None
         self.engine.store.delete(key)
-        self.engine.store.put(fresh)
+        self.engine.store.put(fresh, namespace)
         self.engine.stats.num_recomputed += 1
 
     def close(self) -> None:
