@@ -10,8 +10,8 @@ rule of plain `cachesmith` (it needs no layer-0 entropy, so planning before the 
 the serving executor decides after layer 0). No runtime monitor: the plan runs as chosen.
 
 This module sits above the scheduler and the profiler, which sit above the pipeline (the
-profiler imports it), so the pipeline reaches this one by a lazy import (docs/decisions.md,
-2026-12-04).
+profiler imports it), so the pipeline reaches this one by a lazy import
+(docs/adr/0035-layering-and-one-request-plans.md).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 In: a chunk's token ids. Out: `ChunkKV` with per-layer pre-RoPE K and V, computed at positions
 0..T-1 with no other context. `keys_at(layer, offset)` rotates K to positions offset..offset+T-1,
-which equals exactly what the same tokens would get at that offset (see docs/decisions.md).
+which equals exactly what the same tokens would get at that offset
+(see docs/adr/0013-pre-rope-chunk-kv.md).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ RoPE parameters, and every weight tensor's name, shape, dtype and sampled rows o
 Not hashed: serializer metadata (`transformers_version`, key order, whitespace, `dtype` notes),
 tensor order inside a file, how the tensors are split across files, and fields the decoder never
 reads. A library upgrade that re-serializes the same weights must not orphan every stored entry
-(docs/decisions.md, 2026-12-03, "a model identity from the model's math").
+(docs/adr/0011-model-identity.md).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ K and V each live in one slab `[num_layers, capacity, Hkv, D]`, so the rows of o
 layers form a single view (`rows(a, b)`): the transfer engine stages stored chunk KV directly into
 the cache that decoding will use, with no staging copy. Slabs come from a `SlabPool`: on the
 machines we serve from, touching fresh pages costs far more than copying into memory that is
-already mapped (1 GB: 2.2 s fresh against 0.12 s reused, docs/decisions.md), so a released cache
-hands its slabs to the next one.
+already mapped (1 GB: 2.2 s fresh against 0.12 s reused,
+docs/adr/0017-kv-transfer-into-the-decode-cache.md), so a released cache hands its slabs to the next one.
 
 A cache that will decode is moved to the head-major layout `[num_layers, Hkv, capacity, D]`
 (`to_head_major`, once, on the decode thread): one query row then reads each head's keys as one

@@ -20,7 +20,7 @@ root is the machine's pace over every batch: most of a profile's error on a mach
 all plans (the machine runs them all slower or faster), so a signal the planner has not run yet
 is priced at that pace, not at the raw model's. Without it, a planner choosing per batch between
 two signals priced the rarely chosen one at 1.0 while the machine ran it at 1.1-1.25: its batches
-ran late, and the choice did worse than either signal fixed (docs/decisions.md).
+ran late, and the choice did worse than either signal fixed (docs/adr/0022-pace-book.md).
 Why a spread: a mean pace prices the typical batch, but a shared machine's pace swings (replays
 ran batches at 0.5x to 3.6x their price within minutes), and a plan sized to end at its budget at
 the mean pace ends past it about half the time. The planner sizes plans for a quantile of the

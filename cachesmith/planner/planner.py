@@ -14,7 +14,7 @@ one expecting the most passes under the demand of the served mix (or of the batc
 request names the same one and the profile has its curves) wins (`pick`). The paper's rule (batch
 majority of "layer-0 QCI entropy > theta") is the `entropy` ablation: on the packaged model every
 task's entropies overlap in 0.94-0.96, so the threshold splits requests of one task at random
-(docs/decisions.md).
+(docs/adr/0020-signal-choice.md).
 
 A decision prices the batch once over the coverage grid and the band's two coverages (every pass
 kind at once, `planner/grid.py`), walks each signal's splits over those columns (`planner/walk.py`)

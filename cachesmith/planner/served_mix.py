@@ -16,7 +16,7 @@ verdicts, so a mix that drifts is followed.
 
 How fast it learns is set by how far apart the tasks' curves are: on the packaged profile a VT-only
 stream is told apart within about ten verdict pairs, while PR, MSQ and MV overlap and take tens,
-often more than 60 (docs/decisions.md). Never touches tensors.
+often more than 60 (docs/adr/0031-workload-profiles-and-learning.md). Never touches tensors.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ single-request runs on this machine: full-layer passes by full prefills' (`speed
 other cost by full reuse's with a few rows recomputed (EPIC's plan: placing cached rows,
 partial passes and per-batch work, which is memory- and overhead-bound). The two do not move
 together from one machine to the next: on a machine with twice the matmul speed but not twice the
-memory speed, one factor priced the reuse families 22-28% low (docs/decisions.md). A model
-nothing is packaged for gets a profile made at its first start: costs measured on a quick grid,
+memory speed, one factor priced the reuse families 22-28% low (docs/adr/0018-cost-profile.md).
+A model nothing is packaged for gets a profile made at its first start: costs measured on a quick grid,
 the packaged model's demand mapped onto its depth (`mapped_demand`), saved as this machine's
 measured profile. In: a pipeline (model, dtype, device). Out: a `Profile` and where it came from.
 """

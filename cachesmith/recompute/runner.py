@@ -7,8 +7,8 @@ greedy decoding), the recomputed context indices, scores and the layer-0 QCI ent
 Linear parts run batched over every computed row of the batch; attention runs per request over
 its mixed KV, causal by true position. Phases: WarmUp [0, w) computes everything;
 Probe builds scores (qci / qci_last rewind to w afterwards; kv_dev probe layers are full layers, so
-its Patch starts at w + p, see docs/decisions.md; fused ranks by both qci_last and layer w's KV
-deviation, and rewinds to w); Patch recomputes selected rows + the suffix.
+its Patch starts at w + p, see docs/adr/0014-recompute-semantics.md; fused ranks by both qci_last and
+layer w's KV deviation, and rewinds to w); Patch recomputes selected rows + the suffix.
 """
 from __future__ import annotations
 

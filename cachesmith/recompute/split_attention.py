@@ -6,10 +6,10 @@ kernel, which returns the log-sum-exp of each row, and the two partial softmaxes
   lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse).
 The query heads of one KV head are folded into its rows instead of repeating K/V (torch 2.13's
 kernel also maps grouped query heads to their KV head itself; in bfloat16 that measured no slower). Measured on 4K keys with 15% scattered rows (float32, 2 cores): 0.20-0.23 of a full
-causal attention, against 0.30 for masked blocks (docs/decisions.md); at 2K keys the two are even. CPU float32 only; elsewhere, and when
+causal attention, against 0.30 for masked blocks (docs/adr/0015-scattered-attention.md); at 2K keys the two are even. CPU float32 only; elsewhere, and when
 the kernel is absent, `ScatteredAttention` (masked blocks) is used. In bfloat16 the kernel runs (it
 takes bfloat16 on CPU), but re-measured with blocks of 64-256 rows, folded or not, it is no faster
-than masked blocks of up to 256 rows (docs/decisions.md, "bfloat16 speed"), so it stays float32-only.
+than masked blocks of up to 256 rows (docs/adr/0015-scattered-attention.md), so it stays float32-only.
 """
 from __future__ import annotations
 
