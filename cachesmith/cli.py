@@ -202,6 +202,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auth_note(api_keys) -> str:
+    tenants = {tenant for _, tenant in api_keys if tenant}
+    if tenants:
+        return f" (API key required; {len(tenants)} tenants)"
+    return " (API key required)" if api_keys else ""
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -210,26 +217,25 @@ def _serve(args: argparse.Namespace) -> int:
     from cachesmith.scheduler import SchedulerConfig
     from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
 
-    api_key = None
-    if args.api_key_file:
-        try:
-            api_key = args.api_key_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CachesmithError(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") from exc
-    server = ServerConfig(args.host, args.port, api_key, args.max_body_bytes, args.drain_timeout,
-                          is_strict=args.strict, max_connections=args.max_connections)
+    from cachesmith.server.tenancy import read_api_keys
+
+    api_keys = read_api_keys(args.api_key_file) if args.api_key_file else ()
+    server = ServerConfig(args.host, args.port, None, args.max_body_bytes, args.drain_timeout,
+                          is_strict=args.strict, max_connections=args.max_connections, api_keys=api_keys)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
     config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
                            StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url,
                                        **cli_store.store_bounds(args)),
                            args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
                            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-                           is_decode_overlapped=not args.serial_decode)
+                           is_decode_overlapped=not args.serial_decode, is_chunk_shared=args.share_chunks,
+                           max_store_tokens_per_request=args.max_store_tokens_per_request,
+                           tenant_max_bytes=args.tenant_max_bytes)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(f"loading {config.model} ({config.dtype}, {config.device}) ...", file=sys.stderr, flush=True)
     service = Service(config)
     print(f"profile: {service.profile_source}; serving {config.name!r} with method {args.method} on "
-          f"http://{args.host}:{args.port}" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port}" + _auth_note(api_keys), file=sys.stderr, flush=True)
     run_server(service, server)
     return 0
 
@@ -238,10 +244,19 @@ def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (documents + slo_ms extensions)")
     _add_model_args(serve)
     _add_store_args(serve)
-    cli_store.add_bounds_args(serve)  # --disk-max-bytes, --redis-ttl-s
+    cli_store.add_bounds_args(serve)  # --disk-max-bytes, --redis-ttl-s, --redis-max-bytes
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer API key")
+    serve.add_argument("--api-key-file", type=Path, default=None,
+                       help="bearer API keys, one per line: '<tenant> <key>' (each tenant sees only its own stored "
+                            "chunks and conversations) or a bare key (one tenant); every route but /health needs one")
+    serve.add_argument("--share-chunks", action="store_true",
+                       help="document chunks are shared by every tenant (a public corpus: a tenant can tell that "
+                            "another sent the same text); prompt prefixes and conversations stay private")
+    serve.add_argument("--max-store-tokens-per-request", type=int, default=32_768,
+                       help="new document tokens one request may add to the store (default 32768); past it: 429")
+    serve.add_argument("--tenant-max-bytes", type=cli_store.parse_bytes, default=None,
+                       help="bytes of stored KV per tenant, e.g. 5G (default: no cap); past it: 429")
     serve.add_argument("--method", default="cachesmith+task",
                        help="cachesmith+task (a request naming a profiled task plans with its demand), "
                             "cachesmith+task+learn (also learns the served mix from POST /v1/feedback verdicts), "

@@ -1,6 +1,6 @@
 """`cachesmith store stats|prune`: the chunk store's contents and bounds on the command line, a thin
 layer over the store's tiers (`DiskTier.usage`/`prune`, `RedisTier.usage`); `cli.py` adds it to its
-parser, and `serve`'s `--disk-max-bytes` and `--redis-ttl-s` (`add_bounds_args`, `store_bounds`).
+parser, and `serve`'s `--disk-max-bytes`, `--redis-ttl-s` and `--redis-max-bytes` (`add_bounds_args`, `store_bounds`).
 
   cachesmith store stats [--store-root DIR] [--tiers disk redis --redis-url URL] [--disk-max-bytes N]
   cachesmith store prune (--max-bytes N | --older-than DAYS) [--store-root DIR]
@@ -48,12 +48,15 @@ def add_bounds_args(p: argparse.ArgumentParser) -> None:
                         "holds, at start); least recently used entries not in use are evicted")
     p.add_argument("--redis-ttl-s", type=int, default=None,
                    help="redis entries expire this long after their last write or read (default 604800, "
-                        "7 days; 0: never); bound redis's bytes with its own maxmemory + allkeys-lru")
+                        "7 days; 0: never)")
+    p.add_argument("--redis-max-bytes", type=parse_bytes, default=None,
+                   help="set the redis server's maxmemory to this (e.g. 8G) with allkeys-lru at start (default: "
+                        "leave the server's own; a managed redis that refuses CONFIG SET is an error)")
 
 
 def store_bounds(args: argparse.Namespace) -> dict:
     """`StoreConfig` fields from `add_bounds_args`' flags; an unset flag keeps StoreConfig's default."""
-    bounds = {"disk_max_bytes": args.disk_max_bytes}
+    bounds = {"disk_max_bytes": args.disk_max_bytes, "redis_max_bytes": getattr(args, "redis_max_bytes", None)}
     if getattr(args, "redis_ttl_s", None) is not None:
         bounds["redis_ttl_s"] = args.redis_ttl_s or None  # 0: no expiry
     return bounds

@@ -34,7 +34,7 @@ from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.model import Decoding, Generation
 from cachesmith.model.sampling import GREEDY, SamplingParams
-from cachesmith.request import Request, RequestResult
+from cachesmith.request import Request, RequestResult, StoredPrompt
 from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
@@ -153,14 +153,16 @@ class EngineLoop:
 
     def submit(self, instance: WorkloadInstance, slo_s: float,
                on_token: Callable[[int, int], None] | None = None, arrival_s: float | None = None,
-               sampling: SamplingParams = GREEDY, slot: Slot | None = None) -> Future:
+               sampling: SamplingParams = GREEDY, slot: Slot | None = None,
+               prompt: StoredPrompt | None = None) -> Future:
         """Queue a request; `arrival_s` (default: when its slot was taken) starts its TTFT. `slot`: a
-        place taken by `reserve` (default: one taken now); it is given back here, whatever happens."""
+        place taken by `reserve` (default: one taken now); it is given back here, whatever happens.
+        `prompt`: its KV as the caller stored it (None: the engine stores it from `instance`)."""
         slot = slot or self.reserve()
         try:
             with self._cond:
                 arrival = slot.arrival_s if arrival_s is None else arrival_s
-                request = Request(next(self._ids), instance, slo_s, arrival, sampling)
+                request = Request(next(self._ids), instance, slo_s, arrival, sampling, prompt)
             future: Future = Future()
             future.request_id = request.request_id  # what `cancel` takes
             admitted = self._admit(request, future)

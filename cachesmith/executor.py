@@ -116,13 +116,24 @@ class BatchExecutor:
         self.tails_s: deque[float] = deque(maxlen=TAIL_WINDOW)
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
-        """Tokenize, check the limits, then store every chunk's KV (a miss is prefilled here)."""
+        """Tokenize, check the limits, then store every chunk's KV (a miss is prefilled here); a
+        request whose caller stored its prompt already runs with the keys it gave."""
+        if request.prompt is not None:
+            return self._admit_stored(request, kv_capacity_tokens)
         inst = request.instance
         parts = self.pipeline.instance_prompt(inst)
         queued = check_request(request, len(parts.prefix_ids), sum(len(c) for c in parts.chunk_ids),
                                len(parts.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
         return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued,
                         tuple(len(c) for c in parts.chunk_ids))
+
+    def _admit_stored(self, request: Request, kv_capacity_tokens: int) -> Admitted:
+        prompt = request.prompt
+        queued = check_request(request, prompt.num_prefix_tokens, sum(prompt.chunk_num_tokens),
+                               len(prompt.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
+        keyed = KeyedRequest(list(prompt.chunk_keys), list(prompt.suffix_ids), prompt.prefix_key,
+                             extra_capacity=request.instance.max_new_tokens, was_stored=prompt.was_stored)
+        return Admitted(request, keyed, queued, prompt.chunk_num_tokens)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part)."""

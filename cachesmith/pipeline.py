@@ -88,23 +88,25 @@ class RagPipeline:
         parts = self.prompt(["-"], inst.question, inst.answer_prefix, system, inst.history)
         return PromptParts(parts.prefix_ids, chunks, parts.suffix_ids)
 
-    def ensure_prefix(self, token_ids: Sequence[int], earlier: Sequence[Sequence[int]] = ()) -> tuple[str, int]:
-        """Key of the stored KV of a prompt prefix, and how many of its tokens were already stored.
-        On a miss the longest stored `earlier` prefix of it (a conversation's earlier turns) is
-        extended by the rest, exactly (both start at position 0), instead of prefilling it all."""
+    def ensure_prefix(self, token_ids: Sequence[int], earlier: Sequence[Sequence[int]] = (),
+                      namespace: str = "") -> tuple[str, int]:
+        """Key of the stored KV of a prompt prefix (in `namespace`), and how many of its tokens
+        were already stored. On a miss the longest stored `earlier` prefix of it (a conversation's
+        earlier turns) is extended by the rest, exactly (both start at position 0), instead of
+        prefilling it all."""
         ids = list(token_ids)
-        key = self.store.key_for(self.model, ids)
+        key = self.store.key_for(self.model, ids, namespace)
         if self.store.contains(key):
             return key, len(ids)
         for base_ids in sorted(earlier, key=len, reverse=True):
             base_ids = list(base_ids)
             if not 0 < len(base_ids) < len(ids) or ids[:len(base_ids)] != base_ids:
                 continue  # not a token prefix of this one (the template may differ at the seam)
-            base = self.store.get(self.store.key_for(self.model, base_ids), self.model)
+            base = self.store.get(self.store.key_for(self.model, base_ids, namespace), self.model)
             if base is not None:
-                self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]))
+                self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]), namespace)
                 return key, len(base_ids)
-        return self.store.ensure(self.model, ids)[0], 0
+        return self.store.ensure(self.model, ids, namespace)[0], 0
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""

@@ -1,6 +1,7 @@
 """A serving request and its result: what flows into `Engine` and what comes out per request.
 
-In: `Request` (a workload instance, its arrival time and TTFT SLO). Out: `RequestResult` (first
+In: `Request` (a workload instance, its arrival time and TTFT SLO, and the `StoredPrompt` its caller
+keyed and stored, if any). Out: `RequestResult` (first
 token time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the
 error that kept it from running), and on the live loop each token's time. Times are on the
 engine's clock, in seconds.
@@ -16,12 +17,32 @@ from cachesmith.instance import WorkloadInstance
 
 
 @dataclass(frozen=True)
+class StoredPrompt:
+    """A prompt whose KV its caller stored already, each entry keyed once (in the caller's store
+    namespace): the prefix's entry, each chunk's entry with its token count, and the suffix's
+    token ids (always computed). The engine runs it as given, never re-deriving keys."""
+    prefix_key: str | None
+    num_prefix_tokens: int
+    chunk_keys: tuple[str, ...]
+    chunk_num_tokens: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+    was_stored: tuple[bool, ...] = ()  # per chunk: False = prefilled for this request
+
+    def __post_init__(self) -> None:
+        if len(self.chunk_keys) != len(self.chunk_num_tokens):
+            raise ValueError(f"{len(self.chunk_keys)} chunk keys but {len(self.chunk_num_tokens)} token counts")
+        if (self.prefix_key is None) != (self.num_prefix_tokens == 0):
+            raise ValueError("a prefix key needs its token count, and a count its key")
+
+
+@dataclass(frozen=True)
 class Request:
     request_id: int
     instance: WorkloadInstance
     slo_s: float
     arrival_s: float = 0.0
     sampling: SamplingParams = GREEDY  # how its tokens are chosen (its budget: instance.max_new_tokens)
+    prompt: StoredPrompt | None = None  # stored by the caller (the server); None: from `instance`
 
     @classmethod
     def from_documents(cls, request_id: int, documents: Sequence[str], question: str, slo_s: float, *,

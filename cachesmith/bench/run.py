@@ -84,7 +84,7 @@ def _cool(pipe: RagPipeline, insts: list[WorkloadInstance]) -> None:
     """Store the instances' chunks, then drop them from the fastest tier wherever a slower tier keeps
     them. The default memory tier holds about ten MIX requests' chunks, so a replay reads most from
     disk; probes reading the chunks just stored read memory, and on a 2-core machine they ran
-    2-16% faster than from the page-cached disk (docs/decisions.md)."""
+    2-16% faster than from the page-cached disk (ADR 0018, docs/adr/0018-cost-profile.md)."""
     for inst in insts:
         keyed = pipe.keyed_request(pipe.instance_prompt(inst), 1)
         for key in [*keyed.chunk_keys, *([keyed.prefix_key] if keyed.prefix_key else [])]:

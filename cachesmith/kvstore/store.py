@@ -29,7 +29,8 @@ TIER_NAMES = ("memory", "disk", "redis")
 class StoreConfig:
     """Which tiers, and the bound of each: memory `memory_bytes`; disk `disk_max_bytes` (None or 0:
     `DEFAULT_DISK_FRACTION` of the free space plus what the store holds, at start; LRU, entries in
-    use kept); redis `redis_ttl_s` per entry (None: no expiry) and the redis server's `maxmemory`."""
+    use kept); redis `redis_ttl_s` per entry (None: no expiry) and the redis server's `maxmemory`
+    (`redis_max_bytes` sets it at start)."""
 
     tiers: tuple[str, ...] = ("memory", "disk")  # fastest first
     root: Path | None = None  # disk tier root; default $CACHESMITH_HOME/kv
@@ -37,6 +38,7 @@ class StoreConfig:
     redis_url: str | None = None
     disk_max_bytes: int | None = None
     redis_ttl_s: int | None = DEFAULT_REDIS_TTL_S
+    redis_max_bytes: int | None = None  # set as the redis server's maxmemory (allkeys-lru) at start
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIER_NAMES]
@@ -49,6 +51,8 @@ class StoreConfig:
         if self.disk_max_bytes is not None and self.disk_max_bytes < 0:
             raise ConfigError(f"disk_max_bytes={self.disk_max_bytes} must be positive, or 0/None for the default "
                               f"({DEFAULT_DISK_FRACTION:.0%} of the free space plus what the store holds)")
+        if self.redis_max_bytes is not None and self.redis_max_bytes < 1:
+            raise ConfigError(f"redis_max_bytes={self.redis_max_bytes} must be positive (None: the server's own)")
         if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
             raise ConfigError(f"redis_ttl_s={self.redis_ttl_s} must be a positive number of seconds, "
                               f"or None for no expiry")
@@ -92,7 +96,7 @@ class ChunkStore:
     def _build(cfg: StoreConfig) -> list[Tier]:
         makers = {"memory": lambda: MemoryTier(cfg.memory_bytes),
                   "disk": lambda: DiskTier(cfg.root or cachesmith_home() / "kv", cfg.disk_max_bytes),
-                  "redis": lambda: RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s)}
+                  "redis": lambda: RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, max_bytes=cfg.redis_max_bytes)}
         return [makers[name]() for name in cfg.tiers]
 
     @staticmethod

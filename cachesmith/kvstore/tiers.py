@@ -20,6 +20,7 @@ from pathlib import Path
 from cachesmith.errors import InputError
 from cachesmith.kvstore.disk_quota import DiskQuota, TierUsage, default_max_bytes, scan_entries
 from cachesmith.kvstore.keys import validate_key
+from cachesmith.kvstore.redis_memory import memory_config
 from cachesmith.kvstore.sources import BytesSource, FileSource, _SequentialReads
 
 __all__ = ["BytesSource", "DiskTier", "FileSource", "MemoryTier", "RedisTier", "Tier", "TierUsage"]
@@ -241,14 +242,15 @@ class RedisTier(Tier):
 
     Bounds: each entry expires `ttl_s` after its last write or open (None: never). Bytes are bounded
     by the redis server's own `maxmemory` with `maxmemory-policy allkeys-lru`, not here: the tier
-    cannot see what other servers write. A server reporting `maxmemory 0` is warned about at start."""
+    cannot see what other servers write. `max_bytes` sets them at start; without it a server
+    reporting `maxmemory 0` is warned about (`redis_memory`)."""
 
     name = "redis"
     PREFIX = "cachesmith:kv:"
     DELETED = "cachesmith:kv-deleted"  # pub/sub channel: keys deleted through any server
 
     def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0,
-                 ttl_s: int | None = DEFAULT_REDIS_TTL_S) -> None:
+                 ttl_s: int | None = DEFAULT_REDIS_TTL_S, max_bytes: int | None = None) -> None:
         import redis
 
         if ttl_s is not None and ttl_s <= 0:
@@ -263,20 +265,7 @@ class RedisTier(Tier):
         self._refused = redis.exceptions.RedisError
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
-        self.memory_config = self._check_maxmemory()
-
-    def _check_maxmemory(self) -> dict[str, str]:
-        """The server's maxmemory and policy, warning when nothing bounds its bytes; {} when unknown
-        (CONFIG refused, as managed redis services do, or the server unreachable): then no warning."""
-        try:
-            config = {_text(k): _text(v) for k, v in self.client.config_get("maxmemory*").items()}
-        except (self._refused, OSError):
-            return {}
-        if config.get("maxmemory") == "0":
-            log.warning("redis tier %s: the server has maxmemory 0, so only the TTL (ttl_s=%s) bounds the "
-                        "entries' bytes; set maxmemory and maxmemory-policy allkeys-lru on it",
-                        self.url, self.ttl_s)
-        return config
+        self.memory_config = memory_config(self.client, url, ttl_s, (self._refused, OSError), max_bytes)
 
     @property
     def is_available(self) -> bool:
@@ -377,10 +366,6 @@ class RedisTier(Tier):
         bound = (f"maxmemory (server-wide) with policy {self.memory_config.get('maxmemory-policy')}"
                  if max_bytes else "maxmemory 0: unbounded" if self.memory_config else "maxmemory unknown")
         return TierUsage(self.name, len(sizes), sum(sizes), max_bytes, note=f"{bound}; ttl_s={self.ttl_s}")
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _RedisSource(_SequentialReads):

@@ -23,6 +23,9 @@ from cachesmith.errors import InputError
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -48,7 +51,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below it, logits / temperature overflow float32 (5e-324 gives inf, then NaN probabilities):
+        # such a temperature means the most likely token anyway (vLLM's threshold)
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = SamplingParams()

@@ -84,11 +84,17 @@ class Tokenizer:
             suffix_ids=self.encode(question + tail + answer_prefix, field="question"),
         )
 
+    def frame_ids(self, question: str, system: str | None = None, answer_prefix: str = "",
+                  history: Sequence[tuple[str, str]] = ()) -> tuple[list[int], list[int]]:
+        """The token ids `rag_prompt_parts` puts before the documents and after them."""
+        head, tail = self._around_documents(system, history)
+        return self.encode(head), self.encode(question + tail + answer_prefix, field="question")
+
     def frame_lengths(self, question: str, system: str | None = None, answer_prefix: str = "",
                       history: Sequence[tuple[str, str]] = ()) -> tuple[int, int]:
         """How many tokens `rag_prompt_parts` puts before the documents and after them."""
-        head, tail = self._around_documents(system, history)
-        return len(self.encode(head)), len(self.encode(question + tail + answer_prefix, field="question"))
+        prefix_ids, suffix_ids = self.frame_ids(question, system, answer_prefix, history)
+        return len(prefix_ids), len(suffix_ids)
 
     def _around_documents(self, system: str | None, history: Sequence[tuple[str, str]]) -> tuple[str, str]:
         """The chat text before and after the last user turn's content."""

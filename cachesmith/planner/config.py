@@ -18,7 +18,7 @@ from cachesmith.recompute import RecomputeConfig
 # planned where the profile holds its demand. fused (that ranking interleaved with KV deviation's)
 # is planned only when fixed (`PlannerConfig.signal`): searched by default it lost grid wins
 # against the old costs and, against the refit ones, won them but lost replays of fresh instances
-# on the real model (docs/decisions.md)
+# on the real model (ADR 0020, docs/adr/0020-signal-choice.md)
 SIGNALS = ("kv_dev", "qci", "qci_last")
 FIXABLE_SIGNALS = (*SIGNALS, "fused")
 SIGNAL_RULES = ("robust", "passes", "entropy")
@@ -43,7 +43,7 @@ class PlannerConfig:
     # plans are sized to end inside the budget at the pace this many spreads of the pace book's
     # recent price errors above the mean, up to max_pace_margin x. 0 (at the mean) by default: on a
     # simulated swinging machine no z > 0 met more SLOs, the monitor absorbs slow batches already
-    # (docs/decisions.md)
+    # (ADR 0022, docs/adr/0022-pace-book.md)
     pace_margin_z: float = 0.0
     max_pace_margin: float = 1.5
 

@@ -35,7 +35,7 @@ import numpy as np
 
 MIN_PACE, MAX_PACE = 0.5, 2.0  # one wild batch (a page-fault storm) must not swing the planner
 # Size classes double from here: <1K, 1-2K, 2-4K, 4-8K, ... A sub-1K batch's fixed per-request costs
-# weigh more than a 2K one's; one class for both priced it low (docs/decisions.md).
+# weigh more than a 2K one's; one class for both priced it low (ADR 0022, docs/adr/0022-pace-book.md).
 SIZE_UNIT_TOKENS = 1024
 EVERY = ("",)  # the root level's key: every batch, whatever its signal
 

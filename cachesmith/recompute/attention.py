@@ -18,7 +18,7 @@ import torch
 from cachesmith.model.layers import DecoderLayer, causal_by_position_mask
 
 
-# Reduced precision on CPU: at most this many scattered rows per block (docs/decisions.md). The
+# Reduced precision on CPU: at most this many scattered rows per block (ADR 0015, docs/adr/0015-scattered-attention.md). The
 # kernel's cost per (row, key) is flat from about 128 rows per call up and climbs below (smaller
 # query tiles), so blocks of 128-256 rows cut the masked keys without paying for small calls.
 ROWS_PER_BLOCK_REDUCED = 256
@@ -26,7 +26,7 @@ ROWS_PER_BLOCK_REDUCED = 256
 
 def default_num_blocks(device: torch.device, dtype: torch.dtype, num_scattered: int = 0) -> int:
     """Blocks per request for scattered attention, from measurements on the CPU flash kernel
-    (docs/decisions.md): in float32 four blocks cut the work best; in bfloat16 / float16 one block
+    (ADR 0015): in float32 four blocks cut the work best; in bfloat16 / float16 one block
     per `ROWS_PER_BLOCK_REDUCED` scattered rows (1 for up to 256 rows); elsewhere (CUDA) one."""
     if device.type != "cpu":
         return 1

@@ -29,7 +29,7 @@ class RecomputeConfig:
     warmup: int
     probe: int
     coverage: float
-    kv_dev_target: str = "v"  # measured best of k / v / kv on the multi-needle task (decisions.md)
+    kv_dev_target: str = "v"  # measured best of k / v / kv on the multi-needle task (ADR 0014, docs/adr/0014-recompute-semantics.md)
 
     def __post_init__(self) -> None:
         try:

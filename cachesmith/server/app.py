@@ -3,10 +3,12 @@
 Routes: `/v1/completions` and `/v1/chat/completions` (OpenAI shape + `documents`, `slo_ms`; SSE
 streaming), `/v1/chunks` (add, list, get, delete stored chunks), `/v1/models`, `/health`,
 `/metrics` (Prometheus). Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}`:
-400 for a bad body (naming the field), 401 without the API key, 404 for an unknown model or
-chunk, 409 for deleting a chunk in use, 413 over the body limit, 429 + Retry-After when the queue
-is full, 500 for the server's own failure, 503 while shutting down. The API key is checked before
-a body is read; a request takes its place in the queue before any costly work (a 429 costs nothing
+400 for a bad body (naming the field), 401 without an API key, 403 for deleting a chunk every
+tenant shares, 404 for an unknown model or chunk (another tenant's included), 409 for deleting a
+chunk in use, 413 over the body limit, 429 + Retry-After when the queue is full, 429 past a store
+cap, 500 for the server's own failure, 503 while shutting down. With keys set every route but
+`/health` needs one, and the tenant it names (with a request's `cache_salt`) picks the store
+namespaces the request reads and writes (`tenancy`). The API key is checked before a body is read; a request takes its place in the queue before any costly work (a 429 costs nothing
 but the parsed body); blocking work (admission, chunk prefill) then runs in a worker thread.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import uuid
 from urllib.parse import quote
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import anyio
 from fastapi import FastAPI, Path, Query, Request
@@ -26,7 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cachesmith.request import RequestResult
 from cachesmith.server.config import ServerConfig
 from cachesmith.server.errors import ApiError, InternalErrors, install_error_handlers
-from cachesmith.server.limits import BearerAuth, BodyLimit
+from cachesmith.kvstore.keys import MAX_CACHE_SALT
+from cachesmith.server.limits import BearerAuth, BodyLimit, tenant_of
 from cachesmith.server.metrics import ServiceMetrics
 from cachesmith.server.openai_fields import IgnoredFieldsLog
 from cachesmith.server.openapi import describe
@@ -36,6 +40,7 @@ from cachesmith.server.schemas import (CHUNK_ID_PATTERN, ChatCompletionRequest, 
 from cachesmith.server.service import Service
 from cachesmith.server.specs import CompletionSpec
 from cachesmith.server.streaming import TokenStream
+from cachesmith.server.tenancy import Caller
 
 log = logging.getLogger(__name__)
 IGNORED_HEADER = "x-cachesmith-ignored-fields"
@@ -59,9 +64,8 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="cachesmith", version="0.1.0", lifespan=lifespan)
     app.add_middleware(InternalErrors)  # middleware added first runs last, next to the routes
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    if config.api_key is not None:  # added last: it runs first, before the body is read
-        open_paths = {"/health", app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
-        app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=frozenset(open_paths - {None}))
+    if config.keys:  # added last: it runs first, before the body is read; /metrics and /docs need a key too
+        app.add_middleware(BearerAuth, api_keys=config.keys, open_paths=frozenset({"/health"}))
     install_error_handlers(app)
     describe(app, service.config, config.is_strict)
     ignored_log = IgnoredFieldsLog(log)
@@ -101,30 +105,35 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
         return {"id": body.id, "object": "feedback", "passed": body.passed, "learned": learned}
 
     @app.post("/v1/chunks")
-    async def add_chunks(body: ChunksRequest):
+    async def add_chunks(body: ChunksRequest, request: Request):
         slot = service.reserve()  # a 429 before any prefill
         try:
-            records = await run_in_threadpool(service.add_chunks, body.documents, slot)
+            records = await run_in_threadpool(service.add_chunks, body.documents, slot,
+                                              Caller(tenant_of(request), body.cache_salt or ""))
         finally:
             slot.release()
         return {"object": "list", "data": [r.to_dict() for r in records]}
 
     @app.get("/v1/chunks")
-    async def list_chunks(limit: int = Query(100, ge=1, le=1000),
-                          after: str | None = Query(None, pattern=CHUNK_ID_PATTERN)):
-        records, has_more = await run_in_threadpool(service.list_chunks, limit, after)
+    async def list_chunks(request: Request, limit: int = Query(100, ge=1, le=1000),
+                          after: str | None = Query(None, pattern=CHUNK_ID_PATTERN),
+                          cache_salt: str = Query("", max_length=MAX_CACHE_SALT)):
+        records, has_more = await run_in_threadpool(service.list_chunks, limit, after,
+                                                    Caller(tenant_of(request), cache_salt))
         return {"object": "list", "data": [r.to_dict() for r in records], "has_more": has_more}
 
     @app.get("/v1/chunks/{chunk_id}")
-    async def get_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
-        record = await run_in_threadpool(service.chunk, chunk_id)
+    async def get_chunk(request: Request, chunk_id: str = Path(pattern=CHUNK_ID_PATTERN),
+                        cache_salt: str = Query("", max_length=MAX_CACHE_SALT)):
+        record = await run_in_threadpool(service.chunk, chunk_id, Caller(tenant_of(request), cache_salt))
         if record is None:
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
         return record.to_dict()
 
     @app.delete("/v1/chunks/{chunk_id}")
-    async def delete_chunk(chunk_id: str = Path(pattern=CHUNK_ID_PATTERN)):
-        if not await run_in_threadpool(service.delete_chunk, chunk_id):
+    async def delete_chunk(request: Request, chunk_id: str = Path(pattern=CHUNK_ID_PATTERN),
+                           cache_salt: str = Query("", max_length=MAX_CACHE_SALT)):
+        if not await run_in_threadpool(service.delete_chunk, chunk_id, Caller(tenant_of(request), cache_salt)):
             raise ApiError(404, f"chunk {chunk_id!r} is not stored for this model", "chunk_id", "not_found")
         return {"id": chunk_id, "object": "chunk", "deleted": True}
 
@@ -189,7 +198,8 @@ def _ignored_headers(body: CompletionRequest | ChatCompletionRequest, is_strict:
         return {}
     ignored_log.log(ignored)
     # a header holds latin-1 only, and a body may carry any name of any length: percent-encoded, capped
-    value = ", ".join(quote(name, safe="[]._-") for name in ignored)
+    # an empty name would leave the header ending in ", ", which HTTP refuses: it shows as ""
+    value = ", ".join(quote(name, safe="[]._-") or '""' for name in ignored)
     if len(value) > MAX_IGNORED_HEADER:
         value = value[:MAX_IGNORED_HEADER].rsplit(", ", 1)[0] + ", ..."
     return {IGNORED_HEADER: value}
@@ -223,7 +233,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
         value = getattr(body, name, None)
         if value is not None and value > limit:
             raise ApiError(400, f"{name}={value}: must be between 1 and {limit}", name)
-    spec = body.to_spec()
+    spec = replace(body.to_spec(), caller=Caller(tenant_of(request), body.cache_salt or ""))
     max_tokens = spec.max_tokens or service.config.default_max_tokens
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
     future = await _submit(service, spec, stream)

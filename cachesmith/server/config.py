@@ -20,6 +20,8 @@ class ServerConfig:
     # open connections (and requests in progress) before uvicorn itself answers 503; None: room for
     # the queue, the batch being prefilled, every decoding stream and CONNECTION_MARGIN more
     max_connections: int | None = None
+    # (key, tenant) pairs (`tenancy.read_api_keys`): each key names its tenant ("": the one unnamed)
+    api_keys: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,3 +34,11 @@ class ServerConfig:
             raise ConfigError(f"max_connections={self.max_connections} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key is empty; leave it unset to serve without one")
+        for key, tenant in self.api_keys:
+            if not key.strip() or key != key.strip():
+                raise ConfigError(f"api_keys: tenant {tenant!r} has an empty key or one with spaces around it")
+
+    @property
+    def keys(self) -> tuple[tuple[str, str], ...]:
+        """Every accepted (key, tenant): `api_keys`, and `api_key` as the unnamed tenant's."""
+        return self.api_keys + (((self.api_key, ""),) if self.api_key is not None else ())

@@ -17,7 +17,8 @@ from starlette.routing import Match
 
 from cachesmith.engine_loop import EngineClosed, QueueFull
 from cachesmith.errors import InputError
-from cachesmith.server.specs import ChunkInUse, UnknownChunk
+from cachesmith.server.specs import ChunkInUse, SharedChunk, UnknownChunk
+from cachesmith.server.tenancy import StoreQuotaExceeded
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of an internal error's own text in a response
@@ -139,6 +140,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineClosed)
     async def closed(request: Request, exc: EngineClosed):
         return ApiError(503, str(exc), None, "shutting_down", "server_error").response()
+
+    @app.exception_handler(StoreQuotaExceeded)
+    async def store_quota(request: Request, exc: StoreQuotaExceeded):
+        return ApiError(429, str(exc), str(exc).split(":", 1)[0], "store_quota_exceeded",
+                        "rate_limit_error").response()
+
+    @app.exception_handler(SharedChunk)
+    async def shared_chunk(request: Request, exc: SharedChunk):
+        return ApiError(403, str(exc), "chunk_id", "chunk_shared", "permission_error").response()
 
     @app.exception_handler(ChunkInUse)
     async def in_use(request: Request, exc: ChunkInUse):

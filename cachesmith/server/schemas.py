@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from cachesmith.errors import InputError
+from cachesmith.kvstore.keys import MAX_CACHE_SALT
 from cachesmith.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, UnicodeBody, json_boolean, json_float,
                                            json_int, json_integer, schema_pattern)
@@ -141,6 +142,7 @@ class _Generation(UnicodeBody, CommonFields):
     answer_prefix: str = ""  # cachesmith: text that opens the answer (the model continues it)
     gold: list[str] | None = None  # cachesmith: reference answers; gates the answer for QSA metrics
     task: str = "custom"  # cachesmith: how `gold` is scored (a workload task name)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # vLLM's: shares stored KV only within a salt
 
     @field_validator("stop")
     @classmethod
@@ -226,6 +228,7 @@ class ChatCompletionRequest(ChatFields, _Generation):
 
 class ChunksRequest(UnicodeBody, _Body):
     documents: list[Annotated[str, schema_pattern(NON_BLANK)]] = Field(min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
 
 
 class FeedbackRequest(UnicodeBody, _Body):

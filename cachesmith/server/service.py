@@ -17,26 +17,37 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, Slot
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore
-from cachesmith.kvstore.keys import dtype_name, validate_key
+from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import serving_profile
-from cachesmith.request import RequestResult
+from cachesmith.request import RequestResult, StoredPrompt
+from cachesmith.server.chunks import ChunkCatalog
 from cachesmith.server.jobs import BackgroundJobs
-from cachesmith.server.specs import ChunkInUse, ChunkRecord, CompletionSpec, ServiceConfig, UnknownChunk
+from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
+from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
 from cachesmith.server.streaming import answer_text
 from cachesmith.server.turns import conversation_key, turn_prefixes
 from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
 MAX_PENDING_TURN_STORES = 64  # chat exchanges waiting to be stored; past it a turn is answered unstored
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A completion's prompt, tokenized once: the frame around the documents and each document."""
+    prefix_ids: list[int]
+    document_ids: list[list[int] | None]  # None: a stored chunk named by id
+    num_document_tokens: tuple[int, ...]
+    suffix_ids: list[int]
 
 
 class Service:
@@ -53,8 +64,7 @@ class Service:
         self.started_at = time.time()
         self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid"
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
-        self._pins: Counter = Counter()
-        self._pin_lock = threading.Lock()
+        self.chunks = ChunkCatalog(self.pipeline, config, self.loop.admission)
         self._turn_stores = BackgroundJobs("cachesmith-turns", MAX_PENDING_TURN_STORES)
         self.num_turn_stores_dropped = 0  # finished chat turns not stored: the job queue was full
         self._drop_lock = threading.Lock()
@@ -79,25 +89,26 @@ class Service:
     def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None,
                slot: Slot | None = None) -> Future:
         """Queue one request, in `slot` (default: one reserved now; given back here whatever
-        happens). Raises `InputError` (bad spec), `QueueFull` or `EngineClosed`; an error found
-        while admitting (unknown chunk, context too long) resolves the future at once."""
+        happens). Raises `InputError` (bad spec), `UnknownChunk`, `StoreQuotaExceeded`, `QueueFull`
+        or `EngineClosed`; an error found while admitting (context too long) resolves the future
+        at once."""
         slot = slot or self.reserve()
         pinned: list[str] = []
         try:
             max_tokens, slo_s = self._limits(spec)
-            keys, fresh = self._store_chunks(spec.documents, self._tokenize(spec, max_tokens), pinned)
-            num_prefix_stored = self._ensure_prefix(spec, pinned)
+            prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned)
             instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
                                         answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
-                                        chunk_ids=tuple(keys), history=spec.history)
-            future = self.loop.submit(instance, slo_s, on_token, sampling=spec.sampling, slot=slot)
+                                        chunk_ids=prompt.chunk_keys, history=spec.history)
+            future = self.loop.submit(instance, slo_s, on_token, sampling=spec.sampling, slot=slot, prompt=prompt)
         except BaseException as exc:
-            self._unpin(pinned)
+            self.chunks.unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError)):
                 self.num_rejected[_reason(exc)] += 1
             raise
         finally:
             slot.release()  # a no-op once the loop queued the request
+        fresh = tuple(not stored for stored in prompt.was_stored)
         future.add_done_callback(lambda f: self._finished(f, spec, pinned, num_prefix_stored, fresh))
         return future
 
@@ -139,72 +150,91 @@ class Service:
             raise InputError(f"slo_ms={slo_s * 1e3:g}: must be positive and at most {cfg.max_slo_s * 1e3:g}")
         return max_tokens, slo_s
 
-    def _tokenize(self, spec: CompletionSpec, max_tokens: int) -> list[list[int] | None]:
-        """Token ids of text documents (None for stored ones), checked with the whole prompt and
-        `max_tokens` against the model's positions before any chunk is prefilled."""
-        out: list[list[int] | None] = []
-        total = 0
+    def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str]) -> tuple[StoredPrompt, int]:
+        """Tokenize the prompt once, key each entry once in the caller's namespaces, refuse past a
+        store cap before writing anything, then store (and pin) every chunk and the prefix.
+        Returns the stored prompt and how many prefix tokens were stored before this request."""
+        spaces = self.chunks.namespaces(spec.caller)
+        frame = self._tokenize(spec, max_tokens, spaces)
+        wanted = [(spaces.chunks, ids) for ids in frame.document_ids if ids is not None]
+        self.chunks.reserve(self.chunks.new_entries(wanted), spaces, "documents")
+        if frame.prefix_ids and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
+            self.chunks.reserve(self.chunks.new_entries([(spaces.own, frame.prefix_ids)]), spaces,
+                                spec.text_field, is_request=False)
+        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, spaces, pinned)
+        prefix_key, num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, spaces, pinned)
+        prompt = StoredPrompt(prefix_key, len(frame.prefix_ids), tuple(keys), frame.num_document_tokens,
+                              tuple(frame.suffix_ids), tuple(not f for f in fresh))
+        return prompt, num_prefix_stored
+
+    def _tokenize(self, spec: CompletionSpec, max_tokens: int, spaces: Namespaces) -> _Frame:
+        """Token ids of the prompt's frame and its text documents (None for stored ones), checked
+        with `max_tokens` against the model's positions before any chunk is prefilled."""
+        document_ids: list[list[int] | None] = []
+        counts = []
         for i, doc in enumerate(spec.documents):
             if (doc.text is None) == (doc.chunk_id is None):
                 raise InputError(f"documents[{i}]: give a text or a chunk id, exactly one")
             if doc.chunk_id is not None:
                 validate_key(doc.chunk_id, field=f"documents[{i}].id")
-                described = self.store.describe(doc.chunk_id)
-                total += len(described[0].token_ids) if described else 0
-                out.append(None)
+                counts.append(self.chunks.check_known(doc.chunk_id, spaces, f"documents[{i}].id"))
+                document_ids.append(None)
                 continue
             if not doc.text.strip():
                 raise InputError(f"documents[{i}]: text must not be empty")
-            ids = self.pipeline.tokenizer.chunk_ids(doc.text, field=f"documents[{i}]")
-            total += len(ids)
-            out.append(ids)
+            document_ids.append(self.pipeline.tokenizer.chunk_ids(doc.text, field=f"documents[{i}]"))
+            counts.append(len(document_ids[-1]))
         limit = self.pipeline.model.config.max_positions
-        num_prefix, num_suffix = self.pipeline.tokenizer.frame_lengths(
+        prefix_ids, suffix_ids = self.pipeline.tokenizer.frame_ids(
             spec.question, spec.system or self.pipeline.system, spec.answer_prefix, spec.history)
-        if num_prefix + total + num_suffix + max_tokens > limit:
+        num_frame, total = len(prefix_ids) + len(suffix_ids), sum(counts)
+        if num_frame + total + max_tokens > limit:
             # the documents are at fault only where the rest of the prompt fits without them
-            is_rest_long = num_prefix + num_suffix + max_tokens > limit
+            is_rest_long = num_frame + max_tokens > limit
             field = "documents" if spec.documents and not is_rest_long else spec.text_field
-            raise InputError(f"{field}: the prompt's {num_prefix + total + num_suffix} tokens + max_tokens "
+            raise InputError(f"{field}: the prompt's {num_frame + total} tokens + max_tokens "
                              f"{max_tokens} exceed the model's {limit} positions")
-        return out
+        return _Frame(prefix_ids, document_ids, tuple(counts), suffix_ids)
 
-    def _store_chunks(self, documents, token_ids, pinned: list[str]) -> tuple[list[str], list[bool]]:
+    def _store_chunks(self, documents, token_ids, spaces: Namespaces,
+                      pinned: list[str]) -> tuple[list[str], list[bool]]:
         """Each document's chunk key, and whether its KV was prefilled now (for this request)."""
         keys, fresh = [], []
-        for i, (doc, ids) in enumerate(zip(documents, token_ids)):
+        for doc, ids in zip(documents, token_ids):
             is_new = False
             if ids is None:
                 key = doc.chunk_id
-                self._pin([key], pinned)
-                if not self.store.contains(key):
-                    raise UnknownChunk(f"documents[{i}].id={key!r}: unknown chunk id (not in the store; "
-                                     f"add it with POST /v1/chunks)")
+                self.chunks.pin([key], pinned)  # known (`_tokenize`); a delete since is caught at staging
             else:
-                key = self.store.key_for(self.pipeline.model, ids)
-                self._pin([key], pinned)  # before storing: a delete cannot slip in between
+                key = self.chunks.key_for(ids, spaces.chunks)
+                self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
                 with self.loop.admission():
-                    _, is_new = self.store.ensure(self.pipeline.model, ids)
+                    _, is_new = self.store.ensure(self.pipeline.model, ids, spaces.chunks)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh
 
-    def _ensure_prefix(self, spec: CompletionSpec, pinned: list[str]) -> int:
-        """Store the prompt prefix's KV (system, earlier turns, the last user turn's opening) and pin
-        it; returns how many of its tokens were stored before this request. A conversation's next
-        turn extends the stored earlier turns instead of prefilling them again."""
+    def _ensure_prefix(self, spec: CompletionSpec, prefix_ids: list[int], spaces: Namespaces,
+                       pinned: list[str]) -> tuple[str | None, int]:
+        """Store the prompt prefix's KV (system, earlier turns, the last user turn's opening) in the
+        caller's own namespace and pin it; returns its key (None: no prefix) and how many of its
+        tokens were stored before this request. A conversation's next turn extends the stored
+        earlier turns instead of prefilling them again."""
+        if not prefix_ids:
+            return None, 0
         system = spec.system or self.pipeline.system
         if spec.history:  # the previous turn's exchange may still be waiting to be stored: now, here
-            self._turn_stores.take_over(conversation_key(system, spec.history))
+            self._turn_stores.take_over(conversation_key(spaces.own, system, spec.history))
         # within the window (`_tokenize`); rendered and tokenized outside the admission lock
-        ids, earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)
-        self._pin([self.store.key_for(self.pipeline.model, ids)], pinned)
+        earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)[1] if spec.history else []
+        key = self.chunks.key_for(prefix_ids, spaces.own)
+        self.chunks.pin([key], pinned)
         with self.loop.admission():
-            return self.pipeline.ensure_prefix(ids, earlier)[1]
+            return key, self.pipeline.ensure_prefix(prefix_ids, earlier, spaces.own)[1]
 
     def _finished(self, future: Future, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
-                  fresh: list[bool]) -> None:
-        self._unpin(pinned)
+                  fresh: tuple[bool, ...]) -> None:
+        self.chunks.unpin(pinned)
         result = future.result()
         # KV prefilled while admitting this request was computed for it, not served from the store:
         # it does not count as cached (this runs before any reader of the result is called back)
@@ -215,7 +245,9 @@ class Service:
             text, _ = answer_text(result, spec.stop)
             turns = (*spec.history, ("user", spec.question), ("assistant", text))
             system = spec.system or self.pipeline.system
-            if not self._turn_stores.submit(conversation_key(system, turns), self._store_turn, system, turns):
+            own = self.chunks.namespaces(spec.caller).own
+            if not self._turn_stores.submit(conversation_key(own, system, turns), self._store_turn, own, system,
+                                            turns):
                 self._dropped_turn_store()
         for listener in self.listeners:
             try:
@@ -223,13 +255,22 @@ class Service:
             except Exception:  # metrics must never fail a request
                 log.exception("result listener failed")
 
-    def _store_turn(self, system: str | None, turns: tuple[tuple[str, str], ...]) -> None:
-        """Store a finished exchange's conversation KV for its next turn (off the request's path)."""
+    def _store_turn(self, namespace: str, system: str | None, turns: tuple[tuple[str, str], ...]) -> None:
+        """Store a finished exchange's conversation KV for its next turn (off the request's path),
+        in its tenant's namespace; past the tenant's byte cap it is not stored (the next turn
+        computes it again)."""
         ids, earlier = turn_prefixes(self.pipeline.tokenizer, system, turns, is_head=False)
         if len(ids) >= self.pipeline.model.config.max_positions:
             return  # no next turn fits anyway
+        if self.config.tenant_max_bytes is not None:
+            spaces = Namespaces(namespace, namespace)
+            try:
+                self.chunks.reserve(self.chunks.new_entries([(namespace, ids)]), spaces, "messages", is_request=False)
+            except StoreQuotaExceeded:
+                self._dropped_turn_store()
+                return
         with self.loop.admission():
-            self.pipeline.ensure_prefix(ids, earlier)
+            self.pipeline.ensure_prefix(ids, earlier, namespace)
 
     def _dropped_turn_store(self) -> None:
         with self._drop_lock:
@@ -240,80 +281,49 @@ class Service:
                         "(its next turn computes it again); further drops are only counted "
                         "(cachesmith:turn_stores_dropped_total)", MAX_PENDING_TURN_STORES)
 
-    def _pin(self, keys: list[str], pinned: list[str]) -> None:
-        with self._pin_lock:
-            for key in keys:
-                self._pins[key] += 1
-                pinned.append(key)
-
-    def _unpin(self, keys: list[str]) -> None:
-        with self._pin_lock:
-            for key in keys:
-                self._pins[key] -= 1
-                if self._pins[key] <= 0:
-                    del self._pins[key]
-
     # -- chunks --------------------------------------------------------------------------------
-    def add_chunks(self, texts: Sequence[str], slot: Slot | None = None) -> list[ChunkRecord]:
-        """Store the KV of each text as a chunk (prefilled now unless already stored). An upload
-        holds a place in the queue, as a request does (`slot`, default: one reserved now)."""
+    def add_chunks(self, texts: Sequence[str], slot: Slot | None = None, caller: Caller = Caller()) -> list[ChunkRecord]:
+        """Store the KV of each text as a chunk of the caller (prefilled now unless already stored);
+        refused whole (`StoreQuotaExceeded`, nothing stored) past a store cap. An upload holds a
+        place in the queue, as a request does (`slot`, default: one reserved now)."""
         slot = slot or self.reserve()
         try:
+            spaces = self.chunks.namespaces(caller)
             ids = []
             for i, text in enumerate(texts):
                 if not isinstance(text, str) or not text.strip():
                     raise InputError(f"documents[{i}]: must be a non-empty string")
                 ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
                 self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
+            self.chunks.reserve(self.chunks.new_entries([(spaces.chunks, t) for t in ids]), spaces, "documents")
             records = []
             for token_ids in ids:
                 with self.loop.admission():
-                    key, is_new = self.store.ensure(self.pipeline.model, token_ids)
-                records.append(replace(self.chunk(key), is_new=is_new))
+                    key, is_new = self.store.ensure(self.pipeline.model, token_ids, spaces.chunks)
+                records.append(replace(self.chunks.record(key, caller), is_new=is_new))
             return records
         finally:
             slot.release()
 
-    def chunk(self, chunk_id: str) -> ChunkRecord | None:
-        """The stored chunk of this model under `chunk_id`, or None."""
-        validate_key(chunk_id, field="chunk id")
-        described = self.store.describe(chunk_id)
-        if described is None:
-            return None
-        header, tiers = described
-        model = self.pipeline.model
-        if (header.model_fingerprint, header.dtype) != (model.fingerprint, dtype_name(model.dtype)):
-            return None  # another model's entry: not this server's to show
-        return ChunkRecord(chunk_id, header.num_tokens, tiers, self.pipeline.tokenizer.decode(header.token_ids))
+    def chunk(self, chunk_id: str, caller: Caller = Caller()) -> ChunkRecord | None:
+        """The caller's stored chunk of this model under `chunk_id`, or None (also for an entry
+        of another tenant: its existence is not told)."""
+        return self.chunks.record(chunk_id, caller)
 
-    def list_chunks(self, limit: int = 100, after: str | None = None) -> tuple[list[ChunkRecord], bool]:
-        """This model's stored chunks in id order after `after`; (records, whether more follow)."""
+    def list_chunks(self, limit: int = 100, after: str | None = None,
+                    caller: Caller = Caller()) -> tuple[list[ChunkRecord], bool]:
+        """The caller's stored chunks of this model in id order after `after`; (records, whether
+        more follow)."""
         if not 1 <= limit <= 1000:
             raise InputError(f"limit={limit}: must be between 1 and 1000")
         if after is not None:
             validate_key(after, field="after")
-        records = []
-        for key in self.store.keys():
-            if after is not None and key <= after:
-                continue
-            record = self.chunk(key)
-            if record is None:
-                continue
-            if len(records) == limit:
-                return records, True
-            records.append(record)
-        return records, False
+        return self.chunks.list(caller, limit, after)
 
-    def delete_chunk(self, chunk_id: str) -> bool:
-        """Delete a chunk from every tier; False if this model has no such chunk."""
-        if self.chunk(chunk_id) is None:
-            return False
-        with self._pin_lock:
-            if self._pins[chunk_id] > 0:
-                raise ChunkInUse(f"chunk {chunk_id}: in use by {self._pins[chunk_id]} in-flight request(s); "
-                                 f"delete it when they are done")
-            self.store.delete(chunk_id)
-        return True
+    def delete_chunk(self, chunk_id: str, caller: Caller = Caller()) -> bool:
+        """Delete the caller's chunk from every tier; False if it has no such chunk. Raises
+        `ChunkInUse` while a request reads it, `SharedChunk` for a chunk every tenant reads."""
+        return self.chunks.delete(chunk_id, caller)
 
     # -- life cycle ----------------------------------------------------------------------------
     @property

@@ -1,6 +1,6 @@
 """What the serving front takes and hands back: its config, a completion's spec (documents as texts
-or stored chunk ids, a question, an SLO, sampling), a stored chunk's record, and the errors a
-chunk id can meet. Plain values: the HTTP layer builds them, `Service` consumes them.
+or stored chunk ids, a question, an SLO, sampling, the caller), a stored chunk's record, and the
+errors a chunk id can meet. Plain values: the HTTP layer builds them, `Service` consumes them.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from cachesmith.engine import EngineConfig
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import StoreConfig
 from cachesmith.model.sampling import GREEDY, SamplingParams
+from cachesmith.server.tenancy import Caller
+
+DEFAULT_MAX_STORE_TOKENS = 32_768  # tokens one request may add to the store
 
 
 class ChunkInUse(CachesmithError):
@@ -19,7 +22,12 @@ class ChunkInUse(CachesmithError):
 
 
 class UnknownChunk(InputError):
-    """A document names a chunk id the store does not hold (a 404: the request may be right)."""
+    """A document names a chunk id the store does not hold for its caller (a 404: the request may
+    be right). Another tenant's entry is unknown in the same words: its existence is not told."""
+
+
+class SharedChunk(CachesmithError):
+    """A chunk shared by every tenant (chunks shared on purpose) is not one tenant's to delete."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +46,18 @@ class ServiceConfig:
     max_tokens_limit: int = 512
     max_documents: int = 64
     is_decode_overlapped: bool = True  # decode on its own thread (False: between batches)
+    # document chunks in one namespace for every tenant (a public corpus); prefixes stay private
+    is_chunk_shared: bool = False
+    max_store_tokens_per_request: int = DEFAULT_MAX_STORE_TOKENS  # new tokens a request may store
+    tenant_max_bytes: int | None = None  # stored bytes per tenant (its namespaces); None: no cap
 
     def __post_init__(self) -> None:
         if self.engine.clock != "live":
             raise ConfigError(f"engine.clock={self.engine.clock!r}: a server runs on the live clock")
-        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_documents"):
+        if self.tenant_max_bytes is not None and self.tenant_max_bytes < 1:
+            raise ConfigError(f"tenant_max_bytes={self.tenant_max_bytes} must be positive (None: no cap)")
+        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_documents",
+                     "max_store_tokens_per_request"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -77,6 +92,7 @@ class CompletionSpec:
     history: tuple[tuple[str, str], ...] = ()  # earlier chat turns (role, content), before the documents
     is_chat: bool = False  # a chat turn: its exchange is stored for the conversation's next turn
     stop: tuple[str, ...] = ()  # where the client's text ends (what the next turn will send back)
+    caller: Caller = Caller()  # the tenant (from the API key) and the request's cache_salt
 
     @property
     def text_field(self) -> str:
@@ -91,7 +107,8 @@ class ChunkRecord:
     tiers: tuple[str, ...]
     text: str
     is_new: bool = False
+    is_shared: bool = False  # a document chunk every tenant reads (chunks shared on purpose)
 
     def to_dict(self) -> dict:
         return {"id": self.chunk_id, "object": "chunk", "num_tokens": self.num_tokens,
-                "tiers": list(self.tiers), "text": self.text, "is_new": self.is_new}
+                "tiers": list(self.tiers), "text": self.text, "is_new": self.is_new, "shared": self.is_shared}

@@ -42,9 +42,9 @@ def turn_prefixes(tokenizer: Tokenizer, system: str | None, turns: Turns,
     return ids, [ids[:n] for n in sorted(set(lengths), reverse=True) if 0 < n < len(ids)]
 
 
-def conversation_key(system: str | None, turns: Turns) -> str:
-    """A digest naming a conversation's state: its system prompt and turns."""
-    return hashlib.blake2b(repr((system, tuple(turns))).encode(), digest_size=16).hexdigest()
+def conversation_key(namespace: str, system: str | None, turns: Turns) -> str:
+    """A digest naming a conversation's state: its store namespace (a tenant's), system prompt and turns."""
+    return hashlib.blake2b(repr((namespace, system, tuple(turns))).encode(), digest_size=16).hexdigest()
 
 
 def _messages(system: str | None, turns: Turns) -> list[dict[str, str]]:

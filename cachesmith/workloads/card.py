@@ -47,7 +47,7 @@ class DatasetCard:
     dtype: str = ""
     corpus: str = ""
     knobs: dict = field(default_factory=dict)
-    full_prefill_ttft_s: float = 0.0  # mean single-request TTFT: the base SLO of DESIGN §5
+    full_prefill_ttft_s: float = 0.0  # mean single-request TTFT: the base SLO of the evaluation protocol
     full_reuse_ttft_s: float = 0.0
     reuse_fidelity: float = 0.0  # how often full reuse gives the full-prefill answer
     metric_means: dict = field(default_factory=dict)  # method -> mean task metric (F1, set F1, ...)

@@ -15,7 +15,8 @@ from cachesmith.workloads.words import word_lists
 # size chunks in words with it and the dataset card reports the measured token lengths.
 TOKENS_PER_WORD = 1.3
 
-# An own splitter (DESIGN §4: nltk punkt needs a download): a sentence ends at . ! or ? followed by
+# An own splitter (nltk's punkt needs a download at run time, and nothing but the registries is
+# fetched then): a sentence ends at . ! or ? followed by
 # white space and an upper-case letter, digit or quote, unless the period ends a common abbreviation.
 _BOUNDARY = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _ABBREVIATIONS = ("Mr.", "Mrs.", "Ms.", "Dr.", "St.", "Jr.", "Sr.", "vs.", "e.g.", "i.e.", "c.", "ca.",

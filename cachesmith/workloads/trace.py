@@ -23,7 +23,7 @@ class TraceConfig:
     rate_rps: float = 0.5  # mean arrival rate, requests per second
     cv: float = 1.0  # coefficient of variation of inter-arrival gaps (gamma only; poisson is 1)
     num_requests: int = 100
-    base_slo_s: float = 2.0  # DESIGN §5: mean single-request full-prefill TTFT on this machine
+    base_slo_s: float = 2.0  # mean single-request full-prefill TTFT on this machine
     slo_scale: float = 2.0  # every request's SLO = base x scale ...
     slo_scale_max: float | None = None  # ... or drawn uniformly in [slo_scale, slo_scale_max]
     task: str = "mix"  # workload the requests draw instances from ("file" for a user workload)
@@ -91,7 +91,7 @@ class Trace:
 
 
 def rate_for_utilization(utilization: float, mean_service_s: float) -> float:
-    """Arrival rate giving `utilization` = rate x mean single-request service time (DESIGN §5)."""
+    """Arrival rate giving `utilization` = rate x mean single-request service time."""
     if not utilization > 0 or not mean_service_s > 0:
         raise ConfigError(f"utilization={utilization} and mean_service_s={mean_service_s} must be positive")
     return utilization / mean_service_s

@@ -10,6 +10,7 @@ import torch
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.entry_format import serialize
+from cachesmith.kvstore.keys import chunk_key, dtype_name, namespace_of
 from cachesmith.model import Decoder, prefill_chunk
 
 
@@ -70,6 +71,23 @@ def test_bad_entries_are_evicted_and_recomputed(model, tmp_path, damage, caplog)
     assert "evicted" in caplog.text and not path.exists() and store.stats.evicted_corrupt == 1
     key2, computed = store.ensure(model, _ids())
     assert key2 == key and computed and torch.equal(store.get(key, model).values, chunk.values)
+
+
+def test_a_namespace_keys_apart_and_its_header_is_verified(model, tmp_path):
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
+    acme, globex = namespace_of("acme"), namespace_of("globex")
+    plain, key = store.ensure(model, _ids())[0], store.ensure(model, _ids(), acme)[0]
+    assert len({plain, key, store.key_for(model, _ids(), globex)}) == 3
+    assert plain == chunk_key(model.fingerprint, dtype_name(model.dtype), _ids())  # "" keys as it always did
+    assert store.describe(key)[0].namespace == acme and store.describe(plain)[0].namespace == ""
+    assert b"namespace" not in store.tiers[0].path(plain).read_bytes()[:4096]  # unchanged bytes without one
+    chunk = store.get(key, model)  # an entry claiming another namespace under this key: never served
+    forged = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, globex)
+    store.tiers[0].path(key).write_bytes(forged)
+    assert store.get(key, model) is None and store.stats.evicted_corrupt == 1
+    assert namespace_of() == "" and namespace_of("", "salt") not in ("", acme)
+    with pytest.raises(InputError, match="cache_salt"):
+        namespace_of("acme", "x" * 257)
 
 
 def test_entry_for_another_shape_is_never_served(model, tmp_path):

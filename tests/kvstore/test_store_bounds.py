@@ -62,9 +62,30 @@ def test_an_unbounded_redis_is_warned_about_unless_config_is_refused(redis_serve
     assert tier.put(_key(4), b"w") and tier.usage().note.startswith("maxmemory unknown")
 
 
+def test_redis_max_bytes_sets_the_servers_bound_or_says_why_not(redis_server, caplog, monkeypatch):
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        tier = RedisTier(redis_server.url, max_bytes=32 << 20)
+        assert client.config_get("maxmemory")["maxmemory"] == str(32 << 20)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert tier.usage().max_bytes == 32 << 20 and "maxmemory 0" not in caplog.text
+
+        def refused(*args, **kwargs):
+            raise redis.exceptions.ResponseError("unknown command 'CONFIG'")
+
+        monkeypatch.setattr(redis.Redis, "config_set", refused)
+        with pytest.raises(ConfigError, match=r"redis_max_bytes=1024: the redis server .* refused CONFIG SET"):
+            RedisTier(redis_server.url, max_bytes=1024)
+    finally:
+        monkeypatch.undo()
+        client.config_set("maxmemory", 0)
+
+
 def test_store_config_names_the_field_and_limit(tmp_path):
     with pytest.raises(ConfigError, match=r"disk_max_bytes=-1 must be positive, or 0/None for the default \(50%"):
         StoreConfig(disk_max_bytes=-1)
+    with pytest.raises(ConfigError, match="redis_max_bytes=0 must be positive"):
+        StoreConfig(redis_max_bytes=0)
     with pytest.raises(ConfigError, match="redis_ttl_s=0 must be a positive number of seconds"):
         StoreConfig(tiers=("redis",), redis_url="redis://127.0.0.1:1/0", redis_ttl_s=0)
     store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path, disk_max_bytes=12345))
@@ -84,13 +105,16 @@ def test_bad_byte_sizes_are_refused():
 
 
 def test_serve_passes_the_bounds_into_store_config():
-    args = cli.build_parser().parse_args(["serve", "--disk-max-bytes", "20G", "--redis-ttl-s", "3600"])
-    assert cli_store.store_bounds(args) == {"disk_max_bytes": 20 << 30, "redis_ttl_s": 3600}
+    args = cli.build_parser().parse_args(["serve", "--disk-max-bytes", "20G", "--redis-ttl-s", "3600",
+                                          "--redis-max-bytes", "8G"])
+    assert cli_store.store_bounds(args) == {"disk_max_bytes": 20 << 30, "redis_ttl_s": 3600,
+                                            "redis_max_bytes": 8 << 30}
     never = cli.build_parser().parse_args(["serve", "--redis-ttl-s", "0"])
     assert StoreConfig(**cli_store.store_bounds(never)).redis_ttl_s is None  # 0: no expiry
     default = cli.build_parser().parse_args(["serve"])
     config = StoreConfig(**cli_store.store_bounds(default))
     assert config.disk_max_bytes is None and config.redis_ttl_s == DEFAULT_REDIS_TTL_S
+    assert config.redis_max_bytes is None
 
 
 def _fill(root, sizes, hours_ago=None) -> DiskTier:

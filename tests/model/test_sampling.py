@@ -27,6 +27,12 @@ def test_greedy_is_argmax_and_same_seed_repeats():
     assert _draws(hot, logits, 40) != _draws(SamplingParams(temperature=1.5, seed=43), logits, 40)
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    logits = _logits(2) * 30  # large logits: logits / temperature is inf in float32
+    assert _draws(SamplingParams(temperature=temperature, seed=0), logits, 3) == [int(logits.argmax())] * 3
+
+
 def test_sampling_follows_the_softmax():
     logits = torch.tensor([0.0, math.log(3.0)])  # probabilities 1/4 and 3/4
     draws = _draws(SamplingParams(temperature=1.0, seed=0), logits, 4000)

@@ -8,7 +8,7 @@ the selection scores over context tokens [N] (float64; None for `position` and f
 compute every layer in full), and the final assembled rotated K / V of every layer [S, Hkv, D].
 
 Nothing here comes from `cachesmith.recompute` except the config types. Semantics (the plan's contract,
-docs/decisions.md "Recompute semantics"), layout [prefix P | chunks (context, N) | suffix n]:
+docs/adr/0014-recompute-semantics.md), layout [prefix P | chunks (context, N) | suffix n]:
 - WarmUp [0, w): every token computed exactly, nothing cached is read.
 - qci: the suffix rows alone run [w, w+p) over the cached prefix + context and their own fresh
   K/V; score = softmax mass on each context token summed over layers, heads, query tokens; then

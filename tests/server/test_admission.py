@@ -33,12 +33,12 @@ def test_a_burst_past_the_queue_is_refused_before_any_tokenizing_or_prefill(serv
         tokenized.append(text)
         return chunk_ids(text, *args, **kwargs)
 
-    def spy_ensure(model, ids):  # the first prefill holds the admission lock until the gate opens
+    def spy_ensure(model, ids, *args):  # the first prefill holds the admission lock until the gate opens
         prefilled.append(tokenizer.decode(ids))
         if not entered.is_set():
             entered.set()
             gate.wait(30)
-        return ensure(model, ids)
+        return ensure(model, ids, *args)
 
     tokenizer.chunk_ids, store.ensure = spy_chunk_ids, spy_ensure
     answers: dict[int, httpx.Response] = {}
@@ -92,7 +92,7 @@ def test_an_admission_that_raises_is_a_500_and_gives_its_place_back(server_for, 
                 err = error_of(r)
                 assert r.status_code == 500 and err["code"] == "internal_error", (where, i, r.text)
                 assert f"{type(error).__name__}: {error}" in err["message"]
-                assert service.queue_depth == 0 and not service._pins
+                assert service.queue_depth == 0 and not service.chunks._pins
             delattr(target, name)  # the class's own method again
         assert c.post("/v1/completions", json=body()).status_code == 200
         assert c.get("/health").json()["queue_depth"] == 0
@@ -140,7 +140,11 @@ def test_the_api_key_is_checked_before_the_body_is_read(server_for):
         assert r.headers["www-authenticate"] == "Bearer"
         assert c.post("/v1/chunks", content=b"x" * 8192, headers=headers).status_code == 401  # not a 413
         assert c.get("/v1/no-such-route").status_code == 401
-        assert c.get("/health").status_code == 200 and c.get("/openapi.json").status_code == 200
+        assert c.get("/health").status_code == 200
+        for path in ("/openapi.json", "/docs", "/metrics"):  # what the server is and does: behind the key too
+            assert c.get(path).status_code == 401, path
         auth = {**headers, "Authorization": "Bearer s3cret"}
+        for path in ("/openapi.json", "/docs", "/metrics"):
+            assert c.get(path, headers=auth).status_code == 200, path
         r = c.post("/v1/completions", content=b"{not json", headers=auth)
         assert r.status_code == 400 and "not valid JSON" in error_of(r)["message"]

@@ -234,7 +234,7 @@ def test_deleting_a_chunk_in_use_is_refused(server_for):
         srv.url + "/v1/completions", json=body(documents=[{"id": cid}]), timeout=60)))
     t.start()
     deadline = time.monotonic() + 10
-    while not service._pins.get(cid) and time.monotonic() < deadline:
+    while not service.chunks._pins.get(cid) and time.monotonic() < deadline:
         time.sleep(0.01)
     r = httpx.delete(f"{srv.url}/v1/chunks/{cid}", timeout=60)
     assert r.status_code == 409 and error_of(r)["code"] == "chunk_in_use"

@@ -32,6 +32,7 @@ def chat(content) -> dict:
     ("/v1/completions", {**body(), "x" + LONE: 1}, "x\\ud800"),
     ("/v1/completions", body(metadata={LONE: "v"}), "metadata.\\ud800"),
     ("/v1/chunks", {"documents": ["ok", LONE]}, "documents[1]"),
+    ("/v1/completions", body(cache_salt="salt" + LONE), "cache_salt"),
 ])
 def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(server_for, path, payload, param):
     srv = server_for()
@@ -43,6 +44,14 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(server_for, path, p
         assert r.status_code == 400 and err["param"] == param, r.text
         assert "lone surrogate \\ud800" in err["message"] and err["message"].count(param + ":") == 1
         assert c.get("/health").status_code == 200
+
+
+def test_an_empty_field_name_is_named_in_a_valid_header(server_for):
+    srv = server_for()
+    with httpx.Client(base_url=srv.url, timeout=60) as c:  # h11 refuses a header value ending in ", "
+        r = c.post("/v1/completions", json=body(**{"": None, "user": "u"}))
+        assert r.status_code == 200, r.text
+        assert sorted(r.headers[IGNORED_HEADER].split(", ")) == ['""', "user"]
 
 
 def test_ignored_field_names_are_logged_escaped_short_and_once(server_for, caplog):

@@ -43,7 +43,7 @@ def test_texts_ids_and_a_mix_serve_the_same_prompt_as_the_pipeline(service):
         assert res.error is None and res.answer == want.text
         assert [i for i, _ in tokens] == list(range(len(tokens))) and [t for _, t in tokens] == want.token_ids
         assert res.num_prompt_tokens == len(pipe.prompt(list(DOCS), QUESTION).token_ids)
-    assert not service._pins  # every pin released
+    assert not service.chunks._pins  # every pin released
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -57,7 +57,7 @@ def test_bad_specs_are_refused_by_field(service, bad, words):
     docs = bad.pop("docs")
     with pytest.raises(InputError, match=words.replace("+", r"\+")):
         service.submit(spec(docs, **bad))
-    assert service.num_rejected["invalid"] == 1 and not service._pins
+    assert service.num_rejected["invalid"] == 1 and not service.chunks._pins
 
 
 def test_listeners_hear_results_and_close_drains(service):
@@ -122,7 +122,7 @@ def test_a_prompt_past_the_window_is_refused_before_its_chunks_are_prefilled(ser
     with pytest.raises(InputError, match=rf"^documents: the prompt's {num_prompt} tokens \+ max_tokens "
                                          rf"{max_tokens} exceed the model's 1024 positions"):
         service.submit(spec(docs, max_tokens=max_tokens))
-    assert service.store.keys() == [] and not service._pins
+    assert service.store.keys() == [] and not service.chunks._pins
     res = service.submit(spec(docs, max_tokens=max_tokens - 1)).result(timeout=60)  # fits exactly
     assert res.error is None and res.num_prompt_tokens == num_prompt
     with pytest.raises(InputError, match=r"^prompt: the prompt's"):  # no documents: the prompt is at fault

@@ -1,0 +1,155 @@
+"""A tenant's view of the chunk store: what the serving front stores, shows and deletes for a caller.
+
+In: a `Caller` (tenant, cache_salt), document texts or token ids, chunk ids. Out: chunk keys in the
+caller's namespaces (`Namespaces`), `ChunkRecord`s of the entries the caller may see, and refusals:
+`UnknownChunk` for an id the caller may not see (in the same words as one nobody stored, so an
+entry's existence is never told across tenants), `ChunkInUse` for deleting what an in-flight
+request reads, `SharedChunk` for deleting a chunk every tenant reads, and `StoreQuotaExceeded`
+before anything is written past a cap (the new tokens of one request, the bytes of one tenant).
+Owns the pins that keep an in-flight request's entries from being deleted under it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from cachesmith.kvstore import ChunkStore
+from cachesmith.kvstore.entry_format import ELEMENT_BYTES, EntryHeader
+from cachesmith.kvstore.keys import dtype_name, validate_key
+from cachesmith.pipeline import RagPipeline
+from cachesmith.server.specs import ChunkInUse, ChunkRecord, ServiceConfig, SharedChunk, UnknownChunk
+from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded, StoreUsage
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """An entry a request is about to store (not yet in the store)."""
+    namespace: str
+    key: str
+    num_tokens: int
+
+
+class ChunkCatalog:
+    def __init__(self, pipeline: RagPipeline, config: ServiceConfig,
+                 admission: Callable[[], AbstractContextManager]) -> None:
+        self.pipeline, self.config, self.admission = pipeline, config, admission
+        self.usage = StoreUsage(pipeline.store)
+        self._pins: Counter = Counter()
+        self._pin_lock = threading.Lock()
+        cfg = pipeline.model.config
+        self.bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * \
+            ELEMENT_BYTES[dtype_name(pipeline.model.dtype)]
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.pipeline.store
+
+    def namespaces(self, caller: Caller) -> Namespaces:
+        return Namespaces.of(caller, self.config.is_chunk_shared)
+
+    def key_for(self, token_ids: Sequence[int], namespace: str) -> str:
+        return self.store.key_for(self.pipeline.model, token_ids, namespace)
+
+    # -- caps ----------------------------------------------------------------------------------
+    def new_entries(self, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[NewEntry]:
+        """Of (namespace, token ids) pairs, those the store does not hold yet (once each)."""
+        out: dict[str, NewEntry] = {}
+        for namespace, ids in wanted:
+            key = self.key_for(ids, namespace)
+            if key not in out and not self.store.contains(key):
+                out[key] = NewEntry(namespace, key, len(ids))
+        return list(out.values())
+
+    def reserve(self, entries: Sequence[NewEntry], spaces: Namespaces, what: str,
+                is_request: bool = True) -> None:
+        """Refuse (`StoreQuotaExceeded`) before anything is written when storing `entries` would
+        pass a request's token cap (`is_request`) or the tenant's byte cap; else count them."""
+        num_tokens = sum(e.num_tokens for e in entries)
+        limit = self.config.max_store_tokens_per_request
+        if is_request and num_tokens > limit:
+            raise StoreQuotaExceeded(f"{what}: {num_tokens} tokens not yet stored exceed the limit of {limit} "
+                                     f"new tokens a request may store (--max-store-tokens-per-request); "
+                                     f"send fewer or shorter new documents per request")
+        if self.config.tenant_max_bytes is None:
+            return
+        for namespace in {e.namespace for e in entries}:
+            if spaces.is_shared(namespace):
+                continue  # a public corpus belongs to no tenant: the disk quota bounds it
+            new = {e.key: e.num_tokens * self.bytes_per_token for e in entries if e.namespace == namespace}
+            self.usage.reserve(namespace, new, self.config.tenant_max_bytes, what)
+
+    # -- pins ----------------------------------------------------------------------------------
+    def pin(self, keys: Sequence[str], pinned: list[str]) -> None:
+        with self._pin_lock:
+            for key in keys:
+                self._pins[key] += 1
+                pinned.append(key)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._pin_lock:
+            for key in keys:
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+
+    # -- what a caller sees --------------------------------------------------------------------
+    def header(self, chunk_id: str, spaces: Namespaces) -> tuple[EntryHeader, tuple[str, ...]] | None:
+        """A stored entry of this model the caller may see (header, tiers holding it), or None."""
+        validate_key(chunk_id, field="chunk id")
+        described = self.store.describe(chunk_id)
+        if described is None:
+            return None
+        header, tiers = described
+        model = self.pipeline.model
+        if (header.model_fingerprint, header.dtype) != (model.fingerprint, dtype_name(model.dtype)):
+            return None  # another model's entry: not this server's to show
+        return described if spaces.is_visible(header.namespace) else None
+
+    def record(self, chunk_id: str, caller: Caller) -> ChunkRecord | None:
+        spaces = self.namespaces(caller)
+        found = self.header(chunk_id, spaces)
+        if found is None:
+            return None
+        header, tiers = found
+        return ChunkRecord(chunk_id, header.num_tokens, tiers, self.pipeline.tokenizer.decode(header.token_ids),
+                           is_shared=spaces.is_shared(header.namespace))
+
+    def list(self, caller: Caller, limit: int, after: str | None) -> tuple[list[ChunkRecord], bool]:
+        records = []
+        for key in self.store.keys():
+            if after is not None and key <= after:
+                continue
+            record = self.record(key, caller)
+            if record is None:
+                continue
+            if len(records) == limit:
+                return records, True
+            records.append(record)
+        return records, False
+
+    def delete(self, chunk_id: str, caller: Caller) -> bool:
+        spaces = self.namespaces(caller)
+        found = self.header(chunk_id, spaces)
+        if found is None:
+            return False
+        if spaces.is_shared(found[0].namespace):
+            raise SharedChunk(f"chunk {chunk_id}: shared by every tenant (the server shares document chunks); "
+                              f"the operator removes shared chunks (cachesmith store prune)")
+        with self._pin_lock:
+            if self._pins[chunk_id] > 0:
+                raise ChunkInUse(f"chunk {chunk_id}: in use by {self._pins[chunk_id]} in-flight request(s); "
+                                 f"delete it when they are done")
+            self.store.delete(chunk_id)
+        self.usage.forget([chunk_id])
+        return True
+
+    def check_known(self, chunk_id: str, spaces: Namespaces, field: str) -> int:
+        """Token count of a stored chunk a document names, or `UnknownChunk`."""
+        found = self.header(chunk_id, spaces)
+        if found is None:
+            raise UnknownChunk(f"{field}={chunk_id!r}: unknown chunk id (not in the store; add it with "
+                               f"POST /v1/chunks)")
+        return found[0].num_tokens
