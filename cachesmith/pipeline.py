@@ -1,34 +1,31 @@
-"""The Python API for one RAG answer: precompute passages, then answer with any recompute plan,
-or with the plan the system's own planner chooses for the request under a TTFT SLO.
+"""The Python API for one RAG answer: precompute passages, then answer under a given recompute plan.
 
-In: document texts and a question. Out: `Answer` with the text, TTFT and what was recomputed.
-Chunk KV lives in the tiered `ChunkStore` (memory + disk by default); answering stages it through
-the transfer engine while the runner computes. The CLI and demo are thin layers over this.
+In: document texts and a question, and the plan to run. Out: `Answer` with the text, TTFT and what
+was recomputed. Chunk KV lives in the tiered `ChunkStore` (memory + disk by default); answering
+stages it through the transfer engine while the runner computes. The pipeline plans nothing: the
+plan the system's own planner chooses for a request under a TTFT SLO comes from `cachesmith.plan_one`
+(`OnePlanner.answer`), which sits above the planner and the profiler, themselves above this module.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from cachesmith.errors import InputError
+from cachesmith.instance import WorkloadInstance
 from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
 from cachesmith.model.chunk import extend_chunk
 from cachesmith.model.tokenizer import PromptParts
-from cachesmith.errors import InputError
 from cachesmith.recompute import BatchRunner, RecomputeConfig
-from cachesmith.instance import WorkloadInstance
 
-if TYPE_CHECKING:  # types only: these sit above the pipeline in the data flow (see `one_planner`)
-    from cachesmith.plan_one import OnePlanner
-    from cachesmith.planner import Profile
-
-DEFAULT_SLO_S = 5.0  # TTFT budget of a planned answer: the server's default (ServiceConfig.default_slo_s)
+# Deprecated here: `plan_one.DEFAULT_SLO_S` is the planned answer's default budget. This copy stays
+# for the callers that still import it from the pipeline (the vLLM connector's parameters).
+DEFAULT_SLO_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -41,13 +38,13 @@ class Answer:
     num_recomputed: int
     plan: str
     qci_entropy: float | None = None  # normalized entropy of layer-0 QCI scores (plans with w >= 1)
-    planned_s: float | None = None  # the planner's predicted TTFT of the plan it chose (None: plan given)
+    planned_s: float | None = None  # the planner's predicted TTFT of its plan (`plan_one`; None: plan given)
 
 
 class RagPipeline:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
                  system: str | None = None, store: ChunkStore | None = None,
-                 transfer: TransferConfig | None = None, profile_path: Path | None = None) -> None:
+                 transfer: TransferConfig | None = None) -> None:
         path = resolve_model(model)
         self.model = Decoder(path, device, dtype)
         self.tokenizer = Tokenizer(path)
@@ -59,10 +56,6 @@ class RagPipeline:
         # machine waits there for other jobs to pause and notes whether one joined
         # (`profiler.quiet.QuietRun`); None: nothing
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
-        # the profile of planned answers (`answer` without a plan): None: measured here, else the
-        # packaged one calibrated; the planner is built on the first planned answer (`one_planner`)
-        self.profile_path = profile_path
-        self._one_planner: OnePlanner | None = None
 
     def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "",
                system: str | None = None, history: Sequence[tuple[str, str]] = ()) -> PromptParts:
@@ -89,13 +82,13 @@ class RagPipeline:
         return PromptParts(parts.prefix_ids, chunks, parts.suffix_ids)
 
     def ensure_prefix(self, token_ids: Sequence[int], earlier: Sequence[Sequence[int]] = (),
-                      namespace: str = "") -> tuple[str, int]:
+                      namespace: str = "", key: str | None = None) -> tuple[str, int]:
         """Key of the stored KV of a prompt prefix (in `namespace`), and how many of its tokens
         were already stored. On a miss the longest stored `earlier` prefix of it (a conversation's
         earlier turns) is extended by the rest, exactly (both start at position 0), instead of
         prefilling it all."""
         ids = list(token_ids)
-        key = self.store.key_for(self.model, ids, namespace)
+        key = key or self.store.key_for(self.model, ids, namespace)  # `key`: the caller's, of the same
         if self.store.contains(key):
             return key, len(ids)
         for base_ids in sorted(earlier, key=len, reverse=True):
@@ -106,7 +99,7 @@ class RagPipeline:
             if base is not None:
                 self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]), namespace)
                 return key, len(base_ids)
-        return self.store.ensure(self.model, ids, namespace)[0], 0
+        return self.store.ensure(self.model, ids, namespace, key)[0], 0
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""
@@ -129,40 +122,14 @@ class RagPipeline:
         return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=max_new_tokens,
                             was_stored=tuple(not computed for _, computed in ensured))
 
-    def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig | None = None,
-               max_new_tokens: int = 32, answer_prefix: str = "", system: str | None = None,
-               slo_s: float = DEFAULT_SLO_S) -> Answer:
-        """Answer from stored chunk KV; TTFT covers staging, transfer waits and the recompute.
-        `plan` None: the system's planner chooses it for this request alone under `slo_s` seconds
-        of TTFT (`planned_answer`)."""
-        parts = self.prompt(documents, question, answer_prefix, system)
-        if plan is None:
-            return self.planned_answer(parts, slo_s, max_new_tokens)
-        return self.answer_parts(parts, plan, max_new_tokens)
-
-    def planned_answer(self, parts: PromptParts, slo_s: float = DEFAULT_SLO_S, max_new_tokens: int = 32) -> Answer:
-        """Answer with the plan `one_planner` chooses; its decision time counts in the TTFT, as
-        the scheduler's and planner's do when serving."""
-        chosen = self.one_planner().plan(parts, slo_s)
-        ans = self.answer_parts(parts, chosen.config, max_new_tokens)
-        return replace(ans, ttft_s=ans.ttft_s + chosen.decision_s, planned_s=chosen.planned_s)
-
-    def one_planner(self) -> OnePlanner:
-        """The planner of planned answers, built on first use and kept: loading the profile (and
-        calibrating a packaged one to this machine) takes seconds, which fixed plans never pay."""
-        # imported here, not at the top: the planner, scheduler and profiler sit above the
-        # pipeline in the data flow (the profiler imports this module)
-        from cachesmith.plan_one import OnePlanner
-
-        if self._one_planner is None:
-            self._one_planner = OnePlanner.for_pipeline(self, self.profile_path)
-        return self._one_planner
-
-    def use_profile(self, profile: Profile, source: str = "given") -> None:
-        """Plan answers with `profile` (one in hand, e.g. measured by the caller) from now on."""
-        from cachesmith.plan_one import OnePlanner  # lazily, as in `one_planner`
-
-        self._one_planner = OnePlanner.of(profile, source)
+    def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig, max_new_tokens: int = 32,
+               answer_prefix: str = "", system: str | None = None) -> Answer:
+        """Answer from stored chunk KV under `plan`; TTFT covers staging, transfer waits and the
+        recompute. A planned answer: `plan_one.OnePlanner.answer`."""
+        if plan is None:  # the planned answer moved up: say where, rather than fail deep in the runner
+            raise InputError("plan=None: the pipeline runs a given plan; for the planner's plan use "
+                             "cachesmith.plan_one.OnePlanner.for_pipeline(pipe).answer(pipe, documents, question)")
+        return self.answer_parts(self.prompt(documents, question, answer_prefix, system), plan, max_new_tokens)
 
     def answer_parts(self, parts: PromptParts, plan: RecomputeConfig, max_new_tokens: int = 32) -> Answer:
         request = self.keyed_request(parts, max_new_tokens)  # misses are prefilled here, off the clock

@@ -218,10 +218,12 @@ class ChunkStore:
         """Every key some tier holds (any model: `open(key, model)` tells which are this model's)."""
         return sorted(set().union(*(t.keys() for t in self.tiers)))
 
-    def ensure(self, model: Decoder, token_ids: Sequence[int], namespace: str = "") -> tuple[str, bool]:
+    def ensure(self, model: Decoder, token_ids: Sequence[int], namespace: str = "",
+               key: str | None = None) -> tuple[str, bool]:
         """Key of a stored, verified entry for `token_ids` in `namespace`, computing and storing it
-        on a miss. Returns (key, was_computed)."""
-        key = self.key_for(model, token_ids, namespace)
+        on a miss. Returns (key, was_computed). `key`: the caller's `key_for` of the same three,
+        not hashed again."""
+        key = key or self.key_for(model, token_ids, namespace)
         reader = self.open(key, model)
         if reader is not None:
             reader.close()

@@ -54,14 +54,17 @@ class ChunkCatalog:
         return self.store.key_for(self.pipeline.model, token_ids, namespace)
 
     # -- caps ----------------------------------------------------------------------------------
-    def new_entries(self, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[NewEntry]:
-        """Of (namespace, token ids) pairs, those the store does not hold yet (once each)."""
+    def new_entries(self, wanted: Sequence[NewEntry]) -> list[NewEntry]:
+        """Of the entries a request would store, those the store does not hold yet (once each)."""
         out: dict[str, NewEntry] = {}
-        for namespace, ids in wanted:
-            key = self.key_for(ids, namespace)
-            if key not in out and not self.store.contains(key):
-                out[key] = NewEntry(namespace, key, len(ids))
+        for entry in wanted:
+            if entry.key not in out and not self.store.contains(entry.key):
+                out[entry.key] = entry
         return list(out.values())
+
+    def entry(self, token_ids: Sequence[int], namespace: str) -> NewEntry:
+        """The entry of `token_ids` in `namespace`: keyed here, once for the whole request."""
+        return NewEntry(namespace, self.key_for(token_ids, namespace), len(token_ids))
 
     def reserve(self, entries: Sequence[NewEntry], spaces: Namespaces, what: str,
                 is_request: bool = True) -> None:

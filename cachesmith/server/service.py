@@ -29,7 +29,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import serving_profile
 from cachesmith.request import RequestResult, StoredPrompt
-from cachesmith.server.chunks import ChunkCatalog
+from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
 from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
@@ -156,14 +156,14 @@ class Service:
         Returns the stored prompt and how many prefix tokens were stored before this request."""
         spaces = self.chunks.namespaces(spec.caller)
         frame = self._tokenize(spec, max_tokens, spaces)
-        wanted = [(spaces.chunks, ids) for ids in frame.document_ids if ids is not None]
-        self.chunks.reserve(self.chunks.new_entries(wanted), spaces, "documents")
-        if frame.prefix_ids and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
-            self.chunks.reserve(self.chunks.new_entries([(spaces.own, frame.prefix_ids)]), spaces,
-                                spec.text_field, is_request=False)
-        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, spaces, pinned)
-        prefix_key, num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, spaces, pinned)
-        prompt = StoredPrompt(prefix_key, len(frame.prefix_ids), tuple(keys), frame.num_document_tokens,
+        entries = [None if ids is None else self.chunks.entry(ids, spaces.chunks) for ids in frame.document_ids]
+        prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
+        self.chunks.reserve(self.chunks.new_entries([e for e in entries if e is not None]), spaces, "documents")
+        if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
+            self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
+        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, pinned)
+        num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
+        prompt = StoredPrompt(prefix and prefix.key, len(frame.prefix_ids), tuple(keys), frame.num_document_tokens,
                               tuple(frame.suffix_ids), tuple(not f for f in fresh))
         return prompt, num_prefix_stored
 
@@ -196,41 +196,40 @@ class Service:
                              f"{max_tokens} exceed the model's {limit} positions")
         return _Frame(prefix_ids, document_ids, tuple(counts), suffix_ids)
 
-    def _store_chunks(self, documents, token_ids, spaces: Namespaces,
+    def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:
         """Each document's chunk key, and whether its KV was prefilled now (for this request)."""
         keys, fresh = [], []
-        for doc, ids in zip(documents, token_ids):
+        for doc, ids, entry in zip(documents, token_ids, entries):
             is_new = False
-            if ids is None:
+            if entry is None:
                 key = doc.chunk_id
                 self.chunks.pin([key], pinned)  # known (`_tokenize`); a delete since is caught at staging
             else:
-                key = self.chunks.key_for(ids, spaces.chunks)
+                key = entry.key
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
                 with self.loop.admission():
-                    _, is_new = self.store.ensure(self.pipeline.model, ids, spaces.chunks)
+                    _, is_new = self.store.ensure(self.pipeline.model, ids, entry.namespace, key)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh
 
-    def _ensure_prefix(self, spec: CompletionSpec, prefix_ids: list[int], spaces: Namespaces,
-                       pinned: list[str]) -> tuple[str | None, int]:
+    def _ensure_prefix(self, spec: CompletionSpec, prefix_ids: list[int], prefix: NewEntry | None,
+                       spaces: Namespaces, pinned: list[str]) -> int:
         """Store the prompt prefix's KV (system, earlier turns, the last user turn's opening) in the
-        caller's own namespace and pin it; returns its key (None: no prefix) and how many of its
-        tokens were stored before this request. A conversation's next turn extends the stored
-        earlier turns instead of prefilling them again."""
-        if not prefix_ids:
-            return None, 0
+        caller's own namespace and pin it; returns how many of its tokens were stored before this
+        request. A conversation's next turn extends the stored earlier turns instead of
+        prefilling them again."""
+        if prefix is None:
+            return 0
         system = spec.system or self.pipeline.system
         if spec.history:  # the previous turn's exchange may still be waiting to be stored: now, here
             self._turn_stores.take_over(conversation_key(spaces.own, system, spec.history))
         # within the window (`_tokenize`); rendered and tokenized outside the admission lock
         earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)[1] if spec.history else []
-        key = self.chunks.key_for(prefix_ids, spaces.own)
-        self.chunks.pin([key], pinned)
+        self.chunks.pin([prefix.key], pinned)
         with self.loop.admission():
-            return key, self.pipeline.ensure_prefix(prefix_ids, earlier, spaces.own)[1]
+            return self.pipeline.ensure_prefix(prefix_ids, earlier, spaces.own, prefix.key)[1]
 
     def _finished(self, future: Future, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
                   fresh: tuple[bool, ...]) -> None:
@@ -265,7 +264,8 @@ class Service:
         if self.config.tenant_max_bytes is not None:
             spaces = Namespaces(namespace, namespace)
             try:
-                self.chunks.reserve(self.chunks.new_entries([(namespace, ids)]), spaces, "messages", is_request=False)
+                self.chunks.reserve(self.chunks.new_entries([self.chunks.entry(ids, namespace)]), spaces,
+                                    "messages", is_request=False)
             except StoreQuotaExceeded:
                 self._dropped_turn_store()
                 return
@@ -295,11 +295,12 @@ class Service:
                     raise InputError(f"documents[{i}]: must be a non-empty string")
                 ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
                 self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
-            self.chunks.reserve(self.chunks.new_entries([(spaces.chunks, t) for t in ids]), spaces, "documents")
+            entries = [self.chunks.entry(t, spaces.chunks) for t in ids]
+            self.chunks.reserve(self.chunks.new_entries(entries), spaces, "documents")
             records = []
-            for token_ids in ids:
+            for token_ids, entry in zip(ids, entries):
                 with self.loop.admission():
-                    key, is_new = self.store.ensure(self.pipeline.model, token_ids, spaces.chunks)
+                    key, is_new = self.store.ensure(self.pipeline.model, token_ids, entry.namespace, entry.key)
                 records.append(replace(self.chunks.record(key, caller), is_new=is_new))
             return records
         finally:
