@@ -25,14 +25,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cachesmith.server.json_types import Bool
 
-# the fields below, by mixin: named in the ignored-fields header when a request sends them
-COMMON_IGNORED = ("logit_bias", "metadata", "store", "service_tier", "user", "prompt_cache_key",
-                  "safety_identifier")
 MAX_LOGGED_NAMES, MAX_LOGGED_NAME_CHARS = 10, 64
 LOG_EVERY_S = 60.0  # a set of names is logged at most this often
 MAX_LOGGED_SETS = 256  # distinct sets logged per LOG_EVERY_S: a client inventing names cannot flood the log
-CHAT_IGNORED = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "functions", "function_call",
-                "modalities", "audio", "reasoning_effort", "prediction", "web_search_options", "verbosity")
 
 
 class CommonFields(BaseModel):
@@ -83,6 +78,11 @@ class ChatFields(BaseModel):
             raise ValueError(f"tools: {len(self.tools)} tool(s) with tool_choice={self.tool_choice!r}: cachesmith "
                              f"does not call tools; send tool_choice=\"none\" or no tools")
         return self
+
+
+# named in the ignored-fields header when a request sends them: every field these mixins declare
+COMMON_IGNORED = tuple(CommonFields.model_fields)
+CHAT_IGNORED = tuple(ChatFields.model_fields)
 
 
 def ignored_fields(body: BaseModel) -> list[str]:
