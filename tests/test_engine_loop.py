@@ -11,9 +11,10 @@ from cachesmith.clock import LiveClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import ConfigError
-from cachesmith.model.sampling import SamplingParams
-from cachesmith.profiler.shadow import ShadowConfig
 from cachesmith.instance import WorkloadInstance
+from cachesmith.model.sampling import SamplingParams
+from cachesmith.profiler.shadow import shadow_calibrator
+from cachesmith.shadow_work import ShadowConfig
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
@@ -204,7 +205,7 @@ def test_sampled_requests_repeat_with_their_seed_and_report_logprobs(pipe):
 def test_idle_time_measures_shadow_samples_and_a_new_request_still_runs(pipe):
     """`cachesmith+learn` shadow-evaluates its served requests when nothing else runs (the real
     demand searches on the tiny model, fidelity gate), and the planner learns from them."""
-    config = EngineConfig("cachesmith+learn", "live", shadow=ShadowConfig(fraction=1.0))
+    config = EngineConfig("cachesmith+learn", "live", shadow=ShadowConfig(fraction=1.0), shadow_work=shadow_calibrator)
     engine = Engine(pipe, make_profile(num_layers=pipe.model.num_layers), config, LiveClock())
     loop = EngineLoop(engine)
     assert all(f.result(timeout=60).error is None for f in [loop.submit(instance(i), 30.0) for i in range(2)])

@@ -1,32 +1,210 @@
-"""Imports run down the data flow (docs/layout.md): the model, the KV store, the recompute engine
-and the pipeline over them import nothing, at module level, from the layers that use them
-(planner, scheduler, profiler, workloads, bench, serving). A lazy import inside a function, where
-a lower layer hands work up on request (`RagPipeline.one_planner`), is the documented exception."""
+"""Imports run down the data flow (docs/layout.md), and no module imports itself back through others.
+
+In: the source of every module under `cachesmith/`. Every import counts wherever it is written: at
+module level, inside a function (lazy), under `if TYPE_CHECKING:`, relative (`from . import x`),
+`from cachesmith import x`, and `importlib.import_module("cachesmith...")` with a literal name.
+Out: two checks over the module graph those imports make. Each module belongs to one layer of
+`LAYERS` (lowest first) and imports only from its own layer or lower ones; and the graph has no
+cycle (no strongly connected component of two modules or more). There is no allow-list: a lower
+layer that needs work done above it takes it as an argument (a callable, a protocol).
+
+An import names a module: `from pkg import name` names `pkg.name` where that is a module, else
+`pkg` (a package's `__init__`). Python also runs each parent package's `__init__` first; those
+implicit imports are not edges, or every import inside a package would be a cycle with its own
+`__init__`.
+"""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cachesmith"
-LOWER = ("model", "kvstore", "recompute", "pipeline")
-UPPER = ("planner", "scheduler", "profiler", "workloads", "bench", "server", "integrations", "engine",
-         "engine_loop", "executor", "plan_one", "cli", "cli_eval", "demo")
+
+# Lowest first. A name is a top-level module of the package or a subpackage (all of its modules);
+# "cachesmith" is the package's own `__init__` (it names the engine and the pipeline lazily).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("jsonl", "registry_fetch", "clock", "instance"),  # leaves every layer may read
+    ("scoring", "gates"),  # whether an answer is good: the engine's gate and the profiler's verdicts
+    ("model",),
+    ("recompute",),
+    ("kvstore",),  # its transfer plans read the recompute plan
+    ("request", "pipeline"),  # one answer under a given plan; it plans nothing
+    ("planner",),
+    ("scheduler",),
+    ("methods",),
+    ("executor", "shadow_work"),
+    ("engine",),
+    ("engine_loop",),  # serving ends here: no layer up to this one imports workloads or the profiler
+    ("workloads",),
+    ("profiler",),
+    ("plan_one",),  # a planned answer: the pipeline, a profile, the scheduler's budget
+    ("bench",),
+    ("server", "integrations"),
+    ("cli_ask", "cli_store", "cli_workload", "cli_eval", "demo"),
+    ("cli", "cachesmith"),
+)
 
 
-def module_level_imports(path: Path) -> list[str]:
-    """The cachesmith modules `path` imports outside any function or class body."""
-    names = []
-    for node in ast.parse(path.read_text()).body:  # top-level statements only
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-        elif isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-    return [n for n in names if n.startswith("cachesmith.")]
+def module_files(root: Path, package: str) -> dict[str, Path]:
+    """Every module of the package at `root`, by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = (package, *path.relative_to(root).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    files = [PACKAGE / "pipeline.py"] + [f for d in LOWER[:-1] for f in (PACKAGE / d).rglob("*.py")]
-    assert len(files) > 20
-    upward = [f"{f.relative_to(PACKAGE)} imports {name}" for f in files for name in module_level_imports(f)
-              if name.split(".")[1] in UPPER]
-    assert upward == []
+def _imported_names(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(the module named, the names taken from it) of every import in `tree`, wherever it is."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            base = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):  # `from .. import x`: one package up per extra dot
+                base = base.rpartition(".")[0]
+            source = node.module if not node.level else ".".join(p for p in (base, node.module) if p)
+            yield source, tuple(alias.name for alias in node.names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            yield node.args[0].value, ()
+
+
+def _resolve(name: str, modules: Mapping[str, Path]) -> str | None:
+    """The package's module `name` refers to: itself, else its longest enclosing module."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (see the module docstring for what counts)."""
+    modules = module_files(root, package)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, set())
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for source, names in _imported_names(tree, module, path.name == "__init__.py"):
+            if source != package and not source.startswith(package + "."):
+                continue
+            targets = [f"{source}.{n}" if f"{source}.{n}" in modules else source for n in names] or [source]
+            edges.update(t for t in map(lambda t: _resolve(t, modules), targets) if t and t != module)
+    return graph
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two modules or more (Tarjan's, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            nxt = next(successors, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:  # the root of a component: pop it off
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return sorted(found)
+
+
+def unit(module: str) -> str:
+    """The name a module has in `LAYERS`: its top-level module or subpackage ("cachesmith": the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_of(layers: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {name: i for i, names in enumerate(layers) for name in names}
+
+
+def upward_imports(graph: Mapping[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair where the imported module's layer is above the importer's."""
+    rank = layer_of(layers)
+    return [(a, b) for a in sorted(graph) for b in sorted(graph[a]) if rank[unit(b)] > rank[unit(a)]]
+
+
+# -- the package ------------------------------------------------------------------------------
+
+GRAPH = import_graph(PACKAGE, "cachesmith")
+
+
+def test_every_module_has_a_layer_and_every_layer_a_module():
+    named = [name for names in LAYERS for name in names]
+    assert len(named) == len(set(named)), "a name in two layers"
+    units = {unit(m) for m in GRAPH}
+    assert len(GRAPH) > 150 and units - set(named) == set(), "modules with no layer"
+    assert set(named) - units == set(), "layers naming no module"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    assert upward_imports(GRAPH, LAYERS) == []
+
+
+def test_no_import_cycles():
+    assert cycles(GRAPH) == []
+
+
+def test_the_serving_engine_imports_no_offline_code():
+    serving = [m for m in GRAPH if unit(m) in ("executor", "engine", "engine_loop", "shadow_work")]
+    offline = [f"{m} imports {t}" for m in serving for t in GRAPH[m] if unit(t) in ("profiler", "workloads")]
+    assert len(serving) == 4 and offline == []
+
+
+# -- the checker itself -----------------------------------------------------------------------
+
+def test_the_checker_reports_the_old_planning_cycle():
+    """The cycle a lazy import once closed: the pipeline planned its own answers."""
+    chain = ["cachesmith.pipeline", "cachesmith.plan_one", "cachesmith.profiler.packaged", "cachesmith.profiler.run",
+             "cachesmith.profiler.demand", "cachesmith.profiler.verdicts", "cachesmith.workloads.card"]
+    graph = {a: {b} for a, b in zip(chain, chain[1:] + chain[:1])}
+    assert cycles(graph) == [sorted(chain)]
+    assert upward_imports(graph, LAYERS) == [("cachesmith.pipeline", "cachesmith.plan_one")]
+
+
+def test_the_checker_sees_lazy_type_checking_relative_and_package_imports(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "low").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "low" / "__init__.py").write_text("from .base import Base\n")
+    (root / "low" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import High\n")
+    (root / "high.py").write_text("def make():\n    from pkg.low import base\n    return base.Base\n")
+    (root / "top.py").write_text(
+        "from . import high\nimport importlib\nfrom pkg import low\n"
+        "def later():\n    return importlib.import_module('pkg.low.base')\n")
+    graph = import_graph(root, "pkg")
+    assert graph == {"pkg": set(), "pkg.low": {"pkg.low.base"}, "pkg.low.base": {"pkg.high"},
+                     "pkg.high": {"pkg.low.base"}, "pkg.top": {"pkg.high", "pkg.low", "pkg.low.base"}}
+    assert cycles(graph) == [["pkg.high", "pkg.low.base"]]
+    layers = (("low",), ("high",), ("top", "pkg"))
+    assert upward_imports(graph, layers) == [("pkg.low.base", "pkg.high")]

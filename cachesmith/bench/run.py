@@ -19,13 +19,14 @@ from tqdm import tqdm
 from cachesmith.bench.metrics import best_static, summarize
 from cachesmith.bench.setting import BenchConfig, build_requests, instances
 from cachesmith.engine import Engine, EngineConfig, EngineStats
+from cachesmith.instance import WorkloadInstance
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, PlannerConfig, Profile
 from cachesmith.profiler.packaged import REUSE_PROBE, find_profile, rescaled, reuse_ratio, speed_factor
+from cachesmith.profiler.shadow import shadow_calibrator
 from cachesmith.recompute import full_prefill
 from cachesmith.request import RequestResult
 from cachesmith.scheduler import SchedulerConfig
-from cachesmith.instance import WorkloadInstance
 
 
 @dataclass
@@ -130,7 +131,8 @@ def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str
         return saved["records"], EngineStats(**saved["stats"])
     sched = SchedulerConfig(max_batch_size=config.max_batch_size, kv_capacity_tokens=config.kv_capacity_tokens)
     engine = Engine(pipe, profile, EngineConfig(method, "replay", config.gate, sched,
-                                                PlannerConfig(bandwidth_gbps=config.bandwidth_gbps)))
+                                                PlannerConfig(bandwidth_gbps=config.bandwidth_gbps),
+                                                shadow_work=shadow_calibrator))
     engine.references = references
     requests, refused = build_requests(config, insts, base, scale)
     results = engine.run(requests, show_progress=show_progress)

@@ -24,12 +24,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cachesmith.errors import InputError
+from cachesmith.gates import make_gate
+from cachesmith.instance import WorkloadInstance
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
-from cachesmith.workloads.gates import make_gate
-from cachesmith.instance import WorkloadInstance
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
 GRID_STEPS = 20  # 5% steps

@@ -14,7 +14,8 @@ from pathlib import Path
 from cachesmith.planner.profile import DemandCurve, ProfileError
 
 # the packaged model's profile: the demand a model without a profile of its own borrows
-REFERENCE_PROFILE = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m-float32-cpu.json"
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"  # the profiles shipped with the package
+REFERENCE_PROFILE = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 MIN_ANCHOR_DEPTH = 2  # a (w, p) split needs w >= 1 WarmUp and p >= 1 probe layers (`demand.anchor_depths`)
 
 
@@ -88,4 +89,4 @@ def read_demand_source(path: Path) -> DemandSource:
                            f"give a profile file with demand, num_layers and entropy_threshold") from exc
 
 
-__all__ = ["REFERENCE_PROFILE", "DemandSource", "map_demand_depths", "mapped_depth", "read_demand_source"]
+__all__ = ["PACKAGED_DIR", "REFERENCE_PROFILE", "DemandSource", "map_demand_depths", "mapped_depth", "read_demand_source"]

@@ -22,13 +22,12 @@ from pathlib import Path
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
-from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
+from cachesmith.profiler.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
 from cachesmith.profiler.run import (QUICK_COSTS, ProfileConfig, default_path, kv_bytes_per_token_layer,
                                     run_costs_profile)
 from cachesmith.profiler.workload import load_workload_demand, with_workload_demand
 from cachesmith.recompute.config import epic
 
-PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data"
 FULL_KIND = "full"  # the layer kind a full prefill runs: it alone scales with the full-prefill factor
 # the reuse probe: cached rows placed, a few recomputed, no full-layer pass (its time is all `reuse`)
 REUSE_PROBE = epic(0.15)

@@ -30,7 +30,7 @@ from cachesmith.profiler.cost_grid import default_grid
 from cachesmith.profiler.costs import (HELD_OUT, TimingBench, fit_costs, measure, relative_errors,
                                        scaffold, process_factors, validation_error)
 from cachesmith.profiler.demand import DemandProfiler
-from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
+from cachesmith.profiler.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
 from cachesmith.profiler.quiet import QuietRun
 from cachesmith.recompute import full_prefill
 from cachesmith.workloads.tasks import generate_many, resolve
@@ -207,8 +207,6 @@ def read_demand(path: Path) -> tuple[tuple[DemandCurve, ...], float]:
 def demand_source_path(pipe: RagPipeline, demand_from: Path | None = None) -> Path:
     """Where a costs-only profile takes its demand: `demand_from`, else the profile packaged for
     this model, dtype and device, else the packaged model's (`REFERENCE_PROFILE`)."""
-    from cachesmith.profiler.packaged import PACKAGED_DIR
-
     if demand_from is not None:
         return Path(demand_from)
     own = PACKAGED_DIR / default_path(pipe).name

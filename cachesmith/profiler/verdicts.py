@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cachesmith.instance import WorkloadInstance
 from cachesmith.jsonl import load_keyed
 from cachesmith.model.generate import Decoding
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import PatchFork, RecomputeConfig, RecomputeOutput, RecomputeRequest, Signal
+from cachesmith.scoring import score
 from cachesmith.workloads.card import instance_digest
-from cachesmith.instance import WorkloadInstance
-from cachesmith.workloads.scoring import score
 
 
 class Verdicts:

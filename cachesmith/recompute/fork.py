@@ -7,7 +7,7 @@ batch. An offline search over coverages (profiling, outcome tables) pays for the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -17,8 +17,11 @@ from cachesmith.recompute.hooks import RunnerHooks
 from cachesmith.recompute.run_state import Ranked, RecomputeOutput, num_cloned
 from cachesmith.recompute.sequence import Sequence
 
-if TYPE_CHECKING:  # the runner builds forks and patches them: it imports this module
-    from cachesmith.recompute.runner import BatchRunner
+
+class Patcher(Protocol):
+    """What a fork needs of its runner (`BatchRunner`, which builds forks: it imports this module)."""
+
+    def patch(self, ranked: Ranked, hooks: RunnerHooks) -> list[RecomputeOutput]: ...
 
 
 class PatchFork:
@@ -27,7 +30,7 @@ class PatchFork:
     hidden rows and kv_dev's projections are only read, and each copy's cache holds the layers the
     ranking wrote (later layers are rotated as Patch reaches them, or were stitched up front)."""
 
-    def __init__(self, runner: "BatchRunner", ranked: Ranked) -> None:
+    def __init__(self, runner: Patcher, ranked: Ranked) -> None:
         self.runner, self.ranked = runner, ranked
         # [0, patch_start) hold WarmUp and Probe rows; a probe may also have placed later layers
         self._num_written = max([ranked.patch_start] + [i + 1 for s in ranked.seqs for i in s.placed_layers])

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cachesmith.instance import WorkloadInstance
 from cachesmith.jsonl import load_keyed
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import Answer, RagPipeline
 from cachesmith.recompute import RecomputeConfig, preset
+from cachesmith.scoring import score
 from cachesmith.workloads.corpus import Corpus, load_corpus
-from cachesmith.instance import WorkloadInstance
-from cachesmith.workloads.scoring import score
 from cachesmith.workloads.tasks import TASKS, generate_many, resolve
 
 BAR = 0.70  # the calibration target for full prefill

@@ -11,13 +11,13 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.verdicts import Verdicts
-from cachesmith.planner import Profile
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.request import Request
+from cachesmith.scoring import score
 from cachesmith.workloads.card import answer_instance
-from cachesmith.workloads.scoring import score
 from cachesmith.workloads.tasks import generate
 
 pytestmark = pytest.mark.real_model

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from cachesmith.errors import InputError
+from cachesmith.gates import make_gate
+from cachesmith.instance import WorkloadInstance
 from cachesmith.planner.profile import NEVER
 from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
 from cachesmith.recompute import RecomputeConfig
-from cachesmith.workloads.gates import make_gate
-from cachesmith.instance import WorkloadInstance
 
 
 class FakeProfiler(DemandProfiler):

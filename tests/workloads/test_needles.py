@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.registry_fetch import FetchError
+from cachesmith.scoring import score
 from cachesmith.workloads import corpus as corpus_mod
 from cachesmith.workloads.needles import multi_needle
-from cachesmith.workloads.scoring import score
 from cachesmith.workloads.words import word_lists
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.errors import InputError
-from cachesmith.workloads.gates import FidelityGate, TaskGate, make_gate
+from cachesmith.gates import FidelityGate, TaskGate, make_gate
 from cachesmith.instance import WorkloadInstance
 
 

@@ -11,8 +11,8 @@ from cachesmith.planner import Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.demand import COVERAGE_GRID, DemandModel
 from cachesmith.planner.learned_demand import LearnedDemand, LearnedDemandConfig
 from cachesmith.planner.profile import NEVER
-from cachesmith.profiler.shadow import ShadowCalibrator, ShadowConfig
 from cachesmith.request import Request
+from cachesmith.shadow_work import ShadowCalibrator, ShadowConfig
 from tests.bench.sim_helpers import table
 from tests.bench.test_simulator import sim_engine
 from tests.planner.synthetic_profile import demand_curve, make_profile

@@ -4,6 +4,8 @@
 - `fidelity`: the answer agrees with the full-prefill answer to the same prompt (the canonical
   extracted answers are equal), whatever the gold says: "did reuse change the answer?".
 In: the instance, the answer text and, for fidelity, the full-prefill answer text. Out: a bool.
+The serving engine gates every answer and the profiler judges its verdicts with these, so they sit
+low, beside `scoring` (docs/layout.md).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Protocol
 
 from cachesmith.errors import InputError
 from cachesmith.instance import WorkloadInstance
-from cachesmith.workloads.scoring import score
+from cachesmith.scoring import score
 
 
 class QualityGate(Protocol):

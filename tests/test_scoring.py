@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.instance import WorkloadInstance
-from cachesmith.workloads.scoring import normalize_answer, score, set_f1, short_answer, token_f1
+from cachesmith.scoring import normalize_answer, score, set_f1, short_answer, token_f1
 
 
 def inst(task: str, gold: tuple[str, ...]) -> WorkloadInstance:
