@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit  # noqa: E402
+from common import PROVENANCE, emit  # noqa: E402
 from server_process import stop_on_sigterm  # noqa: E402
 from soak_faults import FAULT_NAMES, DiskSamples, ReadOnlyDisk, RedisChild, ServeConfig, SoakServer, Timeline, \
     plan_faults, scan_store, serve_flags  # noqa: E402
@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--minutes", type=float, default=10.0, help="of open-loop traffic (after the capacity probe)")
     ap.add_argument("--load", type=float, default=1.5, help="arrival rate of completions / measured capacity")
     ap.add_argument("--capacity-s", type=float, default=30.0, help="closed-loop probe measuring capacity")
-    ap.add_argument("--capacity-concurrency", type=int, default=4)
+    ap.add_argument("--capacity-concurrency", type=int, default=16,
+                    help="closed-loop clients: twice the server's batch, so batches fill and a queue forms")
     ap.add_argument("--faults", default=",".join(FAULT_NAMES),
                     help=f"comma-separated, in order, from {', '.join(FAULT_NAMES)} (or none)")
     ap.add_argument("--redis-down-s", type=float, default=20.0)
@@ -363,6 +364,7 @@ def main(argv=None) -> int:
     stop_on_sigterm()
     plan_faults(args.minutes * 60, args.fault_names, args.redis_down_s, args.readonly_s)  # fails before any start
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cachesmith-soak-"))
+    commit = PROVENANCE["commit"]()  # at the start: HEAD may move while the soak runs
     soak = Soak(args, workdir)
     try:
         soak.start()
@@ -374,7 +376,7 @@ def main(argv=None) -> int:
         soak.stop()
         if not args.keep_store:
             subprocess.run(["rm", "-rf", str(soak.store_root), str(soak.redis.dir)], check=False)
-    emit(payload, args.json, args.out, lambda: print(report_text(payload)))
+    emit({**payload, "commit": commit}, args.json, args.out, lambda: print(report_text(payload)))
     print(f"soak: logs kept in {workdir}", file=sys.stderr)
     return 1 if any(b["passed"] is False for b in payload["bars"]) else 0
 
