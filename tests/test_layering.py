@@ -92,7 +92,8 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
             if source != package and not source.startswith(package + "."):
                 continue
             targets = [f"{source}.{n}" if f"{source}.{n}" in modules else source for n in names] or [source]
-            edges.update(t for t in map(lambda t: _resolve(t, modules), targets) if t and t != module)
+            resolved = {_resolve(t, modules) for t in targets}
+            edges.update(t for t in resolved if t and t != module)  # no self-edge (`from . import name`)
     return graph
 
 
@@ -197,7 +198,7 @@ def test_the_checker_sees_lazy_type_checking_relative_and_package_imports(tmp_pa
     (root / "__init__.py").write_text("")
     (root / "low" / "__init__.py").write_text("from .base import Base\n")
     (root / "low" / "base.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import High\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..high import High\n")
     (root / "high.py").write_text("def make():\n    from pkg.low import base\n    return base.Base\n")
     (root / "top.py").write_text(
         "from . import high\nimport importlib\nfrom pkg import low\n"
