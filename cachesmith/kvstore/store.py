@@ -7,12 +7,13 @@ a miss, so the caller recomputes the chunk instead of serving it.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachesmith.errors import ConfigError
+from cachesmith.errors import CachesmithError, ConfigError
 from cachesmith.kvstore.disk_quota import DEFAULT_DISK_FRACTION
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validate_namespace
@@ -70,11 +71,46 @@ class StoreStats:
         return sum(self.hits.values()) / total if total else 0.0
 
 
+class StoreWriteFailed(CachesmithError):
+    """No tier could store an entry: the request that needs it cannot be served from the store."""
+
+
+class MissedWrites:
+    """Keys each tier failed to take when stored, the most recent `MAX_MISSED` (older ones are
+    forgotten: their entries then live where they were written, until evicted or read again)."""
+
+    MAX_MISSED = 4096
+
+    def __init__(self) -> None:
+        self._tiers: OrderedDict[str, list[Tier]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, key: str, tiers: list[Tier], is_retry: bool = False) -> None:
+        with self._lock:
+            if not tiers:
+                self._tiers.pop(key, None)
+                return
+            self._tiers[key] = tiers
+            if not is_retry:
+                self._tiers.move_to_end(key)
+            while len(self._tiers) > self.MAX_MISSED:
+                self._tiers.popitem(last=False)
+
+    def tiers_of(self, key: str) -> list[Tier]:
+        with self._lock:
+            return list(self._tiers.get(key, ()))
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._tiers.pop(key, None)
+
+
 class ChunkStore:
     def __init__(self, config: StoreConfig | None = None, tiers: Sequence[Tier] | None = None) -> None:
         self.config = config or StoreConfig()
         self.tiers = list(tiers) if tiers is not None else self._build(self.config)
         self.stats = StoreStats()
+        self._missed = MissedWrites()
         for tier in self._shared():  # a chunk deleted through another server leaves this one too
             tier.watch_deletes(self._forget_locally)
 
@@ -138,6 +174,7 @@ class ChunkStore:
             self.stats.hits[tier.name] += 1
             if i > 0:
                 self._fill(self.tiers[:i], key, source)
+            self._write_back(key, source)
             return reader
         self.stats.misses += 1
         return None
@@ -167,23 +204,46 @@ class ChunkStore:
         return None
 
     def put(self, chunk: ChunkKV, namespace: str = "") -> str:
+        """Store `chunk` in every tier that takes it; its key. A tier that cannot (full of entries in
+        use, down, read-only) is skipped, and gets the entry when it is next read (`_write_back`)."""
+        return self._put(chunk, namespace)[0]
+
+    def _put(self, chunk: ChunkKV, namespace: str) -> tuple[str, int]:
         validate_namespace(namespace)
         key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace)
         data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace)
         written = [tier.put(key, data) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
-        return key
+        self._missed.note(key, [t for t, ok in zip(self.tiers, written) if not ok])
+        return key, sum(written)
+
+    def _write_back(self, key: str, source) -> None:
+        """A tier that could not take `key` when it was stored (redis down, a read-only disk) gets it
+        now, from the verified copy just opened: what was stored while a shared tier was away
+        reaches it when the entry is next read, instead of living only where it was first written."""
+        missing = self._missed.tiers_of(key)
+        if not missing:
+            return
+        data = read_bytes(source, 0, source.size)
+        if len(data) == source.size:
+            self._missed.note(key, [t for t in missing if not t.put(key, data)], is_retry=True)
 
     def contains(self, key: str) -> bool:
         validate_key(key)
         return any(t.contains(key) for t in self.tiers)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> list[str]:
+        """Delete `key` from every tier, slowest (shared) first, so a tier that cannot delete it now
+        stops the delete where the faster copies still agree with it. Returns the names of the tiers
+        that could not (empty: gone everywhere, and announced to the other stores)."""
         validate_key(key)
-        for tier in self.tiers:
-            tier.delete(key)
+        for tier in reversed(self.tiers):
+            if not tier.delete(key):
+                return [tier.name]
+        self._missed.forget(key)
         for tier in self._shared():
             tier.announce_delete(key)
+        return []
 
     def demote(self, key: str) -> bool:
         """Drop `key` from the fastest tier where a slower tier keeps it, so the next read comes from
@@ -228,5 +288,7 @@ class ChunkStore:
         if reader is not None:
             reader.close()
             return key, False
-        self.put(prefill_chunk(model, list(token_ids)), namespace)
+        if not self._put(prefill_chunk(model, list(token_ids)), namespace)[1]:
+            raise StoreWriteFailed(f"chunk {key[:12]}: no store tier took its KV ({', '.join(t.name for t in self.tiers)}: "
+                                   f"full of entries in use, read-only or down)")
         return key, True

@@ -39,7 +39,8 @@ class Tier(ABC):
     def put(self, key: str, data: bytes) -> bool: ...
 
     @abstractmethod
-    def delete(self, key: str) -> None: ...
+    def delete(self, key: str) -> bool:
+        """Remove the entry; False when the tier cannot now (down, read-only): it may still hold it."""
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -96,11 +97,12 @@ class MemoryTier(Tier):
                 self.num_bytes -= len(old)
         return True
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         with self._lock:
             data = self._entries.pop(key, None)
             if data is not None:
                 self.num_bytes -= len(data)
+        return True
 
     def contains(self, key: str) -> bool:
         return key in self._entries
@@ -212,10 +214,15 @@ class DiskTier(Tier):
         self.quota.commit(key, len(data), num_reserved)
         return True
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         """Remove the entry even while in use (a corrupt or deleted chunk): open readers keep their file."""
-        self.path(key).unlink(missing_ok=True)
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as exc:  # a read-only or failing disk: the entry stays, and says so
+            log.warning("disk tier: cannot delete %s (%s)", key[:12], exc)
+            return False
         self.quota.forget(key)
+        return True
 
     def usage(self) -> TierUsage:
         return self.quota.usage()
@@ -310,8 +317,8 @@ class RedisTier(Tier):
         name = self.PREFIX + validate_key(key)
         return bool(self._call(lambda: self.client.set(name, data, ex=self.ttl_s), False))
 
-    def delete(self, key: str) -> None:
-        self._call(lambda: self.client.delete(self.PREFIX + validate_key(key)), None)
+    def delete(self, key: str) -> bool:
+        return self._call(lambda: self.client.delete(self.PREFIX + validate_key(key)), None) is not None
 
     def contains(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.exists(self.PREFIX + validate_key(key)), 0))

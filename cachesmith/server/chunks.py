@@ -4,7 +4,8 @@ In: a `Caller` (tenant, cache_salt), document texts or token ids, chunk ids. Out
 caller's namespaces (`Namespaces`), `ChunkRecord`s of the entries the caller may see, and refusals:
 `UnknownChunk` for an id the caller may not see (in the same words as one nobody stored, so an
 entry's existence is never told across tenants), `ChunkInUse` for deleting what an in-flight
-request reads, `SharedChunk` for deleting a chunk every tenant reads, and `StoreQuotaExceeded`
+request reads, `SharedChunk` for deleting a chunk every tenant reads, `StoreUnavailable` for a
+delete a store tier cannot do now, and `StoreQuotaExceeded`
 before anything is written past a cap (the new tokens of one request, the bytes of one tenant).
 Owns the pins that keep an in-flight request's entries from being deleted under it.
 """
@@ -20,7 +21,8 @@ from cachesmith.kvstore import ChunkStore
 from cachesmith.kvstore.entry_format import ELEMENT_BYTES, EntryHeader
 from cachesmith.kvstore.keys import dtype_name, validate_key
 from cachesmith.pipeline import RagPipeline
-from cachesmith.server.specs import ChunkInUse, ChunkRecord, ServiceConfig, SharedChunk, UnknownChunk
+from cachesmith.server.specs import (ChunkInUse, ChunkRecord, ServiceConfig, SharedChunk, StoreUnavailable,
+                                     UnknownChunk)
 from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded, StoreUsage
 
 
@@ -145,7 +147,10 @@ class ChunkCatalog:
             if self._pins[chunk_id] > 0:
                 raise ChunkInUse(f"chunk {chunk_id}: in use by {self._pins[chunk_id]} in-flight request(s); "
                                  f"delete it when they are done")
-            self.store.delete(chunk_id)
+            failed = self.store.delete(chunk_id)
+        if failed:
+            raise StoreUnavailable(f"chunk {chunk_id}: the store's {failed[0]} tier cannot delete it now (down or "
+                                   f"read-only); it is still stored: retry the delete")
         self.usage.forget([chunk_id])
         return True
 

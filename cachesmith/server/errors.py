@@ -17,11 +17,13 @@ from starlette.routing import Match
 
 from cachesmith.engine_loop import EngineClosed, QueueFull
 from cachesmith.errors import InputError
-from cachesmith.server.specs import ChunkInUse, SharedChunk, UnknownChunk
+from cachesmith.kvstore import StoreWriteFailed
+from cachesmith.server.specs import ChunkInUse, SharedChunk, StoreUnavailable, UnknownChunk
 from cachesmith.server.tenancy import StoreQuotaExceeded
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of an internal error's own text in a response
+STORE_RETRY_AFTER_S = 5  # a store tier that is down is retried after about this (the redis tier's back-off)
 
 
 class ApiError(Exception):
@@ -145,6 +147,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def store_quota(request: Request, exc: StoreQuotaExceeded):
         return ApiError(429, str(exc), str(exc).split(":", 1)[0], "store_quota_exceeded",
                         "rate_limit_error").response()
+
+    @app.exception_handler(StoreUnavailable)
+    @app.exception_handler(StoreWriteFailed)
+    async def store_unavailable(request: Request, exc: StoreUnavailable | StoreWriteFailed):
+        return ApiError(503, str(exc), None, "store_unavailable", "server_error",
+                        {"Retry-After": str(STORE_RETRY_AFTER_S)}).response()
 
     @app.exception_handler(SharedChunk)
     async def shared_chunk(request: Request, exc: SharedChunk):

@@ -212,6 +212,11 @@ def _store_metrics(svc: Service, model: str):
     yield _single(CounterMetricFamily, model, "store_misses", "Chunk store reads no tier could serve",
                   store.misses)
     yield _single(GaugeMetricFamily, model, "store_hit_rate", "Store hits / reads since start", store.hit_rate())
+    yield _single(CounterMetricFamily, model, "store_evicted_corrupt", "Stored entries found unusable on read "
+                  "(checksum, truncation, another model's) and evicted, to be recomputed", store.evicted_corrupt)
+    quotas = {tier.name: tier.quota.num_evicted for tier in tiers if getattr(tier, "quota", None) is not None}
+    yield _by(CounterMetricFamily, model, "store_evicted_quota", "Entries evicted (least recently used) to keep "
+              "a tier within its byte quota", "tier", quotas)
     yield _by(GaugeMetricFamily, model, "store_tier_up", "1 if the store tier is reachable now, else 0 (reads "
               "and writes then skip it)", "tier", {tier.name: float(tier.is_up) for tier in tiers})
 

@@ -32,7 +32,7 @@ _WHY = {400: "a bad request: the message names the field and the limit",
         413: "body over the size limit",
         429: "the queue is full (requests, chunk uploads waiting or being admitted; Retry-After), or the request "
              "would store more than a store cap allows (code store_quota_exceeded)",
-        499: "the client went away", 503: "shutting down"}
+        499: "the client went away", 503: "shutting down, or a store tier cannot delete now (retry)"}
 _HEADERS = {429: {"Retry-After": {"description": "seconds until the queue is expected to have room (a full "
                                                  "queue; a store cap sends none)", "required": False,
                                   "schema": {"type": "integer"}}},
@@ -40,7 +40,7 @@ _HEADERS = {429: {"Retry-After": {"description": "seconds until the queue is exp
 _ROUTES = {  # (path, method) -> error statuses besides 400/401/413, which any authed route may give
     ("/v1/completions", "post"): (404, 429, 503), ("/v1/chat/completions", "post"): (404, 429, 503),
     ("/v1/chunks", "post"): (429, 503), ("/v1/chunks", "get"): (), ("/v1/chunks/{chunk_id}", "get"): (404,),
-    ("/v1/chunks/{chunk_id}", "delete"): (403, 404, 409), ("/v1/models", "get"): (), ("/metrics", "get"): (),
+    ("/v1/chunks/{chunk_id}", "delete"): (403, 404, 409, 503), ("/v1/models", "get"): (), ("/metrics", "get"): (),
     ("/health", "get"): (503,), ("/v1/feedback", "post"): (404,),
 }
 _EVENT = {  # one server-sent event (OpenAPI 3.2's reading of an event stream's schema)

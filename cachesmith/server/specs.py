@@ -26,6 +26,10 @@ class UnknownChunk(InputError):
     be right). Another tenant's entry is unknown in the same words: its existence is not told."""
 
 
+class StoreUnavailable(CachesmithError):
+    """A store tier cannot do what was asked now (down, read-only): a 503, worth retrying."""
+
+
 class SharedChunk(CachesmithError):
     """A chunk shared by every tenant (chunks shared on purpose) is not one tenant's to delete."""
 

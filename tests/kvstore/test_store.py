@@ -9,6 +9,7 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.kvstore.tiers import MemoryTier
 from cachesmith.kvstore.entry_format import serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, namespace_of
 from cachesmith.model import Decoder, prefill_chunk
@@ -140,3 +141,43 @@ def test_a_disk_tier_whose_root_is_gone_is_down(tmp_path):
     assert [t.is_up for t in store.tiers] == [True, True]
     (tmp_path / "kv").rmdir()  # unmounted, or removed under the server
     assert [t.is_up for t in store.tiers] == [True, False]
+
+
+class _Flaky(MemoryTier):
+    """A shared tier that can be away: while `is_down`, it neither stores nor deletes."""
+    name = "redis"
+
+    def __init__(self) -> None:
+        super().__init__(1 << 30)
+        self.is_down = False
+
+    def put(self, key, data):
+        return False if self.is_down else super().put(key, data)
+
+    def delete(self, key):
+        return False if self.is_down else super().delete(key)
+
+
+def test_an_entry_stored_while_a_tier_was_away_reaches_it_when_next_read(model):
+    flaky = _Flaky()
+    store = ChunkStore(tiers=[MemoryTier(1 << 30), flaky])
+    flaky.is_down = True
+    key, computed = store.ensure(model, _ids())
+    assert computed and not flaky.contains(key)
+    assert store.ensure(model, _ids()) == (key, False) and not flaky.contains(key)  # still away
+    flaky.is_down = False
+    assert store.ensure(model, _ids()) == (key, False)
+    assert flaky.contains(key) and flaky.source(key).size == store.tiers[0].source(key).size
+    other = ChunkStore(tiers=[MemoryTier(1 << 30), flaky])  # another server on the same shared tier
+    assert torch.equal(other.get(key, model).keys, store.get(key, model).keys)
+
+
+def test_a_delete_a_tier_cannot_do_stops_before_the_faster_copies(model):
+    flaky = _Flaky()
+    store = ChunkStore(tiers=[MemoryTier(1 << 30), flaky])
+    key = store.put(prefill_chunk(model, _ids()))
+    flaky.is_down = True
+    assert store.delete(key) == ["redis"]
+    assert store.tiers[0].contains(key) and store.get(key, model) is not None  # the store as it was
+    flaky.is_down = False
+    assert store.delete(key) == [] and not store.contains(key)

@@ -202,3 +202,23 @@ def test_the_grafana_dashboard_queries_only_exposed_series(served):
     targets = [t for p in dashboard["panels"] for t in p["targets"]]
     assert all('model_name=~"$model_name"' in t["expr"] for t in targets)
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
+
+
+def test_store_evictions_are_counted_by_cause(tiny_chat_dir, tmp_path):
+    service = make_service(tiny_chat_dir, store_root=tmp_path, tiers=("disk",))
+    try:
+        disk = service.store.tiers[0]
+        [first] = service.add_chunks(["river glacier lantern harbor meadow falcon"])
+        disk.quota.max_bytes = disk.path(first.chunk_id).stat().st_size * 3 // 2  # room for one entry
+        [second] = service.add_chunks(["copper amber silent frozen canyon velvet"])
+        path = disk.path(second.chunk_id)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+        assert service.store.get(second.chunk_id, service.pipeline.model) is None  # corrupt: evicted
+        families = {f.name: f for f in text_string_to_metric_families(ServiceMetrics(service).exposition().decode())}
+    finally:
+        service.close(timeout=30)
+    [quota] = families["cachesmith:store_evicted_quota"].samples
+    assert quota.labels["tier"] == "disk" and quota.value == 1  # the first entry made room for the second
+    assert families["cachesmith:store_evicted_corrupt"].samples[0].value == 1

@@ -1,4 +1,5 @@
-"""A server whose redis tier goes away keeps answering from its local tiers, and says so in /metrics."""
+"""A server whose redis tier goes away keeps answering from its local tiers, and says so in /metrics;
+a delete it cannot carry to redis is refused with a 503, the entry kept."""
 from __future__ import annotations
 
 import httpx
@@ -31,6 +32,10 @@ def test_a_server_whose_redis_goes_away_serves_from_memory(server_for, redis_ser
         assert again.json()["choices"] == before.json()["choices"]  # the same KV, from memory
         listed = c.get("/v1/chunks").json()["data"]
         assert listed and all(x["tiers"] == ["memory"] for x in listed)
+        gone = c.delete(f"/v1/chunks/{listed[0]['id']}")  # redis would keep it: refused, worth a retry
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "store_unavailable"
+        assert "redis" in gone.json()["error"]["message"] and gone.headers["retry-after"] == "5"
+        assert c.get(f"/v1/chunks/{listed[0]['id']}").status_code == 200  # still stored
         text = c.get("/metrics").text
     assert f'cachesmith:store_tier_up{{model_name="{NAME}",tier="redis"}} 0.0' in text
     assert f'cachesmith:store_tier_up{{model_name="{NAME}",tier="memory"}} 1.0' in text

@@ -188,3 +188,16 @@ def test_bytes_of_an_entry_evicted_behind_the_servers_back_are_freed(tiny_chat_d
         assert second.is_new and [r.chunk_id for r in service.list_chunks(caller=acme)[0]] == [second.chunk_id]
     finally:
         service.close(10)
+
+
+def test_an_upload_no_store_tier_can_take_is_a_503_not_a_crash(server_for, tmp_path):
+    srv = server_for(tiers=("disk",), store_root=tmp_path)
+    service = srv.server.config.app.state.service
+    service.store.tiers[0].quota.max_bytes = 1024  # smaller than any entry
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for path, payload in (("/v1/chunks", {"documents": [TEXT]}), ("/v1/completions", body(documents=[TEXT]))):
+            r = c.post(path, json=payload)
+            assert r.status_code == 503 and error_of(r)["code"] == "store_unavailable", r.text
+            assert "no store tier took its KV" in error_of(r)["message"]
+        assert c.get("/health").status_code == 200
+    assert service.queue_depth == 0 and not service.chunks._pins
