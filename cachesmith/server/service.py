@@ -28,6 +28,7 @@ from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import serving_profile
+from cachesmith.profiler.shadow import shadow_calibrator
 from cachesmith.request import RequestResult, StoredPrompt
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
@@ -59,7 +60,9 @@ class Service:
         self.profile_source = "given"
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
-        self.engine = Engine(self.pipeline, profile, config.engine, LiveClock())
+        # a learning method calibrates in idle time: the serving front hands the engine that work
+        engine_config = replace(config.engine, shadow_work=config.engine.shadow_work or shadow_calibrator)
+        self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
         self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped)
         self.started_at = time.time()
         self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid"
