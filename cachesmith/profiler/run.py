@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -82,6 +84,32 @@ QUICK_COSTS = ProfileConfig(num_requests=1, max_tokens=2048, num_shapes=6, plans
 def default_path(pipe: RagPipeline) -> Path:
     dtype = str(pipe.model.dtype).removeprefix("torch.")
     return cachesmith_home() / "profiles" / f"{pipe.model.model_dir.name}-{dtype}-{pipe.model.device.type}.json"
+
+
+log = logging.getLogger(__name__)
+PART_SUFFIXES = (".bandwidth.json", ".costs.json", ".validation.json", ".runs.jsonl", ".demand.jsonl", ".kv")
+
+
+def _own_parts(out: Path, pipe: RagPipeline) -> None:
+    """Saved parts beside `out` resume a stopped profile only of the same model, dtype and device:
+    a model changed under the same name (new weights in the same folder) would otherwise be priced
+    with the old one's timings. Parts of another, or of unknown origin, are removed first (logged)."""
+    model = pipe.model
+    identity = {"model_fingerprint": model.fingerprint, "dtype": str(model.dtype).removeprefix("torch."),
+                "device": model.device.type}
+    marker = out.with_name(out.stem + ".parts.json")
+    try:
+        if json.loads(marker.read_text(encoding="utf-8")) == identity:
+            return
+    except (OSError, ValueError):
+        pass  # no marker (a fresh start, or parts saved without one) or an unreadable one
+    stale = [p for p in (out.with_name(out.stem + suffix) for suffix in PART_SUFFIXES) if p.exists()]
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        log.warning("profile parts beside %s were saved for another model (or before they named theirs): "
+                    "removed %d, measuring afresh", out, len(stale))
+    marker.write_text(json.dumps(identity), encoding="utf-8")
 
 
 def _part(out: Path, name: str, compute):
@@ -156,6 +184,7 @@ def _validate(bench: TimingBench, profile: Profile, config: ProfileConfig) -> di
 def _base(pipe: RagPipeline, config: ProfileConfig, out: Path, show_progress: bool) -> tuple[Profile, dict]:
     """The profile without demand (costs, bandwidth) and its held-out validation."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    _own_parts(out, pipe)
     model = pipe.model
     dtype = str(model.dtype).removeprefix("torch.")
     benches: list[TimingBench] = []

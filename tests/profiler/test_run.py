@@ -69,3 +69,21 @@ def test_costs_only_profile_of_a_model_nothing_is_packaged_for_maps_the_packaged
         f"{'task':<6} {'signal':<8} {'depth':>5} {'median':>7} {'p90':>6}") + 1:]]
     assert len(rows) == len(Profile.load(out).demand) > 0
     assert {int(r[2]) for r in rows} == {1, 2, 4}  # never a depth the model does not have
+
+
+def test_saved_parts_resume_only_the_model_they_were_measured_for(tmp_path, caplog):
+    pipe = RagPipeline(str(save_tiny_chat_model(tmp_path / "tiny")), store=ChunkStore(StoreConfig(tiers=("memory",))))
+    out = tmp_path / "p.json"
+    (tmp_path / "p.costs.json").write_text('{"layer_costs": "of an older model"}')
+    (tmp_path / "p.kv").mkdir()
+    run_mod._own_parts(out, pipe)  # parts without a marker: of unknown origin, removed
+    assert not (tmp_path / "p.costs.json").exists() and not (tmp_path / "p.kv").exists()
+    assert "removed 2" in caplog.text
+    (tmp_path / "p.costs.json").write_text("{}")
+    run_mod._own_parts(out, pipe)  # its own: kept, a stopped profile resumes
+    assert (tmp_path / "p.costs.json").exists()
+    retrained = RagPipeline(str(save_tiny_chat_model(tmp_path / "tiny2", seed=1)),
+                            store=ChunkStore(StoreConfig(tiers=("memory",))))
+    assert retrained.model.fingerprint != pipe.model.fingerprint
+    run_mod._own_parts(out, retrained)  # new weights under the same profile name: measured afresh
+    assert not (tmp_path / "p.costs.json").exists()
