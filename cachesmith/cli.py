@@ -48,7 +48,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _store(args: argparse.Namespace):
     from cachesmith.kvstore import ChunkStore, StoreConfig
 
-    return ChunkStore(StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url))
+    return ChunkStore(StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url,
+                                  **cli_store.store_bounds(args)))
 
 
 def _precompute(args: argparse.Namespace) -> int:
@@ -184,7 +185,6 @@ def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (documents + slo_ms extensions)")
     _add_model_args(serve)
     _add_store_args(serve)
-    cli_store.add_bounds_args(serve)  # --disk-max-bytes, --redis-ttl-s, --redis-max-bytes
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", type=Path, default=None,
@@ -256,6 +256,7 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-root", type=Path, default=None, help="disk tier root (default $CACHESMITH_HOME/kv)")
     p.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk", "redis"])
     p.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0")
+    cli_store.add_bounds_args(p)  # --disk-max-bytes, --redis-ttl-s, --redis-max-bytes: every command that stores
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

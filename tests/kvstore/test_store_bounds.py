@@ -165,3 +165,11 @@ def test_store_prune_down_to_max_bytes_goes_least_recently_used_first(tmp_path, 
 def test_store_prune_needs_a_bound(tmp_path, capsys):
     assert cli.main(["store", "prune", "--store-root", str(tmp_path)]) == 2
     assert "--max-bytes N and/or --older-than DAYS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["precompute", "corpus.jsonl"], ["bench"]])
+def test_every_command_that_stores_takes_the_bounds(command, tmp_path):
+    args = cli.build_parser().parse_args([*command, "--disk-max-bytes", "1G", "--redis-ttl-s", "60",
+                                          "--store-root", str(tmp_path)])
+    assert cli_store.store_bounds(args) == {"disk_max_bytes": 1 << 30, "redis_ttl_s": 60, "redis_max_bytes": None}
+    assert cli._store(args).tiers[1].quota.max_bytes == 1 << 30  # the disk tier, bounded as asked
