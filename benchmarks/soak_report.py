@@ -125,6 +125,16 @@ def phase_of(rec: Record, windows: list[dict], open_end_s: float = float("inf"))
     return hits[0] if hits else "steady"
 
 
+STORE_FAULTS = ("redis_down", "disk_readonly")
+
+
+def is_store_refusal(rec: Record, phase: str) -> bool:
+    """A 503 `store_unavailable` while a store tier is down or read-only: the server refusing what
+    that tier would have to do (a delete it cannot carry there), the entry kept, with Retry-After.
+    Expected in those windows, so not among the unexpected 5xx; anywhere else it is one."""
+    return rec.status == "503" and rec.code == "store_unavailable" and phase in STORE_FAULTS
+
+
 def _example(rec: Record, phase: str) -> dict:
     return {k: v for k, v in {**asdict(rec), "phase": phase}.items() if v is not None}
 
@@ -137,11 +147,14 @@ def summarize_requests(records: list[Record], windows: list[dict]) -> dict:
         by_phase.setdefault(phase, Counter())[rec.status] += 1
         by_kind.setdefault(rec.kind, Counter())[rec.status] += 1
     outside = [(r, p) for r, p in zip(records, phases) if p != "server_killed"]
-    server_errors = [(r, p) for r, p in outside if is_5xx(r)]
+    refusals = [(r, p) for r, p in outside if is_store_refusal(r, p)]
+    server_errors = [(r, p) for r, p in outside if is_5xx(r) and not is_store_refusal(r, p)]
     dropped = [(r, p) for r, p in outside if r.status in CONNECTION_FAILURES]
     return {"num_requests": len(records), "by_status": dict(Counter(r.status for r in records)),
             "by_phase": {p: dict(c) for p, c in by_phase.items()}, "by_kind": {k: dict(c) for k, c in by_kind.items()},
             "num_5xx_outside_killed_window": len(server_errors),
+            "num_503_store_unavailable_in_store_faults": len(refusals),
+            "examples_503_store_unavailable_in_store_faults": [_example(r, p) for r, p in refusals[:MAX_EXAMPLES]],
             "examples_5xx_outside_killed_window": [_example(r, p) for r, p in server_errors[:MAX_EXAMPLES]],
             "num_connection_failures_outside_killed_window": len(dropped),
             "examples_connection_failures_outside_killed_window": [_example(r, p) for r, p in dropped[:MAX_EXAMPLES]],
@@ -257,7 +270,8 @@ def bars(payload: dict) -> list[dict]:
     """Each bar: what, value, target, and whether it passed (None where it has no target or was not
     measured)."""
     req, integ, cross, store = payload["requests"], payload["integrity"], payload["cross_tenant"], payload["store"]
-    rows = [("5xx outside the killed window", req["num_5xx_outside_killed_window"], 0),
+    rows = [("5xx outside the killed window (but store_unavailable in a store fault)",
+             req["num_5xx_outside_killed_window"], 0),
             ("connection failures outside the killed window", req["num_connection_failures_outside_killed_window"], 0),
             ("own chunks lost (404) outside fault windows", req["num_own_lost_steady"], 0)]
     for when in ("after_restart", "at_end"):
@@ -276,6 +290,8 @@ def bars(payload: dict) -> list[dict]:
              ("cap probes answered 2xx (cap not enforced)", req["num_cap_not_enforced"], 0)]
     out = [{"bar": name, "value": value, "target": target, "passed": None if value is None else value <= target}
            for name, value, target in rows]
+    out.append({"bar": "503 store_unavailable in a store fault (retryable refusals)",
+                "value": req.get("num_503_store_unavailable_in_store_faults"), "target": "-", "passed": None})
     quota = store["disk_quota_bytes"]
     out.append({"bar": "max disk tier bytes (entries + temporary files)", "value": store["max_with_tmp_bytes"],
                 "target": f"<= {quota}", "passed": store["max_with_tmp_bytes"] <= quota})

@@ -102,6 +102,18 @@ def test_failures_inside_the_killed_window_are_expected_and_outside_it_counted()
     assert out["ttft"]["server_p50_s"] == 0.4
 
 
+def test_a_store_refusal_is_expected_only_inside_a_store_fault():
+    refused = dict(code="store_unavailable", kind="delete_own")
+    records = [rec("503", 30, 31, **refused),  # redis down: the delete it cannot carry there, refused
+               rec("503", 1, 2, **refused),  # steady: a store tier refusing for no injected reason
+               rec("503", 32, 33, kind="delete_own", code="shutting_down")]  # in the fault, another cause
+    out = summarize_requests(records, [REDIS, KILLED])
+    assert out["num_503_store_unavailable_in_store_faults"] == 1
+    assert out["num_5xx_outside_killed_window"] == 2
+    assert {(e["phase"], e["code"]) for e in out["examples_5xx_outside_killed_window"]} == {
+        ("steady", "store_unavailable"), ("redis_down", "shutting_down")}
+
+
 def test_percentile_is_nearest_rank_and_5xx_includes_server_errors_in_streams():
     assert percentile(list(range(1, 101)), 99) == 99
     assert percentile([3.0], 50) == 3.0 and percentile([], 99) is None
@@ -157,7 +169,7 @@ def test_bars_fail_past_their_targets():
                "cross_tenant": {"measured": True, "num_successes": 0, "identical_text_id_collisions": 0},
                "store": {"disk_quota_bytes": 100, "max_with_tmp_bytes": 101}}
     by_name = {b["bar"]: b for b in bars(payload)}
-    assert by_name["5xx outside the killed window"]["passed"] is False
+    assert by_name["5xx outside the killed window (but store_unavailable in a store fault)"]["passed"] is False
     assert by_name["cross-tenant reads"]["passed"] is True
     assert by_name["max disk tier bytes (entries + temporary files)"]["passed"] is False
     assert by_name["acknowledged chunks lost (after restart)"]["passed"] is None  # not checked: no restart
