@@ -138,9 +138,14 @@ class DiskQuota:
             return growth
 
     def _growth(self, key: str, size: int) -> int:
-        # rewriting a stored key replaces its file: only a larger size needs more room
-        old = self._entries.get(key)
-        return max(0, size - old[0]) if old is not None else size
+        # the new file is written beside the old one until the rename replaces it: room for all of it
+        return size
+
+    def holds(self, key: str, size: int) -> bool:
+        """Whether `key` is stored at `size` bytes (content-addressed: then its bytes are the same)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry[0] == size
 
     def commit(self, key: str, size: int, num_reserved: int) -> None:
         """The write of `key` that reserved `num_reserved` bytes landed: count it as the most recently

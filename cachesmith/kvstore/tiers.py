@@ -194,6 +194,8 @@ class DiskTier(Tier):
 
     def put(self, key: str, data: bytes) -> bool:
         path = self.path(key)
+        if self.quota.holds(key, len(data)) and path.exists():  # the same bytes, by their key: nothing to write
+            return True
         num_reserved = self.quota.reserve(key, len(data))  # evicts first, so the files never exceed it
         if num_reserved is None:
             return False

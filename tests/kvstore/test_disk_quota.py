@@ -53,12 +53,27 @@ def test_quota_evicts_least_recently_used_and_never_exceeds_it(tmp_path):
     assert tier.usage().num_entries == 10 and tier.quota.num_evicted == 10
 
 
-def test_rewriting_a_stored_key_evicts_nothing(tmp_path):
+def test_rewriting_a_stored_key_evicts_nothing_and_writes_nothing(tmp_path):
     tier = DiskTier(tmp_path, max_bytes=300)
     for i in range(3):
         tier.put(_key(i), _data(i))
-    assert tier.put(_key(0), _data(0))
+    written = tier.path(_key(0)).stat().st_mtime_ns
+    assert tier.put(_key(0), _data(0))  # its bytes are there already (content-addressed)
+    assert tier.path(_key(0)).stat().st_mtime_ns == written
     assert tier.usage().num_entries == 3 and tier.quota.num_evicted == 0
+
+
+def test_a_replacing_write_has_room_for_its_new_file_beside_the_old(tmp_path):
+    tier = DiskTier(tmp_path, max_bytes=301)
+    for i in range(3):
+        tier.put(_key(i), _data(i))
+    tier.quota.touch(_key(0), 100)  # 1 is now the least recently used
+    grown = _data(0) + b"x"  # a different size: the file is written anew, beside the old until its rename
+    num_reserved = tier.quota.reserve(_key(0), len(grown))
+    assert num_reserved == len(grown) and not tier.contains(_key(1))  # room made for the whole new file
+    assert tier.contains(_key(2)) and tier.quota.num_bytes + tier.quota.num_reserved <= 301
+    tier.quota.commit(_key(0), len(grown), num_reserved)
+    assert tier.quota.num_bytes == 100 + len(grown) and tier.quota.num_reserved == 0
 
 
 def test_an_entry_in_use_is_never_evicted_and_is_evictable_after_close(tmp_path):
