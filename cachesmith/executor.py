@@ -132,7 +132,8 @@ class BatchExecutor:
         queued = check_request(request, prompt.num_prefix_tokens, sum(prompt.chunk_num_tokens),
                                len(prompt.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
         keyed = KeyedRequest(list(prompt.chunk_keys), list(prompt.suffix_ids), prompt.prefix_key,
-                             extra_capacity=request.instance.max_new_tokens, was_stored=prompt.was_stored)
+                             extra_capacity=request.instance.max_new_tokens, was_stored=prompt.was_stored,
+                             rebuild={key: (ids, namespace) for key, ids, namespace in prompt.sources})
         return Admitted(request, keyed, queued, prompt.chunk_num_tokens)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:

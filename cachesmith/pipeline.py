@@ -119,8 +119,11 @@ class RagPipeline:
     def keyed_request(self, parts: PromptParts, max_new_tokens: int) -> KeyedRequest:
         ensured = [self.store.ensure(self.model, ids) for ids in parts.chunk_ids]
         prefix = self.store.ensure(self.model, parts.prefix_ids)[0] if parts.prefix_ids else None
+        rebuild = {key: (tuple(ids), "") for (key, _), ids in zip(ensured, parts.chunk_ids)}
+        if prefix is not None:
+            rebuild[prefix] = (tuple(parts.prefix_ids), "")
         return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=max_new_tokens,
-                            was_stored=tuple(not computed for _, computed in ensured))
+                            was_stored=tuple(not computed for _, computed in ensured), rebuild=rebuild)
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig, max_new_tokens: int = 32,
                answer_prefix: str = "", system: str | None = None) -> Answer:

@@ -27,6 +27,8 @@ class StoredPrompt:
     chunk_num_tokens: tuple[int, ...]
     suffix_ids: tuple[int, ...]
     was_stored: tuple[bool, ...] = ()  # per chunk: False = prefilled for this request
+    # (key, token ids, namespace) of the entries the caller stored: what rebuilds one evicted before staging
+    sources: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.chunk_keys) != len(self.chunk_num_tokens):

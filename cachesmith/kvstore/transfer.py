@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ class KeyedRequest:
     coverage: float | None = None
     extra_capacity: int = 0
     was_stored: tuple[bool, ...] = ()  # per chunk, when keyed by `RagPipeline.keyed_request`: False = prefilled then
+    # key -> (token ids, namespace) of entries its caller stored: one that every tier evicted before
+    # staging (memory LRU, a disk quota, redis away) is prefilled again there instead of failing the batch
+    rebuild: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -224,8 +227,16 @@ class BatchTransfer(RunnerHooks):
                 self._need(layer, i, want)
 
     # -- staging -----------------------------------------------------------------------------
-    def _open(self, key: str, field_name: str) -> EntryReader:
-        reader = self.engine.store.open(key, self.model)
+    def _open(self, key: str, field_name: str, rebuild: dict[str, tuple[tuple[int, ...], str]]) -> EntryReader:
+        store = self.engine.store
+        reader = store.open(key, self.model)
+        if reader is None and key in rebuild:
+            token_ids, namespace = rebuild[key]
+            log.warning("%s: chunk %s left every store tier after its request was admitted; prefilled again",
+                        field_name, key[:12])
+            store.ensure(self.model, token_ids, namespace, key)
+            self.engine.stats.num_recomputed += 1
+            reader = store.open(key, self.model)
         if reader is None:
             raise CorruptEntry(f"{field_name}: chunk {key[:12]} is not in the store (or was corrupt)")
         return reader
@@ -236,7 +247,7 @@ class BatchTransfer(RunnerHooks):
         readers: list[tuple[bool, EntryReader]] = []
         try:
             for name, key in keys:
-                readers.append((name == "prefix", self._open(key, f"requests[{index}].{name}")))
+                readers.append((name == "prefix", self._open(key, f"requests[{index}].{name}", req.rebuild)))
         except BaseException:
             for _, r in readers:
                 r.close()

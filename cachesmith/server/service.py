@@ -166,8 +166,11 @@ class Service:
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
         keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, pinned)
         num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
+        sources = [(e.key, tuple(ids), e.namespace) for e, ids in zip(entries, frame.document_ids) if e is not None]
+        if prefix is not None:
+            sources.append((prefix.key, tuple(frame.prefix_ids), prefix.namespace))
         prompt = StoredPrompt(prefix and prefix.key, len(frame.prefix_ids), tuple(keys), frame.num_document_tokens,
-                              tuple(frame.suffix_ids), tuple(not f for f in fresh))
+                              tuple(frame.suffix_ids), tuple(not f for f in fresh), tuple(sources))
         return prompt, num_prefix_stored
 
     def _tokenize(self, spec: CompletionSpec, max_tokens: int, spaces: Namespaces) -> _Frame:

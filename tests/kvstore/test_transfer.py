@@ -180,6 +180,25 @@ def test_missing_chunk_and_bad_config_are_named(model, tmp_path):
         TransferConfig(bandwidth_gbps=0)
 
 
+def test_an_entry_evicted_between_admission_and_staging_is_prefilled_again(model, tmp_path, caplog):
+    """Every tier may drop an admitted request's entry before its batch stages it (a memory LRU, a
+    disk quota, redis away): rebuilt from what its caller stored, the batch runs as if nothing left."""
+    store = ChunkStore(StoreConfig(tiers=("memory",)))
+    reqs, keyed = stored_requests(model, store, seeds=(1,))
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+    ref = BatchRunner(model).run(reqs, plan)
+    req, lost = keyed[0], keyed[0].chunk_keys[1]
+    store.delete(lost)
+    with pytest.raises(Exception, match=r"requests\[0\].chunks\[1\]: chunk"):  # nothing to rebuild it from
+        TransferEngine(store, model).stage(keyed, plan)
+    req.rebuild = {lost: (tuple(reqs[0].chunks[1].token_ids), "")}
+    engine = TransferEngine(store, model)
+    with engine.stage(keyed, plan) as batch:
+        out = BatchRunner(model).run(batch.requests, plan, batch)
+    assert max_diff(out[0].logits, ref[0].logits) == 0.0 and store.contains(lost)
+    assert engine.stats.num_recomputed == 1 and "prefilled again" in caplog.text
+
+
 class _Lower(RunnerHooks):
     """A runtime monitor that drops every recomputed context row after the first Patch layer."""
 
