@@ -208,7 +208,10 @@ class DiskTier(Tier):
                 os.fsync(fh.fileno())
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # a folder gone read-only keeps it: swept at the next start (`_sweep_temp_files`)
+                pass
             self.quota.cancel(key, num_reserved)
             level = "disk full" if exc.errno == errno.ENOSPC else "write failed"
             log.warning("disk tier: %s for %s (%s); serving continues without it", level, key[:12], exc)

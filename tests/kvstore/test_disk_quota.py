@@ -6,6 +6,7 @@ import os
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,16 @@ def test_reads_move_the_files_atime_at_most_once_a_minute(tmp_path, monkeypatch)
         clock[0] += 30
         _read(tier, 0)
     assert len(calls) == 3
+
+
+def test_a_write_into_a_folder_gone_read_only_is_refused_not_raised(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, max_bytes=300)
+    tier.put(_key(0), _data(0))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "replace", denied)  # the rename into a read-only folder fails...
+    monkeypatch.setattr(Path, "unlink", denied)  # ...and so does removing the temporary file
+    assert tier.put(_key(1), _data(1)) is False
+    assert tier.quota.num_reserved == 0 and not tier.contains(_key(1)) and tier.contains(_key(0))
