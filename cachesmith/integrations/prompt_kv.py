@@ -1,14 +1,16 @@
 """cachesmith's KV of one prompt, for an engine that finishes and decodes it (the vLLM connector).
 
 In: a prompt's token ids and the request's cachesmith parameters, as a client sends them
-(`{"num_prefix_tokens": P, "chunk_token_counts": [n_1, ...], "method": ..., "slo_ms": ...}`), and
-how long the request has already waited. Out: `ConnectorParams` (validated, or an `InputError` that
-names the field) and, from `build_prompt_kv`, the `KVCache` of the whole prompt under the
-request's plan with a `LoadReport` of what it took: which chunks the store served, which were
-prefilled and stored, the plan and its budget.
+(`{"num_prefix_tokens": P, "chunk_token_counts": [n_1, ...], "method": ..., "slo_ms": ...}`), how
+long the request has already waited, the store namespace its chunks live in (`namespace_of` of the
+request's `cache_salt`; "" without one), and optionally the plan an earlier build of the same
+request ran. Out: `ConnectorParams` (validated, or an `InputError` that names the field) and, from
+`build_prompt_kv`, a `PromptKV`: the `KVCache` of the whole prompt under the request's plan, a
+`LoadReport` of what it took (which chunks the store served, which were prefilled and stored, the
+plan and its budget) and the `PromptPlan` it ran, so that a rebuild runs the same one.
 
 `method` "cachesmith" (the default) asks the system's planner for the plan of the request alone
-under what is left of `slo_ms` (`RagPipeline.one_planner`, as `cachesmith ask` plans); any other
+under what is left of `slo_ms` (`plan_one.one_planner`, as `cachesmith ask` plans); any other
 value is a fixed method (`full_prefill`, `full_reuse`, `<preset>@<coverage>`). Nothing here
 imports vLLM, so it is tested on tiny models in `make test`.
 """
@@ -16,11 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from cachesmith.errors import CachesmithError, InputError
+from cachesmith.kvstore import KeyedRequest
 from cachesmith.methods import parse_method
+from cachesmith.model.kv_cache import KVCache
 from cachesmith.model.tokenizer import PromptParts
-from cachesmith.pipeline import DEFAULT_SLO_S, RagPipeline
+from cachesmith.pipeline import RagPipeline
+from cachesmith.plan_one import DEFAULT_SLO_S, one_planner
 from cachesmith.recompute import RecomputeConfig
 
 PARAMS_KEY = "cachesmith"  # the key of our parameters inside a request's kv_transfer_params
@@ -104,23 +110,46 @@ class LoadReport:
         return {PARAMS_KEY: asdict(self)}
 
 
-def _plan(pipe: RagPipeline, parts: PromptParts, params: ConnectorParams,
-          waited_s: float) -> tuple[RecomputeConfig, float | None]:
+class PromptPlan(NamedTuple):
+    """The plan one build of a prompt ran; a rebuild of the same request runs it again."""
+    config: RecomputeConfig
+    budget_ms: float | None  # the planner's budget (planned requests only)
+
+
+class PromptKV(NamedTuple):
+    cache: KVCache  # rows of the whole prompt; the caller releases it
+    report: LoadReport
+    plan: PromptPlan
+
+
+def plan_prompt(pipe: RagPipeline, parts: PromptParts, params: ConnectorParams, waited_s: float) -> PromptPlan:
+    """The fixed method's plan, or the planner's for what is left of the SLO after `waited_s`."""
     if params.method != PLANNED:
-        return parse_method(params.method).plan(pipe.model.num_layers), None
-    chosen = pipe.one_planner().plan(parts, max(MIN_BUDGET_S, params.slo_ms / 1000.0 - waited_s))
-    return chosen.config, chosen.budget_s * 1000.0
+        return PromptPlan(parse_method(params.method).plan(pipe.model.num_layers), None)
+    chosen = one_planner(pipe).plan(parts, max(MIN_BUDGET_S, params.slo_ms / 1000.0 - waited_s))
+    return PromptPlan(chosen.config, chosen.budget_s * 1000.0)
 
 
-def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorParams, waited_s: float = 0.0):
-    """(`KVCache` of the whole prompt, `LoadReport`): stored chunks read, missing ones prefilled and
-    stored, the plan run by cachesmith's runner. The caller releases the cache."""
+def keyed_request(pipe: RagPipeline, parts: PromptParts, namespace: str = "") -> KeyedRequest:
+    """`RagPipeline.keyed_request` for one answer token, with the prefix and every chunk keyed in
+    `namespace`: equal text under two cache salts is two entries, and neither reads the other's.
+    Missing entries are prefilled and stored here."""
+    ensured = [pipe.store.ensure(pipe.model, ids, namespace) for ids in parts.chunk_ids]
+    prefix = pipe.store.ensure(pipe.model, parts.prefix_ids, namespace)[0] if parts.prefix_ids else None
+    return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=1,
+                        was_stored=tuple(not computed for _, computed in ensured))
+
+
+def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorParams, waited_s: float = 0.0, *,
+                    namespace: str = "", plan: PromptPlan | None = None) -> PromptKV:
+    """The prompt's KV: stored chunks of `namespace` read, missing ones prefilled and stored, then
+    `plan` (None: `plan_prompt`'s) run by cachesmith's runner. The caller releases the cache."""
     parts = params.parts(token_ids)
-    plan, budget_ms = _plan(pipe, parts, params, waited_s)
-    request = pipe.keyed_request(parts, 1)  # missing chunks are prefilled and stored here
-    with pipe.transfer.stage([request], plan) as batch:
-        out = pipe.runner.run(batch.requests, plan, batch)[0]
+    plan = plan or plan_prompt(pipe, parts, params, waited_s)
+    request = keyed_request(pipe, parts, namespace)
+    with pipe.transfer.stage([request], plan.config) as batch:
+        out = pipe.runner.run(batch.requests, plan.config, batch)[0]
     report = LoadReport(len(request.was_stored), sum(request.was_stored), request.was_stored.count(False),
                         sum(len(ids) for ids, hit in zip(parts.chunk_ids, request.was_stored) if hit),
-                        int(out.selected.numel()), plan.label(), budget_ms)
-    return out.cache, report
+                        int(out.selected.numel()), plan.config.label(), plan.budget_ms)
+    return PromptKV(out.cache, report, plan)

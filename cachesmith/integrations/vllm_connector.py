@@ -3,27 +3,40 @@
 In: a vLLM request whose `kv_transfer_params` carry `{"cachesmith": {"num_prefix_tokens": P,
 "chunk_token_counts": [n_1, ...], "method": "cachesmith", "slo_ms": 2000}}`: the prompt's token ids
 are a prefix of P tokens, the documents' chunks of n_i tokens each, then the question
-(`prompt_kv.ConnectorParams`). Out: the KV of every prompt token but the last, computed by
-cachesmith's own engine (stored chunks, the planner's plan for what is left of the request's SLO or
-a fixed method, selective recomputation) and written into vLLM's paged blocks with vLLM's own
-cache-write op. vLLM computes the last token and decodes, so the request answers as cachesmith's
-engine answers with that plan (and, at full coverage, as vLLM alone answers). The response's
-`kv_transfer_params` report what the build took (`prompt_kv.LoadReport`), or the field a request
-got wrong; vLLM's /metrics gain `cachesmith:vllm_*` counters (`vllm_stats`).
+(`prompt_kv.ConnectorParams`); and its `cache_salt`, if any, which keys its chunks in a store
+namespace of their own (equal text under two salts: two entries, neither read for the other). Out:
+the KV of every prompt token but the last, computed by cachesmith's own engine (stored chunks, the
+planner's plan for what is left of the request's SLO or a fixed method, selective recomputation)
+and written into vLLM's paged blocks with vLLM's own cache-write op. vLLM computes the last token
+and decodes, so the request answers as cachesmith's engine answers with that plan (and, at full
+coverage, as vLLM alone answers). The response's `kv_transfer_params` report what the build took
+(`prompt_kv.LoadReport`, with `num_rebuilds`), or the field a request got wrong; vLLM's /metrics
+gain `cachesmith:vllm_*` counters (`vllm_stats`).
 
-Failures: parameters that do not fit the prompt are refused by name and the request is vLLM's
-alone. A build that fails (a store that cannot serve a chunk, no memory) reports its blocks as
-failed loads, and vLLM, launched with `"kv_load_failure_policy": "recompute"`, prefills the prompt
-itself. vLLM's prefix cache must be off (`--no-enable-prefix-caching`): it would register the
-connector's planned, approximate KV as the exact KV of those tokens for every later request.
+Builds run off vLLM's step by default (`"load_async": true`): vLLM allocates the request's blocks,
+keeps it waiting for its KV while the other requests keep decoding, and schedules it once the
+builder thread reports it received (`connector_builds`). `"load_async": false` builds inside the
+step that schedules the request, as before; the whole batch waits for it.
+
+Preemption: when vLLM preempts a request it frees its blocks; on resuming it asks the connector
+again and allocates new ones. The connector rebuilds the prompt's KV into those blocks, with the
+plan of its first build (`connector_book`): rebuilding rather than reporting the load as failed
+keeps the answer the one the plan gives, and costs a build rather than a full prefill by vLLM.
+
+Failures: parameters that do not fit the prompt, or a cache_salt the store cannot take, are refused
+by name and the request is vLLM's alone. A build that fails (a store that cannot serve a chunk, no
+memory) reports its blocks as failed loads, and vLLM, launched with `"kv_load_failure_policy":
+"recompute"`, prefills the prompt itself (and again if it resumes the request later). vLLM's prefix
+cache must be off (`--no-enable-prefix-caching`): it would register the connector's planned,
+approximate KV as the exact KV of those tokens for every later request.
 
 vLLM loads it with `--kv-transfer-config '{"kv_connector": "CachesmithConnector",
 "kv_connector_module_path": "cachesmith.integrations.vllm_connector", "kv_role": "kv_both",
 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"model": "smollm2-135m"}}'`;
-extra config also takes `store_tiers`, `store_root` and `redis_url`, as `cachesmith serve` does, so
-both can share one redis store. The worker holds a second copy of the weights (cachesmith's
-decoder). Written for vLLM's CPU attention backend (`ops.cpu_attn_reshape_and_cache`); on another
-backend every build falls back to vLLM's prefill, with the reason logged.
+extra config also takes `load_async`, `store_tiers`, `store_root` and `redis_url`, as `cachesmith
+serve` does, so both can share one redis store. The worker holds a second copy of the weights
+(cachesmith's decoder). Written for vLLM's CPU attention backend (`ops.cpu_attn_reshape_and_cache`);
+on another backend every build falls back to vLLM's prefill, with the reason logged.
 """
 from __future__ import annotations
 
@@ -38,23 +51,14 @@ from vllm import _custom_ops as ops
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
-from cachesmith.errors import InputError
-from cachesmith.integrations.prompt_kv import PARAMS_KEY, ConnectorParams, build_prompt_kv
+from cachesmith.integrations.connector_book import Load, LoadBook, StoreSettings
+from cachesmith.integrations.connector_builds import Built, Builds
+from cachesmith.integrations.prompt_kv import PARAMS_KEY, PromptPlan, build_prompt_kv
 from cachesmith.integrations.vllm_stats import ConnectorPromMetrics, ConnectorStats
+from cachesmith.plan_one import one_planner
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass
-class Load:
-    """One request's prompt, its parameters, and where vLLM's blocks hold its rows."""
-    request_id: str
-    token_ids: list[int]
-    params: ConnectorParams
-    arrival_time: float  # when vLLM received the request (time.time())
-    block_ids: list[int]
-    slots: torch.Tensor  # [num_prompt_tokens - 1] int64
 
 
 @dataclass
@@ -80,6 +84,14 @@ def write_cpu_cache(layer, key: torch.Tensor, value: torch.Tensor, slots: torch.
     ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, slots, layer.isa)
 
 
+def build_counts(load: Load, report, num_rows: int) -> dict[str, int]:
+    """One build's counters for vLLM's stats (`vllm_stats.SERIES`)."""
+    outcome = "prompts_rebuilt" if load.num_rebuilds else "prompts_built"
+    return {outcome: 1, "chunks_stored": report.num_chunks_stored, "chunks_prefilled": report.num_chunks_prefilled,
+            "stored_tokens": report.num_stored_tokens, "recomputed_tokens": report.num_recomputed_tokens,
+            "written_tokens": num_rows}
+
+
 class CachesmithConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -94,124 +106,104 @@ class CachesmithConnector(KVConnectorBase_V1):
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         extra = self._kv_transfer_config.get_from_extra_config
         self.model_name = extra("model", "smollm2-135m")
-        self.store = {"tiers": tuple(extra("store_tiers", ("memory", "disk"))), "root": extra("store_root", None),
-                      "redis_url": extra("redis_url", None)}
-        self._pending: dict[str, tuple[list[int], ConnectorParams, float]] = {}  # (ids, params, arrival)
-        self._reports: dict[str, dict] = {}  # scheduler: request id -> what to return; worker: to send
-        self._in_flight: set[str] = set()  # scheduler: loads sent to the workers, not yet reported
-        self._awaiting: dict[str, dict] = {}  # scheduler: finished requests' params, filled on report
-        self._failed_blocks: set[int] = set()
+        self.store = StoreSettings.from_extra(extra)
+        load_async = extra("load_async", True)
+        if not isinstance(load_async, bool):
+            raise ValueError(f"CachesmithConnector: kv_connector_extra_config.load_async={load_async!r} must be "
+                             "true (build off vLLM's step) or false (inside it)")
+        self.book = LoadBook(load_async)  # scheduler side
+        self.builds = Builds(self._build, load_async)  # worker side
+        self._outgoing: dict[str, dict] = {}  # worker: reports for the scheduler, sent after this step
+        self._failed_blocks: set[int] = set()  # worker: blocks of failed builds, reported after this step
+        self._layers: dict[int, Any] = {}  # worker: decoder layer index -> vLLM's attention layer
         self._stats = ConnectorStats()
         self._pipe = None
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # the connector hands no KV off (it never saves): vLLM need not drop a preempted request's
+        # in-flight output on its account
+        return False
+
     # ---- scheduler side: claim every prompt token but the last of a request that asks for cachesmith
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        raw = (request.kv_transfer_params or {}).get(PARAMS_KEY)
-        if raw is None:
-            return 0, False
-        try:
-            params = ConnectorParams.parse(raw, len(request.prompt_token_ids))
-        except InputError as exc:  # the request is vLLM's alone; its response names the field
-            log.warning("request %s: %s", request.request_id, exc)
-            self._reports[request.request_id] = {PARAMS_KEY: {"error": str(exc)}}
-            return 0, False
-        self._pending[request.request_id] = (list(request.prompt_token_ids), params, request.arrival_time)
-        return max(0, len(request.prompt_token_ids) - 1 - num_computed_tokens), False
+        return self.book.claim(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens == 0:
-            self._pending.pop(request.request_id, None)
+        # new requests and resumed ones alike: the blocks are the request's whole allocation
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.book.allocated(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = CachesmithMetadata()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            pending = self._pending.pop(new_req.req_id, None)
-            if pending is None:
-                continue
-            token_ids, params, arrival_time = pending
-            block_ids = list(new_req.block_ids[0])
-            blocks = torch.tensor(block_ids, dtype=torch.int64)
-            slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-            meta.loads.append(Load(new_req.req_id, token_ids, params, arrival_time, block_ids,
-                                   slots[:len(token_ids) - 1]))
-            self._in_flight.add(new_req.req_id)
-        return meta
+        return CachesmithMetadata(self.book.take_loads())
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
-        for request_id, report in meta.reports.items() if isinstance(meta, CachesmithWorkerMetadata) else ():
-            self._in_flight.discard(request_id)
-            awaiting = self._awaiting.pop(request_id, None)
-            if awaiting is not None:
-                awaiting.update(report)
-            else:
-                self._reports[request_id] = report
+        if isinstance(meta, CachesmithWorkerMetadata):
+            self.book.reported(meta.reports)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._pending.pop(request.request_id, None)
-        if request.request_id in self._in_flight:
-            # A request that ends in its first step (one token) finishes before vLLM hands the
-            # scheduler that step's worker output; the dict returned here goes out with the
-            # response after this step, so `update_connector_output` fills it in place.
-            self._in_flight.discard(request.request_id)
-            self._awaiting[request.request_id] = {}
-            return False, self._awaiting[request.request_id]
-        return False, self._reports.pop(request.request_id, None)
+        # never delays the free: vLLM itself keeps the blocks of a request aborted mid-load until
+        # the load is reported received
+        return False, self.book.finished(request.request_id)
 
     # ---- worker side: cachesmith's KV of the prompt, written where vLLM's blocks hold those rows
     def _pipeline(self):
         if self._pipe is None:
-            from cachesmith.kvstore import ChunkStore, StoreConfig
+            from cachesmith.kvstore import ChunkStore
             from cachesmith.pipeline import RagPipeline  # the worker's second copy of the weights
 
-            self._pipe = RagPipeline(self.model_name, dtype=self.dtype, store=ChunkStore(StoreConfig(**self.store)))
+            self._pipe = RagPipeline(self.model_name, dtype=self.dtype, store=ChunkStore(self.store.config()))
         return self._pipe
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # at start-up, so that no request's clock pays for loading the weights and the planner's
         # profile (calibrating a packaged profile to the machine takes seconds)
-        self._pipeline().one_planner()
+        one_planner(self._pipeline())
 
-    def _load(self, load: Load, layers: dict) -> dict:
-        """Build and write one prompt's KV; its report."""
+    def _build(self, load: Load, plan: PromptPlan | None) -> Built:
+        """Build and write one prompt's KV (on the builder thread when asynchronous)."""
+        slots = load.slots(self.block_size)
         waited_s = max(0.0, time.time() - load.arrival_time)
-        cache, report = build_prompt_kv(self._pipeline(), load.token_ids, load.params, waited_s)
+        kv = build_prompt_kv(self._pipeline(), load.token_ids, load.params, waited_s,
+                             namespace=load.namespace, plan=plan)
         try:
-            n = len(load.slots)
-            for i, layer in layers.items():
-                write_cpu_cache(layer, cache.key_slab[i, :n], cache.value_slab[i, :n], load.slots)
+            n = load.num_rows
+            for i, layer in self._layers.items():
+                write_cpu_cache(layer, kv.cache.key_slab[i, :n], kv.cache.value_slab[i, :n], slots)
         finally:
-            cache.release()
-        self._stats.add(prompts_built=1, chunks_stored=report.num_chunks_stored,
-                        chunks_prefilled=report.num_chunks_prefilled, stored_tokens=report.num_stored_tokens,
-                        recomputed_tokens=report.num_recomputed_tokens, written_tokens=n)
-        return report.to_params()
+            kv.cache.release()
+        params = kv.report.to_params()
+        params[PARAMS_KEY]["num_rebuilds"] = load.num_rebuilds
+        return Built(params, build_counts(load, kv.report, load.num_rows), kv.plan)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         loads = getattr(self._get_connector_metadata(), "loads", ())
         if not loads:
             return
-        layers = {int(m.group(1)): layer for name, layer in forward_context.no_compile_layers.items()
-                  if getattr(layer, "kv_cache", None) is not None and (m := _LAYER.search(name))}
-        for load in loads:
-            try:
-                self._reports[load.request_id] = self._load(load, layers)
-            except Exception as exc:  # noqa: BLE001  any failure: vLLM prefills, never a wrong answer
-                log.warning("request %s: cachesmith could not build its KV (%s: %s); vLLM prefills it",
-                            load.request_id, type(exc).__name__, exc)
-                self._failed_blocks.update(load.block_ids)
-                self._stats.add(prompts_fallback=1)
-                self._reports[load.request_id] = {PARAMS_KEY: {"error": f"{type(exc).__name__}: {exc}",
-                                                               "fallback": "vllm_prefill"}}
+        if not self._layers:  # the model's attention layers, fixed for the worker's life
+            self._layers = {int(m.group(1)): layer for name, layer in forward_context.no_compile_layers.items()
+                            if getattr(layer, "kv_cache", None) is not None and (m := _LAYER.search(name))}
+        self.builds.start(loads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: nothing is sent, the asynchronous loads that ended). vLLM calls this first of the
+        step's results, so the failed blocks and reports of those loads go out in the same step."""
+        results = self.builds.drain(finished_req_ids)
+        self._outgoing.update(results.reports)
+        self._failed_blocks |= results.failed_blocks
+        for counts in results.counts:
+            self._stats.add(**counts)
+        return None, results.received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._reports:
+        if not self._outgoing:
             return None
-        reports, self._reports = self._reports, {}
+        reports, self._outgoing = self._outgoing, {}
         return CachesmithWorkerMetadata(reports)
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
@@ -229,6 +221,8 @@ class CachesmithConnector(KVConnectorBase_V1):
         return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        # synchronous builds end before the forward starts; asynchronous ones before vLLM schedules
+        # their request (they are not in the batch until received)
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -236,3 +230,6 @@ class CachesmithConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+    def shutdown(self) -> None:
+        self.builds.shutdown()

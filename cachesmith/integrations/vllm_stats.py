@@ -1,9 +1,10 @@
 """The cachesmith connector's counters in vLLM's own stats path (its log line and its /metrics).
 
-In: per-step counts from the connector's worker (prompts built or fallen back to vLLM's prefill,
-chunks served by the store or prefilled, tokens). Out: `ConnectorStats`, which vLLM sums across
-workers and steps, and `ConnectorPromMetrics`, which vLLM asks for at start-up and feeds with those
-sums: `cachesmith:vllm_prompts_total{outcome}`, `cachesmith:vllm_chunks_total{source}` and
+In: per-step counts from the connector's worker (prompts built, rebuilt after vLLM preempted and
+resumed their request, or fallen back to vLLM's prefill; chunks served by the store or prefilled;
+tokens). Out: `ConnectorStats`, which vLLM sums across workers and steps, and
+`ConnectorPromMetrics`, which vLLM asks for at start-up and feeds with those sums:
+`cachesmith:vllm_prompts_total{outcome}`, `cachesmith:vllm_chunks_total{source}` and
 `cachesmith:vllm_tokens_total{kind}` beside vLLM's series, with vLLM's labels (model name, engine).
 """
 from __future__ import annotations
@@ -16,8 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # counter name -> (its label, {label value: the stats key counting it}, help text)
 SERIES = {
-    "cachesmith:vllm_prompts": ("outcome", {"built": "prompts_built", "fallback": "prompts_fallback"},
-                                "Prompts whose KV cachesmith built, or that fell back to vLLM's prefill"),
+    "cachesmith:vllm_prompts": ("outcome", {"built": "prompts_built", "rebuilt": "prompts_rebuilt",
+                                            "fallback": "prompts_fallback"},
+                                "Prompt builds: first builds, rebuilds after vLLM preempted and resumed the "
+                                "request, builds that failed and fell back to vLLM's prefill"),
     "cachesmith:vllm_chunks": ("source", {"store": "chunks_stored", "prefilled": "chunks_prefilled"},
                                "Document chunks of built prompts: served by the store, or prefilled and stored"),
     "cachesmith:vllm_tokens": ("kind", {"stored": "stored_tokens", "recomputed": "recomputed_tokens",

@@ -1,7 +1,8 @@
 """The vLLM connector's vLLM-free half (`integrations.prompt_kv`) on a tiny random-weight model:
 its parameters refused by field, full coverage equal to full prefill's KV, what the report counts,
-the plan following the SLO, and a store that cannot serve raising (the connector then falls back
-to vLLM's prefill)."""
+the plan following the SLO, a rebuild running the plan it is given, a cache salt's namespace
+keeping its own chunks, and a store that cannot serve raising (the connector then falls back to
+vLLM's prefill)."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.integrations.prompt_kv import ConnectorParams, build_prompt_kv
-from cachesmith.kvstore import ChunkStore, StoreConfig
-from cachesmith.kvstore.entry_format import CorruptEntry
+from cachesmith.kvstore.keys import namespace_of
+from cachesmith.kvstore import ChunkStore, StoreConfig, StoreWriteFailed
 from cachesmith.pipeline import RagPipeline
+from cachesmith.plan_one import use_profile
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
@@ -28,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture()
 def pipe(tiny_dir, tmp_path):
     pipe = tiny_pipeline(tiny_dir, tmp_path / "kv")
-    pipe.use_profile(make_profile(num_layers=pipe.model.num_layers), "synthetic")
+    use_profile(pipe, make_profile(num_layers=pipe.model.num_layers), "synthetic")
     return pipe
 
 
@@ -37,13 +39,20 @@ def layout(pipe: RagPipeline, docs=INST.documents):
     return parts, {"num_prefix_tokens": len(parts.prefix_ids), "chunk_token_counts": [len(c) for c in parts.chunk_ids]}
 
 
-def build(pipe, docs=INST.documents, waited_s=0.0, **extra):
+def built(pipe, docs=INST.documents, waited_s=0.0, namespace="", plan=None, **extra):
+    """(parts, keys, values, the `PromptKV` whose cache they were copied from, now released)."""
     parts, raw = layout(pipe, docs)
-    cache, report = build_prompt_kv(pipe, parts.token_ids, ConnectorParams.parse({**raw, **extra}, len(parts.token_ids)),
-                                    waited_s)
-    keys, values = cache.key_slab[:, :len(parts.token_ids)].clone(), cache.value_slab[:, :len(parts.token_ids)].clone()
-    cache.release()
-    return parts, keys, values, report
+    kv = build_prompt_kv(pipe, parts.token_ids, ConnectorParams.parse({**raw, **extra}, len(parts.token_ids)),
+                         waited_s, namespace=namespace, plan=plan)
+    n = len(parts.token_ids)
+    keys, values = kv.cache.key_slab[:, :n].clone(), kv.cache.value_slab[:, :n].clone()
+    kv.cache.release()
+    return parts, keys, values, kv
+
+
+def build(pipe, docs=INST.documents, waited_s=0.0, **extra):
+    parts, keys, values, kv = built(pipe, docs, waited_s, **extra)
+    return parts, keys, values, kv.report
 
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -105,9 +114,38 @@ def test_the_plan_follows_what_is_left_of_the_slo(pipe):
     assert late.plan.startswith("(position,0,0,") and late.budget_ms < generous.budget_ms
 
 
+def test_a_rebuild_runs_the_plan_it_is_given(pipe):
+    # the first build plans under a generous SLO; a rebuild an hour later would plan full reuse
+    _, keys, values, first = built(pipe, slo_ms=3_600_000)
+    _, again_keys, again_values, again = built(pipe, slo_ms=3_600_000, waited_s=3_600.0, plan=first.plan)
+    _, _, _, replanned = built(pipe, slo_ms=3_600_000, waited_s=3_600.0)
+    assert again.plan == first.plan and again.report.plan == first.report.plan
+    assert again.report.budget_ms == first.report.budget_ms
+    torch.testing.assert_close(again_keys, keys, atol=0, rtol=0)  # the same rows, bit for bit
+    torch.testing.assert_close(again_values, values, atol=0, rtol=0)
+    assert replanned.report.plan != first.report.plan  # without it, the rows would have changed
+
+
+def test_a_cache_salt_keeps_its_own_chunks(pipe):
+    alice, bob = namespace_of("", "alice"), namespace_of("", "bob")
+    parts, keys, _, first = built(pipe, namespace=alice, method="full_reuse")
+    _, bob_keys, _, other = built(pipe, namespace=bob, method="full_reuse")
+    _, _, _, again = built(pipe, namespace=alice, method="full_reuse")
+    _, _, _, unsalted = built(pipe, method="full_reuse")
+    num_chunks = len(parts.chunk_ids)
+    assert first.report.num_chunks_prefilled == num_chunks
+    assert other.report.num_chunks_prefilled == num_chunks  # equal text, but not alice's entries
+    assert (again.report.num_chunks_stored, again.report.num_chunks_prefilled) == (num_chunks, 0)
+    assert unsalted.report.num_chunks_prefilled == num_chunks
+    torch.testing.assert_close(bob_keys, keys, atol=0, rtol=0)  # same text, same KV: only the key differs
+    chunk = parts.chunk_ids[0]
+    stored = {pipe.store.key_for(pipe.model, chunk, ns) for ns in (alice, bob, "")}
+    assert len(stored) == 3 and all(pipe.store.contains(key) for key in stored)
+
+
 def test_a_store_that_cannot_serve_a_chunk_raises(tiny_dir):
-    # a redis-only store whose server is gone keeps nothing: the chunk just prefilled cannot be read
+    # a redis-only store whose server is gone keeps nothing: the chunk just prefilled is refused
     store = ChunkStore(StoreConfig(tiers=("redis",), redis_url="redis://127.0.0.1:9/0"))
     pipe = RagPipeline(str(tiny_dir), store=store)
-    with pytest.raises(CorruptEntry, match="not in the store"):
+    with pytest.raises(StoreWriteFailed, match="no store tier took its KV"):
         build(pipe, method="cacheblend@0.15")
