@@ -81,31 +81,31 @@ SIM_POISSON = ({"setting": "measured-instances-poisson-u0.7-n96", "method": "cac
 SHUFFLED_2K = {"case": "shuffled", "context_tokens": 2048}
 
 QUOTES: tuple[Quote, ...] = (
-    # README.md: results at a glance
-    Quote("README.md", "than the best static method (BestStatic, chosen in hindsight) in {} of 96",
+    # docs/measurements.md: at a glance
+    Quote("docs/measurements.md", "than the best static method (BestStatic, chosen in hindsight) in {} of 96",
           GRID, ROBUST + ("above_best_static",), convert=before_slash),
-    Quote("README.md", "at least Full Prefill's in {} of 96", GRID, ROBUST + ("at_or_above_full_prefill",),
+    Quote("docs/measurements.md", "at least Full Prefill's in {} of 96", GRID, ROBUST + ("at_or_above_full_prefill",),
           convert=before_slash),
-    Quote("README.md", "CacheSmith leads CacheBlend@15% by +{} points of QSA under Poisson arrivals",
+    Quote("docs/measurements.md", "CacheSmith leads CacheBlend@15% by +{} points of QSA under Poisson arrivals",
           POOLED, POISSON + ("lead_pts",), ".1f"),
-    Quote("README.md", "under Poisson arrivals ({}% against", POOLED, POISSON + ("cachesmith",), ".1f", 100),
-    Quote("README.md", "% against {}%, 4 seeds)", POOLED, POISSON + ("best_static_qsa",), ".1f", 100),
-    Quote("README.md", "+{} under Gamma CV 2", POOLED, ("summary", {"setting": "gamma-cv2-u0.7"}, "lead_pts"), ".1f"),
-    Quote("README.md", "and +{} under Gamma CV 3", POOLED, ("summary", {"setting": "gamma-cv3-u0.7"}, "lead_pts"),
+    Quote("docs/measurements.md", "under Poisson arrivals ({}% against", POOLED, POISSON + ("cachesmith",), ".1f", 100),
+    Quote("docs/measurements.md", "% against {}%, 4 seeds)", POOLED, POISSON + ("best_static_qsa",), ".1f", 100),
+    Quote("docs/measurements.md", "+{} under Gamma CV 2", POOLED, ("summary", {"setting": "gamma-cv2-u0.7"}, "lead_pts"), ".1f"),
+    Quote("docs/measurements.md", "and +{} under Gamma CV 3", POOLED, ("summary", {"setting": "gamma-cv3-u0.7"}, "lead_pts"),
           ".1f"),
-    Quote("README.md", "{}% QSA live against", SERVE, ("rows", {"run": "live (server clock)"}, "qsa"), ".0f", 100),
-    Quote("README.md", "live against {}% for the same trace", SERVE, ("rows", {"run": "replay"}, "qsa"), ".0f", 100),
-    Quote("README.md", "at 1K context, {} tokens/s on the native kernels", DECODE, F32_1K + ("tokens_per_s",), ".1f"),
-    Quote("README.md", "on the native kernels against {} for llama.cpp", DECODE, F32_1K + ("llama_cpp_tokens_per_s",),
+    Quote("docs/measurements.md", "{}% QSA live against", SERVE, ("rows", {"run": "live (server clock)"}, "qsa"), ".0f", 100),
+    Quote("docs/measurements.md", "live against {}% for the same trace", SERVE, ("rows", {"run": "replay"}, "qsa"), ".0f", 100),
+    Quote("docs/measurements.md", "at 1K context, {} tokens/s on the native kernels", DECODE, F32_1K + ("tokens_per_s",), ".1f"),
+    Quote("docs/measurements.md", "on the native kernels against {} for llama.cpp", DECODE, F32_1K + ("llama_cpp_tokens_per_s",),
           ".1f"),
-    # README.md: inside vLLM
-    Quote("README.md", "TTFT in one run: vLLM {} s,", ANCHOR, ("rows", {"server": "vllm", **SHUFFLED_2K}, "ttft_s"),
+    # docs/measurements.md: beside vLLM and llama.cpp
+    Quote("docs/measurements.md", "TTFT in one run: vLLM {} s,", ANCHOR, ("rows", {"server": "vllm", **SHUFFLED_2K}, "ttft_s"),
           ".2f"),
-    Quote("README.md", "llama.cpp {} s, cachesmith (CacheBlend@15%)", ANCHOR,
+    Quote("docs/measurements.md", "llama.cpp {} s, cachesmith (CacheBlend@15%)", ANCHOR,
           ("rows", {"server": "llama.cpp", **SHUFFLED_2K}, "ttft_s"), ".2f"),
-    Quote("README.md", "cachesmith (CacheBlend@15%) {} s;", ANCHOR,
+    Quote("docs/measurements.md", "cachesmith (CacheBlend@15%) {} s;", ANCHOR,
           ("rows", {"server": "cachesmith cacheblend@0.15", **SHUFFLED_2K}, "ttft_s"), ".2f"),
-    Quote("README.md", "vLLM with the plugin {}x vLLM alone", PLUGIN, ("ratio_shuffled", "cacheblend@0.15", "2048"),
+    Quote("docs/measurements.md", "vLLM with the plugin {}x vLLM alone", PLUGIN, ("ratio_shuffled", "cacheblend@0.15", "2048"),
           ".2f"),
     # docs/results.md: the simulator's setup and its validation
     Quote("docs/results.md", "profile rescaled by this machine's speed factor {},", MACHINE, ("speed_factor",), ".2f"),

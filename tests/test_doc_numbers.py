@@ -14,7 +14,7 @@ import doc_numbers  # noqa: E402
 def test_every_quoted_number_agrees_with_its_payload():
     assert doc_numbers.check() == []
     assert len(doc_numbers.QUOTES) >= 10
-    assert {"README.md", "docs/results.md"} <= {q.doc for q in doc_numbers.QUOTES}
+    assert {"docs/measurements.md", "docs/results.md"} <= {q.doc for q in doc_numbers.QUOTES}
 
 
 def test_the_cli_passes_on_this_checkout(capsys):
@@ -58,10 +58,10 @@ def test_a_wrong_number_in_a_checkout_makes_the_cli_fail(tmp_path, capsys):
         for rel in (quote.doc, quote.payload):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(REPO / rel, tmp_path / rel)
-    readme = tmp_path / "README.md"
-    text = readme.read_text(encoding="utf-8")
+    doc = tmp_path / "docs/measurements.md"
+    text = doc.read_text(encoding="utf-8")
     assert "vLLM 5.35 s" in text
-    readme.write_text(text.replace("vLLM 5.35 s", "vLLM 5.53 s"), encoding="utf-8")
+    doc.write_text(text.replace("vLLM 5.35 s", "vLLM 5.53 s"), encoding="utf-8")
     assert doc_numbers.main(["--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "README.md: quotes 5.53" in err and "gives 5.35" in err
+    assert "docs/measurements.md: quotes 5.53" in err and "gives 5.35" in err
