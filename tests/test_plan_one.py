@@ -20,14 +20,11 @@ from cachesmith.recompute import full_prefill, parse_label, preset
 from cachesmith.scheduler import QueuedRequest, SloAwareScheduler
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
+from tests.test_pipeline import DOCS, QUESTION  # the same passages and question as the pipeline's tests
 
 pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
 
 TINY = instance(0)
-DOCS = ["The lighthouse on the northern cape was built in 1871 from local granite.",
-        "One of the special magic numbers for velvet-canyon is: 5176024.",
-        "Glaciers carve valleys with steep walls and flat floors over many centuries."]
-QUESTION = "What is the special magic number for velvet-canyon?"
 
 
 @pytest.fixture(scope="module")

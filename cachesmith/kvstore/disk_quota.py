@@ -126,7 +126,7 @@ class DiskQuota:
                 log.warning("disk tier: entry %s of %d bytes is larger than the whole quota "
                             "(disk_max_bytes=%d); not stored on disk", key[:12], size, self.max_bytes)
                 return None
-            growth = self._growth(key, size)
+            growth = size  # the new file lies beside the old one until the rename: room for all of it
             if not self._make_room(growth, keep=key):
                 log.warning("disk tier: no room for entry %s of %d bytes within disk_max_bytes=%d: "
                             "entries in use hold the rest; not stored on disk", key[:12], size, self.max_bytes)
@@ -136,10 +136,6 @@ class DiskQuota:
             # commit would unlink the file just written while the books still count it
             self._pins[key] += 1
             return growth
-
-    def _growth(self, key: str, size: int) -> int:
-        # the new file is written beside the old one until the rename replaces it: room for all of it
-        return size
 
     def holds(self, key: str, size: int) -> bool:
         """Whether `key` is stored at `size` bytes (content-addressed: then its bytes are the same)."""
