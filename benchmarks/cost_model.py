@@ -54,6 +54,7 @@ from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.profiler.quiet import QuietRun  # noqa: E402
 from cachesmith.recompute import parse_label  # noqa: E402
+from cachesmith.workloads.prompts import instance_prompt  # noqa: E402
 
 SETTINGS = (("poisson", 1.0, 21), ("gamma", 2.0, 22), ("gamma", 3.0, 23))  # (pattern, CV, trace seed)
 METHODS = ("cachesmith", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15", "full_prefill",
@@ -71,7 +72,7 @@ def token_counts(pipe: RagPipeline, config: BenchConfig) -> dict[int, tuple[int,
     for rid, inst in enumerate(instances(config)):
         if isinstance(inst, str):
             continue
-        parts = pipe.instance_prompt(inst)
+        parts = instance_prompt(pipe, inst)
         out[rid] = (sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), len(parts.prefix_ids))
     return out
 

@@ -33,6 +33,7 @@ from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noq
 from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
 from cachesmith.engine import Engine, EngineConfig, EngineStats  # noqa: E402
 from cachesmith.gates import make_gate  # noqa: E402
+from cachesmith.instance import WorkloadInstance  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
@@ -48,8 +49,7 @@ COLUMNS = ["run", "num_requests", "qsa", "ttft_attainment", "gate_rate", "ttft_p
            "ttft_p99_s", "throughput_rps", "recompute_fraction", "mean_batch_size", "num_errors"]
 
 
-def chat_body(req: Request, model: str) -> dict:
-    inst = req.instance
+def chat_body(req: Request, inst: WorkloadInstance, model: str) -> dict:
     messages = ([{"role": "system", "content": inst.prefix}] if inst.prefix else []) + [
         {"role": "user", "content": inst.question}]
     if inst.answer_prefix:
@@ -59,10 +59,10 @@ def chat_body(req: Request, model: str) -> dict:
             "task": inst.task}
 
 
-async def one(client: httpx.AsyncClient, req: Request, model: str, start: float) -> dict:
+async def one(client: httpx.AsyncClient, req: Request, inst: WorkloadInstance, model: str, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
     sent, first, final, error, pieces = time.perf_counter(), None, None, None, []
-    async with client.stream("POST", "/v1/chat/completions", json=chat_body(req, model)) as r:
+    async with client.stream("POST", "/v1/chat/completions", json=chat_body(req, inst, model)) as r:
         if r.status_code != 200:
             error = (await r.aread()).decode()[:200]
         async for line in r.aiter_lines():
@@ -82,18 +82,18 @@ async def one(client: httpx.AsyncClient, req: Request, model: str, start: float)
         # workload metadata such as the VT kv-split variant's item pattern, so its own verdict can differ
         text = "".join(pieces)
         record.update(client_ttft_s=client_ttft, server_ttft_s=final["ttft_ms"] / 1e3,
-                      is_passed=GATE.passes(req.instance, text), server_is_passed=final["is_passed"], answer=text,
+                      is_passed=GATE.passes(inst, text), server_is_passed=final["is_passed"], answer=text,
                       sent_s=sent - start, coverage=final["coverage"], plan=final["plan"],
                       batch_size=final["batch_size"], num_recomputed=final["num_recomputed"],
                       num_context_tokens=final["num_context_tokens"])
     return record
 
 
-async def drive(url: str, requests: list[Request], model: str) -> list[dict]:
+async def drive(url: str, requests: list[Request], insts: list[WorkloadInstance], model: str) -> list[dict]:
     limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(client, r, model, start)) for r in requests]
+        tasks = [asyncio.create_task(one(client, r, insts[r.request_id], model, start)) for r in requests]
         bar = tqdm(total=len(tasks), desc="live", unit="req")
         for done in asyncio.as_completed(tasks):
             await done
@@ -145,7 +145,7 @@ def main() -> None:
         profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
     for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
         pipe.precompute(inst.documents, inst.question, inst.prefix or None)
-    requests, _ = build_requests(config, insts, base, args.slo_scale)
+    requests, _ = build_requests(pipe, config, insts, base, args.slo_scale)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size)
 
     replay = Engine(pipe, profile, EngineConfig(args.method, "replay", scheduler=sched, shadow_work=shadow_calibrator))
@@ -158,7 +158,7 @@ def main() -> None:
                                     max_queue=args.num_requests, max_tokens_limit=512,
                                     is_decode_overlapped=not args.serial_decode), pipe, profile)
     with BackgroundServer(service, ServerConfig(port=0, log_level="warning")) as srv:
-        records = asyncio.run(drive(srv.url, requests, service.config.name))
+        records = asyncio.run(drive(srv.url, requests, insts, service.config.name))
     rows += live_rows(records, args.method, args.slo_scale, service.engine.stats)
     live_stats = service.engine.stats
     payload = {"setting": config.name, "method": args.method, "decode": "serial" if args.serial_decode else "overlapped",

@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -46,17 +47,18 @@ from server_process import stop_on_sigterm  # noqa: E402
 from vllm_server import VLLM_PACKAGE, VllmServer  # noqa: E402
 
 from cachesmith.bench.run import measure_base  # noqa: E402
-from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
+from cachesmith.bench.setting import BenchConfig, instances, trace_config  # noqa: E402
 from cachesmith.engine import EngineConfig  # noqa: E402
 from cachesmith.gates import make_gate  # noqa: E402
+from cachesmith.instance import WorkloadInstance  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.profiler.packaged import find_profile  # noqa: E402
-from cachesmith.request import Request  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
 from cachesmith.server.run import BackgroundServer  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402
+from cachesmith.workloads.trace import TraceRequest, make_trace  # noqa: E402
 
 QUESTION = "Which of these articles mentions a year? Name the article's title."
 CASES = ("first_sight", "same_order", "shuffled")
@@ -141,11 +143,12 @@ async def cases(url: str, server: str, model: str, sets: dict[int, list[list[str
     return rows
 
 
-async def trace(url: str, server: str, model: str, requests: list[Request]) -> list[dict]:
+async def trace(url: str, server: str, model: str, requests: Sequence[TraceRequest],
+                insts: list[WorkloadInstance]) -> list[dict]:
     """Every request sent at its arrival time, all at once; each one's record."""
-    async def one(client: httpx.AsyncClient, req: Request, start: float) -> dict:
+    async def one(client: httpx.AsyncClient, req: TraceRequest, start: float) -> dict:
         await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-        inst = req.instance
+        inst = insts[req.request_id]
         payload = body(server, model, list(inst.documents), inst.question, inst.max_new_tokens, inst.prefix or "",
                        inst.answer_prefix, req.slo_s)
         sent = time.perf_counter() - start
@@ -202,19 +205,19 @@ def main() -> None:
     insts = instances(config)
     print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
     base, _ = measure_base(pipe, insts[:8], profile)
-    requests, _ = build_requests(config, insts, base, args.slo_scale)
+    requests = make_trace(trace_config(config, base, args.slo_scale)).requests
     sets, start = {}, 0
     for size in args.sizes:  # different documents at every size: each size's first sight is new to both
         sets[size], start = document_sets(pipe.tokenizer, size, args.repeats, start)
 
     with VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL) as vllm:
         rows = asyncio.run(cases(vllm.url, "vllm", DEFAULT_MODEL, sets))
-        vllm_records = asyncio.run(trace(vllm.url, "vllm", DEFAULT_MODEL, requests))
+        vllm_records = asyncio.run(trace(vllm.url, "vllm", DEFAULT_MODEL, requests, insts))
     records = {"vllm": vllm_records}
     if not args.no_llama_cpp:
         with LlamaServer() as llama:
             rows += asyncio.run(cases(llama.url, "llama.cpp", DEFAULT_MODEL, sets))
-            records["llama.cpp"] = asyncio.run(trace(llama.url, "llama.cpp", DEFAULT_MODEL, requests))
+            records["llama.cpp"] = asyncio.run(trace(llama.url, "llama.cpp", DEFAULT_MODEL, requests, insts))
     for method in STATIC_METHODS:
         for key in pipe.store.keys():  # an empty store: each method's first sight is its own
             pipe.store.delete(key)
@@ -223,7 +226,7 @@ def main() -> None:
     for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
         pipe.precompute(inst.documents, inst.question, inst.prefix or None)
     records["cachesmith"] = cachesmith_url_runs(pipe, profile, "cachesmith", lambda url, name: asyncio.run(
-        trace(url, "cachesmith", name, requests)))
+        trace(url, "cachesmith", name, requests, insts)))
 
     trace_rows = [summary(server, server_records) for server, server_records in records.items()]
     payload = {"rows": rows, "qsa": {r["server"]: r["qsa"] for r in trace_rows}, "trace": trace_rows,

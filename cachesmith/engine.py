@@ -23,6 +23,7 @@ from cachesmith.errors import ConfigError, InputError
 from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
 from cachesmith.gates import make_gate
 from cachesmith.methods import make_scheduler, parse_method
+from cachesmith.model import Decoding, Generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
@@ -169,17 +170,36 @@ class Engine:
         outputs = self.executor.decode(pre.batch, pre.run, on_token)
         return [self.result(pre, adm, out) for adm, out in zip(pre.batch, outputs)]
 
+    def new_decoding(self) -> Decoding:
+        """An empty set of sequences decoded together on this engine's model (the live loop's)."""
+        return Decoding(self.pipeline.model)
+
+    def start_decoding(self, pre: "PrefilledBatch", on_token: TokenHook | None = None) -> list[Generation]:
+        """Each request's first token chosen; the rest come from a `Decoding`'s steps. A generation's
+        `tag` is its request's index in the batch."""
+        return self.executor.start_decoding(pre.batch, pre.run, on_token)
+
+    def finish_one(self, pre: "PrefilledBatch", index: int, gen: Generation,
+                   token_times_s: tuple[float, ...] = ()) -> RequestResult:
+        """The result of the batch's `index`-th request once its generation ended (its cache goes
+        back to the pool), or its generation's error."""
+        adm = pre.batch[index]
+        if gen.error is not None:
+            pre.run.outs[index].cache.release()
+            return RequestResult.failed(adm.request, gen.error)
+        return self.result(pre, adm, self.executor.output(adm, pre.run, index, gen), token_times_s)
+
     def result(self, pre: "PrefilledBatch", adm: Admitted, out: RequestOutput,
                token_times_s: tuple[float, ...] = ()) -> RequestResult:
         """One request's result from its decoded output (gated); `token_times_s`: when each of its
         tokens was produced, where the caller timed them (the live loop)."""
-        req, inst = adm.request, adm.request.instance
+        req = adm.request
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
         self._hear_verdict(req.request_id, pre.run.plan, out, passed)
         if self.shadow is not None:
-            self.shadow.offer(inst)
+            self.shadow.offer(req)
         return RequestResult(
-            req.request_id, req.arrival_s, req.slo_s, inst.task, None, pre.first_token_s, out.answer,
+            req.request_id, req.arrival_s, req.slo_s, req.task, None, pre.first_token_s, out.answer,
             passed, pre.decision.mode, pre.run.plan_label, out.coverage,
             out.num_context_tokens, out.num_recomputed, pre.batch_id, len(pre.batch), out.qci_entropy,
             out.num_prompt_tokens, out.num_output_tokens, batch_s=pre.run.seconds,
@@ -225,13 +245,13 @@ class Engine:
 
     def _gate(self, req: Request, answer: str) -> bool | None:
         """The quality gate's verdict; None when it cannot judge (no gold, or no reference answer)."""
-        inst = req.instance
+        expected = req.expected
         reference = self.references.get(req.request_id)
         if reference is None and self.method.preset == "full_prefill":
             reference = answer  # full prefill is the fidelity gate's reference itself
         if self.gate.needs_reference:
-            return None if reference is None else self.gate.passes(inst, answer, reference)
-        return self.gate.passes(inst, answer) if inst.gold else None
+            return None if reference is None else self.gate.passes(expected, answer, reference)
+        return self.gate.passes(expected, answer) if expected.gold else None
 
     def run(self, requests: Sequence[Request], show_progress: bool = False) -> list[RequestResult]:
         """Serve a trace: each request joins the queue at its arrival time on this engine's clock

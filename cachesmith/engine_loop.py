@@ -1,6 +1,6 @@
 """The engine on the live clock behind a thread-safe front: what a server talks to.
 
-In: `submit(instance, slo_s, on_token)` from any thread. Out: a `Future` resolving to the
+In: `submit(prompt, slo_s, on_token)` from any thread (a `StoredPrompt`, keyed and stored by the caller). Out: a `Future` resolving to the
 request's `RequestResult` (refused ones at once, with their error), and `on_token(index, token_id)`
 calls as tokens are produced: the first token as soon as its batch's prefill ends, the rest while
 decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
@@ -32,10 +32,10 @@ from concurrent.futures import Future
 
 from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import CachesmithError, ConfigError, InputError
-from cachesmith.model import Decoding, Generation
+from cachesmith.model import Generation
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, RequestResult, StoredPrompt
-from cachesmith.instance import WorkloadInstance
+from cachesmith.scoring import Expected
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._num_admitting = 0
         self._is_closing = False
-        self._decoding = Decoding(engine.pipeline.model)  # the decode thread's sequences
+        self._decoding = engine.new_decoding()  # the decode thread's sequences
         self._handed: list[Generation] = []  # started on the prefill thread, not yet joined
         self._num_decoding = 0  # handed + active, read by the prefill thread for room
         self._num_in_batch = 0  # the batch the prefill thread holds (prefilling, or decoding it whole)
@@ -151,18 +151,18 @@ class EngineLoop:
                 self.engine.submit(admitted)
             self._cond.notify_all()
 
-    def submit(self, instance: WorkloadInstance, slo_s: float,
-               on_token: Callable[[int, int], None] | None = None, arrival_s: float | None = None,
-               sampling: SamplingParams = GREEDY, slot: Slot | None = None,
-               prompt: StoredPrompt | None = None) -> Future:
-        """Queue a request; `arrival_s` (default: when its slot was taken) starts its TTFT. `slot`: a
-        place taken by `reserve` (default: one taken now); it is given back here, whatever happens.
-        `prompt`: its KV as the caller stored it (None: the engine stores it from `instance`)."""
+    def submit(self, prompt: StoredPrompt, slo_s: float, on_token: Callable[[int, int], None] | None = None, *,
+               max_new_tokens: int = 16, expected: Expected = Expected(), arrival_s: float | None = None,
+               sampling: SamplingParams = GREEDY, slot: Slot | None = None) -> Future:
+        """Queue a request of `prompt`; `arrival_s` (default: when its slot was taken) starts its
+        TTFT. `slot`: a place taken by `reserve` (default: one taken now); it is given back here,
+        whatever happens. Raises `InputError` for a request that breaks a rule of every request
+        (its SLO, `max_new_tokens`); one that breaks the engine's limits resolves refused."""
         slot = slot or self.reserve()
         try:
             with self._cond:
                 arrival = slot.arrival_s if arrival_s is None else arrival_s
-                request = Request(next(self._ids), instance, slo_s, arrival, sampling, prompt)
+                request = Request(next(self._ids), prompt, slo_s, max_new_tokens, arrival, sampling, expected)
             future: Future = Future()
             future.request_id = request.request_id  # what `cancel` takes
             admitted = self._admit(request, future)
@@ -229,7 +229,7 @@ class EngineLoop:
     def _prefill(self, decision, batch) -> None:
         try:
             prefilled = self.engine.prefill_batch(decision, batch)
-            gens = self.engine.executor.start_decoding(batch, prefilled.run, self._emit)
+            gens = self.engine.start_decoding(prefilled, self._emit)
         except Exception as exc:  # a bad batch must not take the server down with it
             log.exception("batch %s failed", decision.request_ids)
             self._resolve([RequestResult.failed(a.request, f"internal error while serving: {exc}")
@@ -306,19 +306,13 @@ class EngineLoop:
         results = []
         for gen in gens:
             prefilled, index = gen.tag
-            adm = prefilled.batch[index]
-            times = tuple(self._token_times.pop(adm.request.request_id, ()))
-            if gen.error is not None:
-                prefilled.run.outs[index].cache.release()
-                results.append(RequestResult.failed(adm.request, gen.error))
-                continue
-            out = self.engine.executor.output(adm, prefilled.run, index, gen)
-            results.append(self.engine.result(prefilled, adm, out, times))
+            times = tuple(self._token_times.pop(prefilled.batch[index].request.request_id, ()))
+            results.append(self.engine.finish_one(prefilled, index, gen, times))
         return results
 
     def _finish_whole(self, prefilled: PrefilledBatch, gens: list[Generation]) -> None:
         """Decode a batch to its end on this thread (`is_decode_overlapped=False`)."""
-        decoding = Decoding(self.engine.pipeline.model)
+        decoding = self.engine.new_decoding()
         for gen in gens:
             decoding.add(gen)
         try:

@@ -29,7 +29,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
 from cachesmith.recompute import HookChain, RecomputeConfig, RecomputeOutput, Signal
-from cachesmith.request import Request
+from cachesmith.request import Request, check_fits
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
 
@@ -40,7 +40,7 @@ TAIL_WINDOW = 8  # recent batches whose tail (last layer to first tokens) the mo
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request ready to run: chunk KV stored, prompt tokenized, token counts known."""
+    """A request ready to run: its limits checked, its entries' keys in the transfer engine's form."""
     request: Request
     keyed: KeyedRequest | None  # None in the simulator: no KV is stored or read
     queued: QueuedRequest
@@ -50,14 +50,12 @@ class Admitted:
 def check_request(request: Request, prefix: int, context: int, suffix: int, max_positions: int,
                   kv_capacity_tokens: int) -> QueuedRequest:
     """The queue's view of a request, or an `InputError` naming the limit it breaks."""
-    rid, total, max_new = request.request_id, prefix + context + suffix, request.instance.max_new_tokens
-    if total + max_new > max_positions:
-        raise InputError(f"request {rid}: context of {total} tokens + max_new_tokens {max_new} "
-                         f"exceeds the model's {max_positions} positions")
+    rid, total = request.request_id, prefix + context + suffix
+    check_fits(total, request.max_new_tokens, max_positions, f"request {rid}")
     if total > kv_capacity_tokens:
         raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
                          f"{kv_capacity_tokens} tokens (scheduler.kv_capacity_tokens) even alone")
-    return QueuedRequest(rid, request.arrival_s, request.slo_s, context, suffix, prefix)  # validates the SLO
+    return QueuedRequest(rid, request.arrival_s, request.slo_s, context, suffix, prefix)
 
 
 TokenHook = Callable[[int, int, int], None]  # (request id, token index, token id)
@@ -116,25 +114,15 @@ class BatchExecutor:
         self.tails_s: deque[float] = deque(maxlen=TAIL_WINDOW)
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
-        """Tokenize, check the limits, then store every chunk's KV (a miss is prefilled here); a
-        request whose caller stored its prompt already runs with the keys it gave."""
-        if request.prompt is not None:
-            return self._admit_stored(request, kv_capacity_tokens)
-        inst = request.instance
-        parts = self.pipeline.instance_prompt(inst)
-        queued = check_request(request, len(parts.prefix_ids), sum(len(c) for c in parts.chunk_ids),
-                               len(parts.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
-        return Admitted(request, self.pipeline.keyed_request(parts, inst.max_new_tokens), queued,
-                        tuple(len(c) for c in parts.chunk_ids))
-
-    def _admit_stored(self, request: Request, kv_capacity_tokens: int) -> Admitted:
+        """Check the limits of a request whose caller keyed and stored its prompt; it runs with the
+        keys it gave."""
         prompt = request.prompt
+        if prompt is None:
+            raise InputError(f"request {request.request_id}: no stored prompt (build it with "
+                             f"RagPipeline.request or RagPipeline.stored_prompt)")
         queued = check_request(request, prompt.num_prefix_tokens, sum(prompt.chunk_num_tokens),
                                len(prompt.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
-        keyed = KeyedRequest(list(prompt.chunk_keys), list(prompt.suffix_ids), prompt.prefix_key,
-                             extra_capacity=request.instance.max_new_tokens, was_stored=prompt.was_stored,
-                             rebuild={key: (ids, namespace) for key, ids, namespace in prompt.sources})
-        return Admitted(request, keyed, queued, prompt.chunk_num_tokens)
+        return Admitted(request, prompt.keyed(request.max_new_tokens), queued, prompt.chunk_num_tokens)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part)."""
@@ -176,7 +164,7 @@ class BatchExecutor:
 
         def replan(entropies, staged, hooks: HookChain, start: float):
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e,
-                                a.request.instance.task) for a, e in zip(batch, entropies)]
+                                a.request.task) for a, e in zip(batch, entropies)]
             plan = planner.plan(reqs, decision.budget_s)
             config = plan.recompute_config()
             staged.set_plan(config)
@@ -209,7 +197,7 @@ class BatchExecutor:
             rid = adm.request.request_id
             hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
             gens.append(start_generation(self.pipeline.model, out.logits, out.cache,
-                                         adm.request.instance.max_new_tokens, adm.request.sampling, hook, i))
+                                         adm.request.max_new_tokens, adm.request.sampling, hook, i))
         return gens
 
     def output(self, adm: Admitted, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:

@@ -3,7 +3,8 @@
 - `task`: the task's own metric passes (EM, paragraph number, set F1 > 0.5, ...).
 - `fidelity`: the answer agrees with the full-prefill answer to the same prompt (the canonical
   extracted answers are equal), whatever the gold says: "did reuse change the answer?".
-In: the instance, the answer text and, for fidelity, the full-prefill answer text. Out: a bool.
+In: what the answer is scored against (`scoring.Scored`), the answer text and, for fidelity,
+the full-prefill answer text. Out: a bool.
 The serving engine gates every answer and the profiler judges its verdicts with these, so they sit
 low, beside `scoring` (docs/layout.md).
 """
@@ -12,22 +13,21 @@ from __future__ import annotations
 from typing import Protocol
 
 from cachesmith.errors import InputError
-from cachesmith.instance import WorkloadInstance
-from cachesmith.scoring import score
+from cachesmith.scoring import Scored, score
 
 
 class QualityGate(Protocol):
     name: str
     needs_reference: bool
 
-    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool: ...
+    def passes(self, inst: Scored, answer: str, reference: str | None = None) -> bool: ...
 
 
 class TaskGate:
     name = "task"
     needs_reference = False
 
-    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool:
+    def passes(self, inst: Scored, answer: str, reference: str | None = None) -> bool:
         return score(inst, answer).passed
 
 
@@ -35,9 +35,9 @@ class FidelityGate:
     name = "fidelity"
     needs_reference = True
 
-    def passes(self, inst: WorkloadInstance, answer: str, reference: str | None = None) -> bool:
+    def passes(self, inst: Scored, answer: str, reference: str | None = None) -> bool:
         if reference is None:
-            raise InputError(f"{inst.name}: the fidelity gate needs the full-prefill answer (reference)")
+            raise InputError(f"{inst.task}: the fidelity gate needs the full-prefill answer (reference)")
         return score(inst, answer).extracted == score(inst, reference).extracted
 
 

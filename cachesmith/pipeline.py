@@ -16,17 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from cachesmith.errors import InputError
-from cachesmith.instance import WorkloadInstance
-from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
+from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
 from cachesmith.model.chunk import extend_chunk
+from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.recompute import BatchRunner, RecomputeConfig
-
-# Deprecated here: `plan_one.DEFAULT_SLO_S` is the planned answer's default budget. This copy stays
-# for the callers that still import it from the pipeline (the vLLM connector's parameters).
-DEFAULT_SLO_S = 5.0
-
+from cachesmith.request import Request, StoredPrompt, check_fits
+from cachesmith.scoring import Expected
 
 @dataclass(frozen=True)
 class Answer:
@@ -61,25 +58,6 @@ class RagPipeline:
                system: str | None = None, history: Sequence[tuple[str, str]] = ()) -> PromptParts:
         return self.tokenizer.rag_prompt_parts(documents, question, system=system or self.system,
                                                answer_prefix=answer_prefix, history=history)
-
-    def instance_prompt(self, inst: WorkloadInstance) -> PromptParts:
-        """An instance's prompt; chunks given as stored chunk ids take their tokens from the store."""
-        system = inst.prefix or None
-        if not inst.chunk_ids:
-            return self.prompt(inst.documents, inst.question, inst.answer_prefix, system, inst.history)
-        chunks = []
-        for i, key in enumerate(inst.chunk_ids):
-            try:
-                reader = self.store.open(key, self.model)
-            except ValueError as exc:  # a malformed key
-                raise InputError(f"chunk_ids[{i}]={key!r}: {exc}") from None
-            if reader is None:
-                raise InputError(f"chunk_ids[{i}]={key!r}: unknown chunk id (not in the store; "
-                                 f"`cachesmith precompute --keys-out` lists stored ids)")
-            chunks.append(list(reader.header.token_ids))
-            reader.close()
-        parts = self.prompt(["-"], inst.question, inst.answer_prefix, system, inst.history)
-        return PromptParts(parts.prefix_ids, chunks, parts.suffix_ids)
 
     def ensure_prefix(self, token_ids: Sequence[int], earlier: Sequence[Sequence[int]] = (),
                       namespace: str = "", key: str | None = None) -> tuple[str, int]:
@@ -116,14 +94,33 @@ class RagPipeline:
                 num_tokens += len(ids)
         return num_tokens, time.perf_counter() - start
 
-    def keyed_request(self, parts: PromptParts, max_new_tokens: int) -> KeyedRequest:
-        ensured = [self.store.ensure(self.model, ids) for ids in parts.chunk_ids]
-        prefix = self.store.ensure(self.model, parts.prefix_ids)[0] if parts.prefix_ids else None
-        rebuild = {key: (tuple(ids), "") for (key, _), ids in zip(ensured, parts.chunk_ids)}
+    def stored_prompt(self, parts: PromptParts, namespace: str = "") -> StoredPrompt:
+        """The prompt's entries keyed once in `namespace` and stored (a miss is prefilled here): what
+        a `Request` carries to the engine."""
+        ensured = [self.store.ensure_held(self.model, ids, namespace) for ids in parts.chunk_ids]
+        prefix = self.store.ensure_held(self.model, parts.prefix_ids, namespace)[0] if parts.prefix_ids else None
+        sources = [(key, tuple(ids), namespace) for (key, _), ids in zip(ensured, parts.chunk_ids)]
         if prefix is not None:
-            rebuild[prefix] = (tuple(parts.prefix_ids), "")
-        return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=max_new_tokens,
-                            was_stored=tuple(not computed for _, computed in ensured), rebuild=rebuild)
+            sources.append((prefix, tuple(parts.prefix_ids), namespace))
+        return StoredPrompt(prefix, len(parts.prefix_ids), tuple(key for key, _ in ensured),
+                            tuple(len(ids) for ids in parts.chunk_ids), tuple(parts.suffix_ids),
+                            tuple(not computed for _, computed in ensured), tuple(sources))
+
+    def request(self, request_id: int, documents: Sequence[str], question: str, slo_s: float, *,
+                arrival_s: float = 0.0, max_new_tokens: int = 32, system: str = "", answer_prefix: str = "",
+                sampling: SamplingParams = GREEDY, expected: Expected = Expected()) -> Request:
+        """An engine `Request` of the user's own texts: every document's chunk KV stored (prefilled
+        on a miss) here, before it is queued; `system` is the instruction before the documents (""
+        keeps the model's default); `expected` names the task and gold to gate against (default:
+        none, so not gated)."""
+        if isinstance(documents, str) or not all(isinstance(d, str) and d.strip() for d in documents):
+            raise InputError(f"request {request_id}: documents must be a sequence of non-empty texts")
+        if not question.strip():
+            raise InputError(f"request {request_id}: question must be non-empty")
+        parts = self.prompt(documents, question, answer_prefix, system or None)
+        check_fits(len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.suffix_ids), max_new_tokens,
+                   self.model.config.max_positions, f"request {request_id}")
+        return Request(request_id, self.stored_prompt(parts), slo_s, max_new_tokens, arrival_s, sampling, expected)
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig, max_new_tokens: int = 32,
                answer_prefix: str = "", system: str | None = None) -> Answer:
@@ -135,7 +132,7 @@ class RagPipeline:
         return self.answer_parts(self.prompt(documents, question, answer_prefix, system), plan, max_new_tokens)
 
     def answer_parts(self, parts: PromptParts, plan: RecomputeConfig, max_new_tokens: int = 32) -> Answer:
-        request = self.keyed_request(parts, max_new_tokens)  # misses are prefilled here, off the clock
+        request = self.stored_prompt(parts).keyed(max_new_tokens)  # misses are prefilled here, off the clock
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         with self.batch_guard() if self.batch_guard is not None else nullcontext():

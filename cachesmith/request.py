@@ -1,24 +1,51 @@
 """A serving request and its result: what flows into `Engine` and what comes out per request.
 
-In: `Request` (a workload instance, its arrival time and TTFT SLO, and the `StoredPrompt` its caller
-keyed and stored, if any). Out: `RequestResult` (first
-token time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the
-error that kept it from running), and on the live loop each token's time. Times are on the
-engine's clock, in seconds.
+In: `Request`, what the engine needs of one request and nothing more: its prompt as stored entries
+(`StoredPrompt`: the prefix's and each chunk's key with its token count, and the question's token
+ids), its arrival time and TTFT SLO, how many tokens to generate and how, and what its answer is
+scored against. Whoever holds the texts (the server, a benchmark, `RagPipeline.stored_prompt`)
+tokenizes and keys them once; the engine never sees a text. Out: `RequestResult` (first token
+time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the error
+that kept it from running), and on the live loop each token's time. Times are on the engine's
+clock, in seconds. The rules every request obeys are checked here, once: `check_slo` and
+`check_fits`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from dataclasses import asdict, dataclass
 
 from cachesmith.errors import InputError
+from cachesmith.kvstore import KeyedRequest
 from cachesmith.model.sampling import GREEDY, SamplingParams
-from cachesmith.instance import WorkloadInstance
+from cachesmith.scoring import Expected
+
+
+def check_slo(slo_s: float, field: str = "slo_s", max_slo_s: float = math.inf, scale: float = 1.0,
+              min_slo_s: float = 0.0) -> None:
+    """An SLO is a positive, finite number of seconds, at least `min_slo_s` (when set) and at most
+    `max_slo_s`; the error names `field` in its own unit (`scale`: seconds to that unit, 1e3 for a
+    field in ms)."""
+    is_number = isinstance(slo_s, (int, float)) and not isinstance(slo_s, bool)
+    if not (is_number and math.isfinite(slo_s) and 0 < slo_s and min_slo_s <= slo_s <= max_slo_s):
+        shown = slo_s * scale if is_number else slo_s
+        low = f" of at least {min_slo_s * scale:.10g}" if min_slo_s > 0 else ""
+        high = "" if math.isinf(max_slo_s) else f" and at most {max_slo_s * scale:.10g}"
+        raise InputError(f"{field}={shown!r}: must be a positive number{low}{high}")
+
+
+def check_fits(num_prompt_tokens: int, max_new_tokens: int, max_positions: int, field: str,
+               budget_field: str = "max_new_tokens") -> None:
+    """A prompt and the tokens it may generate fit in the model's positions; the error names the
+    field at fault and the caller's name for the token budget."""
+    if num_prompt_tokens + max_new_tokens > max_positions:
+        raise InputError(f"{field}: the prompt's {num_prompt_tokens} tokens + {budget_field} {max_new_tokens} "
+                         f"exceed the model's {max_positions} positions")
 
 
 @dataclass(frozen=True)
 class StoredPrompt:
-    """A prompt whose KV its caller stored already, each entry keyed once (in the caller's store
+    """A prompt whose KV is stored already, each entry keyed once (in its caller's store
     namespace): the prefix's entry, each chunk's entry with its token count, and the suffix's
     token ids (always computed). The engine runs it as given, never re-deriving keys."""
     prefix_key: str | None
@@ -36,29 +63,38 @@ class StoredPrompt:
         if (self.prefix_key is None) != (self.num_prefix_tokens == 0):
             raise ValueError("a prefix key needs its token count, and a count its key")
 
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + sum(self.chunk_num_tokens) + len(self.suffix_ids)
+
+    def keyed(self, max_new_tokens: int) -> KeyedRequest:
+        """What the transfer engine stages: the keys, the suffix, room for `max_new_tokens`, and
+        how to rebuild an entry evicted before staging."""
+        return KeyedRequest(list(self.chunk_keys), list(self.suffix_ids), self.prefix_key,
+                            extra_capacity=max_new_tokens, was_stored=self.was_stored,
+                            rebuild={key: (ids, namespace) for key, ids, namespace in self.sources})
+
 
 @dataclass(frozen=True)
 class Request:
+    """One request to the engine. `prompt` None: a simulated request (the simulator's executor reads
+    its token counts from its measured outcome; the model's executor refuses it)."""
     request_id: int
-    instance: WorkloadInstance
+    prompt: StoredPrompt | None
     slo_s: float
+    max_new_tokens: int = 16
     arrival_s: float = 0.0
-    sampling: SamplingParams = GREEDY  # how its tokens are chosen (its budget: instance.max_new_tokens)
-    prompt: StoredPrompt | None = None  # stored by the caller (the server); None: from `instance`
+    sampling: SamplingParams = GREEDY  # how its tokens are chosen
+    expected: Expected = Expected()  # the task (the planner's curves, the gate's metric) and gold
 
-    @classmethod
-    def from_documents(cls, request_id: int, documents: Sequence[str], question: str, slo_s: float, *,
-                       arrival_s: float = 0.0, max_new_tokens: int = 32, system: str = "",
-                       answer_prefix: str = "", sampling: SamplingParams = GREEDY) -> Request:
-        """A request of the user's own texts, not a benchmark's: task "custom", no gold (so not
-        gated); `system` is the instruction before the documents ("" keeps the model's default)."""
-        if isinstance(documents, str) or not all(isinstance(d, str) and d.strip() for d in documents):
-            raise InputError(f"request {request_id}: documents must be a sequence of non-empty texts")
-        if not question.strip():
-            raise InputError(f"request {request_id}: question must be non-empty")
-        instance = WorkloadInstance("custom", tuple(documents), question, (), prefix=system,
-                                    answer_prefix=answer_prefix, max_new_tokens=max_new_tokens)
-        return cls(request_id, instance, slo_s, arrival_s, sampling)
+    def __post_init__(self) -> None:
+        check_slo(self.slo_s, f"request {self.request_id}: slo_s")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"request {self.request_id}: max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+
+    @property
+    def task(self) -> str:
+        return self.expected.task
 
 
 @dataclass
@@ -129,7 +165,7 @@ class RequestResult:
 
     @classmethod
     def refused(cls, request: Request, error: str, kind: str = "invalid") -> "RequestResult":
-        return cls(request.request_id, request.arrival_s, request.slo_s, request.instance.task, error=error,
+        return cls(request.request_id, request.arrival_s, request.slo_s, request.task, error=error,
                    error_kind=kind)
 
     @classmethod

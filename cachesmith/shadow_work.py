@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cachesmith.clock import Clock
-from cachesmith.errors import ConfigError
-from cachesmith.instance import WorkloadInstance
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner
+from cachesmith.request import Request
 
 Intervals = dict[tuple[str, int], tuple[float, float]]
 
@@ -39,7 +39,7 @@ Intervals = dict[tuple[str, int], tuple[float, float]]
 class Sampler(Protocol):
     """Measures one request's passing intervals one unit at a time (`DemandProfiler`)."""
 
-    def sample_rounds(self, inst: WorkloadInstance, keys: list[tuple[str, int]]
+    def sample_rounds(self, request: Request, keys: list[tuple[str, int]]
                       ) -> Generator[None, None, Intervals]: ...
 
 
@@ -65,6 +65,7 @@ class ShadowStats:
     num_sampled: int = 0  # kept for shadow work
     num_dropped: int = 0  # sampled while max_pending waited
     num_samples: int = 0  # measured to the end and handed to the planner
+    num_skipped: int = 0  # sampled, but its stored entries were gone before it was measured
     num_units: int = 0
     seconds: float = 0.0  # time spent in shadow units
     max_unit_s: float = 0.0  # the longest unit: the most a live request waited for one
@@ -80,7 +81,7 @@ class ShadowCalibrator:
         self.config = config or ShadowConfig()
         self.stats = ShadowStats()
         self._rng = random.Random(self.config.seed)
-        self._pending: deque[WorkloadInstance] = deque()
+        self._pending: deque[Request] = deque()
         self._current: Generator[None, None, Intervals] | None = None
         self._timer = timer or _wall_time
 
@@ -88,7 +89,7 @@ class ShadowCalibrator:
     def has_work(self) -> bool:
         return self._current is not None or bool(self._pending)
 
-    def offer(self, instance: WorkloadInstance) -> bool:
+    def offer(self, request: Request) -> bool:
         """A served request: kept for shadow work with probability `fraction`."""
         self.stats.num_offered += 1
         if self._rng.random() >= self.config.fraction:
@@ -97,7 +98,7 @@ class ShadowCalibrator:
         if len(self._pending) >= self.config.max_pending:
             self.stats.num_dropped += 1
             return False
-        self._pending.append(instance)
+        self._pending.append(request)
         return True
 
     def expected_unit_s(self) -> float:
@@ -127,6 +128,9 @@ class ShadowCalibrator:
             self._current = None
             self.stats.num_samples += 1
             self.sink(done.value)
+        except InputError:  # its stored entries are gone and cannot be rebuilt: the next one is measured
+            self._current = None
+            self.stats.num_skipped += 1
 
 
 def _wall_time(fn: Callable[[], None]) -> float:

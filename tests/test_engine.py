@@ -5,8 +5,9 @@ import math
 
 import pytest
 
+from cachesmith.bench.setting import instance_request
 from cachesmith.engine import Engine, EngineConfig
-from cachesmith.errors import ConfigError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.recompute import parse_label, preset
 from cachesmith.request import Request
 from cachesmith.scheduler import SchedulerConfig
@@ -32,16 +33,19 @@ def engine(pipe, profile, method="cachesmith", **sched):
     return Engine(pipe, profile, EngineConfig(method, "replay", scheduler=SchedulerConfig(**sched)))
 
 
-def trace(n=8, slo=5.0, gap=0.05):
-    return [Request(i, instance(i), slo, i * gap) for i in range(n)]
+def request(pipe, request_id, inst, slo_s, arrival_s=0.0):
+    return instance_request(pipe, request_id, inst, slo_s, arrival_s)
+
+
+def trace(pipe, n=8, slo=5.0, gap=0.05):
+    return [request(pipe, i, instance(i), slo, i * gap) for i in range(n)]
 
 
 def test_full_prefill_replay_answers_exactly_like_the_pipeline(pipe, profile):
     eng = engine(pipe, profile, "full_prefill", max_batch_size=3)
-    results = eng.run(trace(6))
+    results = eng.run(trace(pipe, 6))
     plan = preset("full_prefill", 1.0, pipe.model.num_layers)
-    for res, req in zip(results, trace(6)):
-        inst = req.instance
+    for res, inst in zip(results, [instance(i) for i in range(6)]):
         ref = pipe.answer(inst.documents, inst.question, plan, inst.max_new_tokens)
         assert res.error is None and res.answer == ref.text, res.request_id
         assert res.num_recomputed == res.num_context_tokens == ref.num_context_tokens
@@ -50,7 +54,7 @@ def test_full_prefill_replay_answers_exactly_like_the_pipeline(pipe, profile):
 
 def test_replay_clock_times_are_consistent(pipe, profile):
     eng = engine(pipe, profile, max_batch_size=4)
-    results = eng.run(trace(8, gap=0.02))
+    results = eng.run(trace(pipe, 8, gap=0.02))
     by_batch = {}
     for r in results:
         assert r.error is None and r.first_token_s > r.arrival_s and r.ttft_s > 0
@@ -65,34 +69,41 @@ def test_replay_clock_times_are_consistent(pipe, profile):
 
 
 def test_planned_batches_recompute_within_the_band(pipe, profile):
-    results = engine(pipe, profile).run(trace(4, slo=100.0, gap=10.0))
+    results = engine(pipe, profile).run(trace(pipe, 4, slo=100.0, gap=10.0))
     for r in results:
         assert r.mode == "planned" and 0.05 <= r.coverage <= 1.0
         assert 0 < r.num_recomputed <= math.ceil(r.coverage * r.num_context_tokens) + 1
 
 
 def test_requests_past_saving_run_at_full_reuse(pipe, profile):
-    reqs = [Request(0, instance(0), 100.0, 0.0), Request(1, instance(1), 1e-6, 0.0)]
+    reqs = [request(pipe, 0, instance(0), 100.0), request(pipe, 1, instance(1), 1e-6)]
     results = engine(pipe, profile).run(reqs)
     assert results[1].mode == "full_reuse" and results[1].plan.startswith("(position,0,0")
     assert results[1].planned_s is None  # no planner priced it
     assert results[0].mode == "planned" and results[0].is_on_time
 
 
-def test_bad_requests_get_their_own_error_and_the_run_goes_on(pipe, profile):
+def test_a_bad_slo_is_refused_where_the_request_is_made(pipe):
+    for slo, shown in ((0.0, "0.0"), (-2.0, "-2.0"), (float("nan"), "nan"), (True, "True")):
+        with pytest.raises(InputError, match=f"request 3: slo_s={shown}: must be a positive number"):
+            request(pipe, 3, instance(0), slo)
+    with pytest.raises(InputError, match="max_new_tokens=0"):
+        Request(3, None, 5.0, max_new_tokens=0)
+
+
+def test_a_request_past_a_limit_gets_its_own_error_and_the_run_goes_on(pipe, profile):
     big = instance(9, num_docs=6, words_per_doc=120)
-    reqs = [Request(0, instance(0), 0.0, 0.0), Request(1, instance(1), -2.0, 0.0),
-            Request(2, instance(2), float("nan"), 0.0), Request(3, big, 5.0, 0.0), Request(4, instance(4), 5.0, 0.1)]
+    reqs = [request(pipe, 3, big, 5.0), request(pipe, 4, instance(4), 5.0, 0.1), Request(5, None, 5.0)]
     results = engine(pipe, profile, kv_capacity_tokens=600).run(reqs)
-    assert "slo_s=0.0" in results[0].error and "slo_s=-2.0" in results[1].error and "slo_s=nan" in results[2].error
-    assert "KV capacity of 600 tokens" in results[3].error
-    assert results[4].error is None and results[4].answer is not None and results[4].first_token_s is not None
+    assert "KV capacity of 600 tokens" in results[0].error
+    assert results[1].error is None and results[1].answer is not None and results[1].first_token_s is not None
+    assert "request 5: no stored prompt" in results[2].error
 
 
 def test_oversize_context_names_the_model_limit(pipe, profile):
     huge = instance(3, num_docs=8, words_per_doc=200)
-    res = engine(pipe, profile).run([Request(0, huge, 5.0)])[0]
-    assert "exceeds the model's 1024 positions" in res.error
+    res = engine(pipe, profile).run([request(pipe, 0, huge, 5.0)])[0]
+    assert "exceed the model's 1024 positions" in res.error
 
 
 def test_unknown_method_and_clock_are_named():
@@ -126,11 +137,13 @@ def test_chunks_given_as_stored_ids_answer_like_their_texts(pipe, profile):
     keys = tuple(pipe.store.ensure(pipe.model, pipe.tokenizer.chunk_ids(d))[0] for d in inst.documents)
     by_id = replace(inst, documents=(), chunk_ids=keys)
     unknown = replace(inst, documents=(), chunk_ids=(keys[0], "0" * len(keys[0])))
-    reqs = [Request(0, inst, 50.0), Request(1, by_id, 50.0, 0.01), Request(2, unknown, 50.0, 0.02)]
+    reqs = [request(pipe, 0, inst, 50.0), request(pipe, 1, by_id, 50.0, 0.01)]
     results = engine(pipe, profile, "full_prefill", max_batch_size=1).run(reqs)
     assert results[0].error is None and results[1].error is None
     assert results[1].answer == results[0].answer and results[1].num_context_tokens == results[0].num_context_tokens
-    assert "chunk_ids[1]" in results[2].error and "unknown chunk id" in results[2].error
+    assert reqs[1].prompt.chunk_keys == keys  # the stored chunks are run by the keys they were given
+    with pytest.raises(InputError, match=r"chunk_ids\[1\].*unknown chunk id"):
+        request(pipe, 2, unknown, 50.0)
 
 
 def test_the_engine_is_exported_at_the_top_level():
@@ -145,7 +158,7 @@ def test_live_clock_serves_arrivals_in_real_time(pipe, profile):
     from cachesmith.clock import LiveClock
 
     eng = Engine(pipe, profile, EngineConfig("cacheblend@0.3", "live"), clock=LiveClock())
-    results = eng.run([Request(0, instance(0), 30.0, 0.0), Request(1, instance(1), 30.0, 0.3)])
+    results = eng.run([request(pipe, 0, instance(0), 30.0), request(pipe, 1, instance(1), 30.0, 0.3)])
     assert all(r.error is None and r.is_on_time for r in results)
     assert results[1].first_token_s >= 0.3 and results[1].batch_id == 1  # it arrived after batch 0 began
     assert eng.clock.now() >= results[1].first_token_s
@@ -165,7 +178,7 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     fast = replace(fast, tier_gbps={tier: 1e4 * gbps for tier, gbps in fast.tier_gbps.items()})
     eng = Engine(pipe, fast, EngineConfig("cachesmith:kv_dev", "replay"))
     # an SLO of 1 ms: a budget the promised machine meets and no real batch does (~10 ms here)
-    results = eng.run([Request(i, instance(i), 1e-3, 10.0 * i) for i in range(2)])
+    results = eng.run([request(pipe, i, instance(i), 1e-3, 10.0 * i) for i in range(2)])
     assert all(r.error is None and r.mode == "planned" for r in results)
     assert eng.stats.num_monitor_replans >= 1
     # each record keeps the planner's price of its batch (what the promised machine would take) and

@@ -10,15 +10,24 @@ import pytest
 from cachesmith.clock import LiveClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
-from cachesmith.errors import ConfigError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.instance import WorkloadInstance
 from cachesmith.model.sampling import SamplingParams
 from cachesmith.profiler.shadow import shadow_calibrator
+from cachesmith.scoring import Expected
 from cachesmith.shadow_work import ShadowConfig
+from cachesmith.workloads.prompts import instance_prompt
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
 pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
+
+
+def submit(loop: EngineLoop, inst: WorkloadInstance, slo_s: float, **kw):
+    """Queue an instance as a server queues a completion: its prompt keyed and stored first."""
+    pipe = loop.engine.pipeline
+    prompt = pipe.stored_prompt(instance_prompt(pipe, inst))
+    return loop.submit(prompt, slo_s, max_new_tokens=inst.max_new_tokens, expected=Expected.of(inst), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +45,7 @@ def test_concurrent_submits_all_resolve(pipe):
 
     def client(k):
         for i in range(3):
-            f = loop.submit(instance(10 * k + i), 30.0)
+            f = submit(loop, instance(10 * k + i), 30.0)
             with lock:
                 futures.append(f)
 
@@ -54,8 +63,11 @@ def test_concurrent_submits_all_resolve(pipe):
 def test_refusals_queue_limit_and_drain_on_close(pipe):
     engine = live_engine(pipe)
     loop = EngineLoop(engine, max_queue=2)
-    bad = loop.submit(instance(1), -1.0).result(timeout=5)
-    assert "slo_s=-1.0" in bad.error
+    with pytest.raises(InputError, match="slo_s=-1.0"):
+        submit(loop, instance(1), -1.0)
+    assert loop.queue_depth == 0  # its place was given back
+    big = replace(instance(2), documents=instance(2).documents * 8)  # past the model: refused, not raised
+    assert "exceed the model's 1024 positions" in submit(loop, big, 30.0).result(timeout=5).error
     gate = threading.Event()
     original = engine.prefill_batch
 
@@ -64,20 +76,20 @@ def test_refusals_queue_limit_and_drain_on_close(pipe):
         return original(decision, batch)
 
     engine.prefill_batch = slow
-    first = loop.submit(instance(2), 30.0)
+    first = submit(loop, instance(2), 30.0)
     deadline = time.monotonic() + 10
     while engine.queue_depth and time.monotonic() < deadline:  # wait until the loop took it
         time.sleep(0.001)
     assert engine.queue_depth == 0
-    queued = [loop.submit(instance(3 + i), 30.0) for i in range(2)]
+    queued = [submit(loop, instance(3 + i), 30.0) for i in range(2)]
     with pytest.raises(QueueFull, match="max_queue=2") as err:
-        loop.submit(instance(9), 30.0)
+        submit(loop, instance(9), 30.0)
     assert err.value.retry_after_s > 0
     gate.set()
     assert loop.close(timeout=30)  # drains what was queued
     assert all(f.result(timeout=1).error is None for f in [first, *queued])
     with pytest.raises(EngineClosed):
-        loop.submit(instance(4), 30.0)
+        submit(loop, instance(4), 30.0)
 
 
 def test_a_failing_batch_becomes_per_request_errors(pipe):
@@ -85,10 +97,10 @@ def test_a_failing_batch_becomes_per_request_errors(pipe):
     loop = EngineLoop(engine)
     original = engine.executor.prefill
     engine.executor.prefill = lambda d, b: (_ for _ in ()).throw(RuntimeError("kaboom"))
-    res = loop.submit(instance(5), 30.0).result(timeout=10)
+    res = submit(loop, instance(5), 30.0).result(timeout=10)
     assert "internal error while serving: kaboom" in res.error
     engine.executor.prefill = original
-    assert loop.submit(instance(6), 30.0).result(timeout=30).error is None  # still serving
+    assert submit(loop, instance(6), 30.0).result(timeout=30).error is None  # still serving
     assert loop.close(timeout=10)
 
 
@@ -100,7 +112,7 @@ def test_the_loop_needs_the_live_clock(pipe):
 def test_tokens_stream_in_order_and_spell_the_answer(pipe):
     loop = EngineLoop(live_engine(pipe))
     seen: list[tuple[int, int, float]] = []
-    res = loop.submit(instance(7), 30.0, on_token=lambda i, t: seen.append((i, t, loop.engine.clock.now())))
+    res = submit(loop, instance(7), 30.0, on_token=lambda i, t: seen.append((i, t, loop.engine.clock.now())))
     res = res.result(timeout=30)
     assert res.error is None and res.num_output_tokens == len(seen) >= 1
     assert [i for i, _, _ in seen] == list(range(len(seen)))
@@ -114,13 +126,13 @@ def test_a_failing_decode_and_a_failing_sink_do_not_stop_the_loop(pipe):
     loop = EngineLoop(engine)
     original = loop._decoding.step  # the decode thread's step over every decoding sequence
     loop._decoding.step = lambda: (_ for _ in ()).throw(RuntimeError("decode broke"))
-    assert "internal error while decoding: decode broke" in loop.submit(instance(8), 30.0).result(timeout=10).error
+    assert "internal error while decoding: decode broke" in submit(loop, instance(8), 30.0).result(timeout=10).error
     loop._decoding.step = original
 
     def bad_sink(i, t):
         raise ValueError("client went away")
 
-    assert loop.submit(instance(9), 30.0, on_token=bad_sink).result(timeout=30).error is None
+    assert submit(loop, instance(9), 30.0, on_token=bad_sink).result(timeout=30).error is None
     assert loop.close(timeout=10)
 
 
@@ -129,7 +141,7 @@ def test_serial_decode_serves_and_streams_the_same(pipe):
     for overlapped in (True, False):
         loop = EngineLoop(live_engine(pipe, "full_prefill"), is_decode_overlapped=overlapped)
         tokens: list[int] = []
-        res = loop.submit(instance(11), 30.0, on_token=lambda i, t: tokens.append(t)).result(timeout=30)
+        res = submit(loop, instance(11), 30.0, on_token=lambda i, t: tokens.append(t)).result(timeout=30)
         assert res.error is None and len(tokens) == res.num_output_tokens
         answers[overlapped] = (res.answer, tokens)
         assert loop.close(timeout=10)
@@ -141,11 +153,11 @@ def test_cancel_drops_a_queued_request_but_not_a_running_one(pipe):
     loop = EngineLoop(engine)
     gate, original = threading.Event(), engine.prefill_batch
     engine.prefill_batch = lambda d, b: (gate.wait(10), original(d, b))[1]
-    running = loop.submit(instance(12), 30.0)
+    running = submit(loop, instance(12), 30.0)
     deadline = time.monotonic() + 10
     while engine.queue_depth and time.monotonic() < deadline:
         time.sleep(0.001)
-    queued = loop.submit(instance(13), 30.0)
+    queued = submit(loop, instance(13), 30.0)
     assert loop.cancel(queued.request_id) and not loop.cancel(running.request_id)
     res = queued.result(timeout=1)
     assert res.error_kind == "cancelled" and "cancelled" in res.error and engine.queue_depth == 0
@@ -162,7 +174,7 @@ def test_decode_steps_sequences_together_and_never_starts_during_a_prefill(pipe)
     loop = EngineLoop(live_engine(pipe, "full_reuse"))
     events: list[str] = []
     loop.trace = events.append  # called under the loop's lock: the order is the real one
-    futures = [loop.submit(_long(40 + i), 30.0) for i in range(6)]
+    futures = [submit(loop, _long(40 + i), 30.0) for i in range(6)]
     results = [f.result(timeout=60) for f in futures]
     assert all(r.error is None for r in results) and loop.close(timeout=10)
     prefills = [e for e in events if e.startswith("prefill ")]
@@ -181,9 +193,9 @@ def test_a_full_decode_set_makes_the_next_prefill_wait(pipe):
     events: list[str] = []
     loop.trace = events.append
     decoding = threading.Event()
-    futures = [loop.submit(_long(50), 30.0, on_token=lambda i, t: decoding.set())]
+    futures = [submit(loop, _long(50), 30.0, on_token=lambda i, t: decoding.set())]
     assert decoding.wait(30)  # the first request is decoding: the next batches must wait for room
-    futures += [loop.submit(_long(51 + i), 30.0) for i in range(2)]
+    futures += [submit(loop, _long(51 + i), 30.0) for i in range(2)]
     assert all(f.result(timeout=60).error is None for f in futures) and loop.close(timeout=10)
     prefills = [int(e.split()[1]) for e in events if e.startswith("prefill ")]
     assert len(prefills) >= 2 and set(prefills) == {0}  # each batch waited until decoding had room
@@ -193,8 +205,8 @@ def test_a_full_decode_set_makes_the_next_prefill_wait(pipe):
 def test_sampled_requests_repeat_with_their_seed_and_report_logprobs(pipe):
     loop = EngineLoop(live_engine(pipe, "full_prefill"))
     hot = SamplingParams(temperature=1.5, seed=7, num_logprobs=2)
-    first, again = (loop.submit(_long(60), 30.0, sampling=hot).result(timeout=30) for _ in range(2))
-    greedy = loop.submit(_long(60), 30.0, sampling=SamplingParams(num_logprobs=1)).result(timeout=30)
+    first, again = (submit(loop, _long(60), 30.0, sampling=hot).result(timeout=30) for _ in range(2))
+    greedy = submit(loop, _long(60), 30.0, sampling=SamplingParams(num_logprobs=1)).result(timeout=30)
     assert loop.close(timeout=10)
     assert first.error is None and first.output_token_ids == again.output_token_ids
     assert len(first.logprobs) == first.num_output_tokens == len(first.output_token_ids)
@@ -208,14 +220,14 @@ def test_idle_time_measures_shadow_samples_and_a_new_request_still_runs(pipe):
     config = EngineConfig("cachesmith+learn", "live", shadow=ShadowConfig(fraction=1.0), shadow_work=shadow_calibrator)
     engine = Engine(pipe, make_profile(num_layers=pipe.model.num_layers), config, LiveClock())
     loop = EngineLoop(engine)
-    assert all(f.result(timeout=60).error is None for f in [loop.submit(instance(i), 30.0) for i in range(2)])
+    assert all(f.result(timeout=60).error is None for f in [submit(loop, instance(i), 30.0) for i in range(2)])
     deadline = time.monotonic() + 120
     while engine.shadow.stats.num_samples < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     st = engine.shadow.stats
     assert (st.num_sampled, st.num_samples) == (2, 2) and st.num_units >= 4 and st.max_unit_s > 0
     assert engine.planner.learned.is_active and engine.planner.learned.num_samples == 2
-    assert loop.submit(instance(7), 30.0).result(timeout=60).error is None  # serving goes on
+    assert submit(loop, instance(7), 30.0).result(timeout=60).error is None  # serving goes on
     assert loop.close(timeout=30)
 
 
@@ -233,11 +245,11 @@ def test_places_are_held_from_acceptance_and_an_admission_that_raises_gives_its_
     for error in (OSError("disk went away"), MemoryError("no room"), RuntimeError("bug")):
         engine.admit = lambda request, e=error: (_ for _ in ()).throw(e)
         for seed in range(3):  # more than max_queue: a leaked place would refuse the next
-            res = loop.submit(instance(70 + seed), 30.0).result(timeout=5)
+            res = submit(loop, instance(70 + seed), 30.0).result(timeout=5)
             assert res.is_internal_error and f"{type(error).__name__}: {error}" in res.error
         assert loop.queue_depth == 0
     engine.admit = original
     slot = loop.reserve()
-    res = loop.submit(instance(80), 30.0, slot=slot).result(timeout=30)
+    res = submit(loop, instance(80), 30.0, slot=slot).result(timeout=30)
     assert res.error is None and slot.is_released and loop.queue_depth == 0
     assert loop.close(timeout=10)  # nothing leaked: the drain ends

@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cachesmith"
 # "cachesmith" is the package's own `__init__` (it names the engine and the pipeline lazily).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("jsonl", "registry_fetch", "clock", "instance"),  # leaves every layer may read
+    ("jsonl", "registry_fetch", "clock"),  # leaves every layer may read
     ("scoring", "gates"),  # whether an answer is good: the engine's gate and the profiler's verdicts
     ("model",),
     ("recompute",),
@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("executor", "shadow_work"),
     ("engine",),
     ("engine_loop",),  # serving ends here: no layer up to this one imports workloads or the profiler
-    ("workloads",),
+    ("workloads", "instance"),  # a benchmark's request (texts, gold): nothing that serves reads one
     ("profiler",),
     ("plan_one",),  # a planned answer: the pipeline, a profile, the scheduler's budget
     ("bench",),
@@ -177,8 +177,16 @@ def test_no_import_cycles():
 
 def test_the_serving_engine_imports_no_offline_code():
     serving = [m for m in GRAPH if unit(m) in ("executor", "engine", "engine_loop", "shadow_work")]
-    offline = [f"{m} imports {t}" for m in serving for t in GRAPH[m] if unit(t) in ("profiler", "workloads")]
+    offline = [f"{m} imports {t}" for m in serving for t in GRAPH[m] if unit(t) in ("profiler", "workloads", "instance")]
     assert len(serving) == 4 and offline == []
+
+
+def test_no_served_request_is_a_workload_instance():
+    """The server and the vLLM connector hand the engine a plain `Request`; a benchmark's instance
+    never reaches them."""
+    front = [m for m in GRAPH if unit(m) in ("server", "integrations")]
+    found = [f"{m} imports {t}" for m in front for t in GRAPH[m] if unit(t) in ("instance", "workloads")]
+    assert len(front) > 10 and found == []
 
 
 # -- the checker itself -----------------------------------------------------------------------

@@ -12,7 +12,6 @@ import pytest
 from cachesmith import cli, plan_one
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
-from cachesmith.pipeline import DEFAULT_SLO_S as PIPELINE_DEFAULT_SLO_S
 from cachesmith.pipeline import RagPipeline
 from cachesmith.plan_one import DEFAULT_SLO_S, OnePlanner, one_planner, use_profile
 from cachesmith.planner import ProfileError
@@ -116,10 +115,6 @@ def test_the_planner_kept_for_a_pipeline_is_built_once_and_goes_with_it(tiny_dir
     del pipe, other
     gc.collect()
     assert len(plan_one._KEPT) == num_kept - 2  # weakly kept: a pipeline's planner goes with it
-
-
-def test_the_pipelines_deprecated_default_slo_is_plan_ones():
-    assert PIPELINE_DEFAULT_SLO_S == DEFAULT_SLO_S
 
 
 def test_cli_ask_plans_with_the_planner_by_default(tiny, tiny_dir, tmp_path, capsys):

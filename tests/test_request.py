@@ -1,5 +1,8 @@
-"""`Request.from_documents`: a request of the user's own texts, served like a workload request."""
+"""`Request` and `RagPipeline.request`: what the engine needs of a request, built from the user's
+own texts, and the rules every request obeys, checked in one place."""
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -7,42 +10,80 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import GREEDY
 from cachesmith.recompute import full_prefill
-from cachesmith.request import Request
+from cachesmith.request import Request, StoredPrompt, check_fits, check_slo
+from cachesmith.scoring import Expected
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
 
 
-def test_from_documents_builds_an_ungated_custom_instance():
-    req = Request.from_documents(7, ["First text.", "Second text."], "What?", 2.0, arrival_s=1.5,
-                                 max_new_tokens=3, system="Be brief.", answer_prefix="Answer:")
-    inst = req.instance
-    assert (inst.task, inst.gold, inst.documents, inst.question) == ("custom", (), ("First text.", "Second text."),
-                                                                      "What?")
-    assert (inst.prefix, inst.answer_prefix, inst.max_new_tokens, inst.chunk_ids) == ("Be brief.", "Answer:", 3, ())
-    assert (req.request_id, req.slo_s, req.arrival_s, req.sampling) == (7, 2.0, 1.5, GREEDY)
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    return tiny_pipeline(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")), tmp_path_factory.mktemp("kv"))
 
 
-def test_from_documents_errors_name_the_field():
-    with pytest.raises(InputError, match="request 3: documents"):
-        Request.from_documents(3, "one text, not a list of them", "q", 1.0)
-    with pytest.raises(InputError, match="documents"):
-        Request.from_documents(3, ["fine", "  "], "q", 1.0)
-    with pytest.raises(InputError, match="question"):
-        Request.from_documents(3, ["fine"], " ", 1.0)
-    with pytest.raises(InputError, match="max_new_tokens must be >= 1"):
-        Request.from_documents(3, ["fine"], "q", 1.0, max_new_tokens=0)
+def test_the_slo_rule_names_the_field_in_its_own_unit():
+    check_slo(0.5)
+    check_slo(3600.0, max_slo_s=3600.0)
+    for bad in (0.0, -1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(InputError, match="slo_s=.*must be a positive number"):
+            check_slo(bad)
+    with pytest.raises(InputError, match="slo_ms=4000000.0: must be a positive number and at most 3600000"):
+        check_slo(4000.0, "slo_ms", 3600.0, scale=1e3)
+
+
+def test_the_positions_rule_counts_the_tokens_to_generate():
+    check_fits(1000, 24, 1024, "documents")
+    with pytest.raises(InputError, match="documents: the prompt's 1001 tokens \\+ max_new_tokens 24 exceed the "
+                                         "model's 1024 positions"):
+        check_fits(1001, 24, 1024, "documents")
+
+
+def test_a_request_is_valid_by_construction():
+    prompt = StoredPrompt(None, 0, ("a" * 64,), (5,), (1, 2))
+    req = Request(7, prompt, 2.0, 3, 1.5)
+    assert (req.task, req.expected.gold, req.sampling, prompt.num_tokens) == ("custom", (), GREEDY, 7)
+    with pytest.raises(InputError, match="request 7: slo_s=-1.0"):
+        Request(7, prompt, -1.0)
+    with pytest.raises(InputError, match="request 7: max_new_tokens=0"):
+        Request(7, prompt, 1.0, 0)
+    with pytest.raises(ValueError, match="1 chunk keys but 2 token counts"):
+        StoredPrompt(None, 0, ("a" * 64,), (5, 6), (1,))
 
 
 @pytest.mark.real_model  # the tiny model borrows the packaged model's tokenizer
-def test_from_documents_runs_through_the_engine_like_the_pipeline(tmp_path_factory):
-    pipe = tiny_pipeline(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")), tmp_path_factory.mktemp("kv"))
-    reqs = [Request.from_documents(i, instance(i).documents, instance(i).question, 5.0, arrival_s=0.05 * i,
-                                   max_new_tokens=3) for i in range(3)]
+def test_the_pipeline_stores_a_request_of_texts_before_it_is_queued(pipe):
+    docs = ("First text about lanterns.", "Second text about harbours.")
+    req = pipe.request(7, docs, "What?", 2.0, arrival_s=1.5, max_new_tokens=3, system="Be brief.",
+                       answer_prefix="Answer:")
+    parts = pipe.prompt(docs, "What?", "Answer:", "Be brief.")
+    prompt = req.prompt
+    assert prompt.chunk_keys == tuple(pipe.store.key_for(pipe.model, ids) for ids in parts.chunk_ids)
+    assert all(pipe.store.contains(k) for k in (*prompt.chunk_keys, prompt.prefix_key))
+    assert prompt.chunk_num_tokens == tuple(map(len, parts.chunk_ids)) and prompt.suffix_ids == tuple(parts.suffix_ids)
+    assert (req.request_id, req.slo_s, req.arrival_s, req.max_new_tokens, req.expected) == (7, 2.0, 1.5, 3, Expected())
+
+
+@pytest.mark.real_model
+def test_the_pipelines_request_errors_name_the_field(pipe):
+    with pytest.raises(InputError, match="request 3: documents"):
+        pipe.request(3, "one text, not a list of them", "q", 1.0)
+    with pytest.raises(InputError, match="documents"):
+        pipe.request(3, ["fine", "  "], "q", 1.0)
+    with pytest.raises(InputError, match="question"):
+        pipe.request(3, ["fine"], " ", 1.0)
+    with pytest.raises(InputError, match="request 3: the prompt's .* exceed the model's 1024 positions"):
+        pipe.request(3, ["word " * 400, "word " * 400], "q", 1.0, max_new_tokens=400)
+
+
+@pytest.mark.real_model
+def test_a_request_of_texts_runs_through_the_engine_like_the_pipeline(pipe):
+    reqs = [pipe.request(i, instance(i).documents, instance(i).question, 5.0, arrival_s=0.05 * i, max_new_tokens=3)
+            for i in range(3)]
     eng = Engine(pipe, make_profile(num_layers=pipe.model.num_layers), EngineConfig("full_prefill", "replay"))
     results = eng.run(reqs)
     plan = full_prefill(pipe.model.num_layers)
-    for res, req in zip(results, reqs):
-        ref = pipe.answer(req.instance.documents, req.instance.question, plan, 3)
+    for i, res in enumerate(results):
+        ref = pipe.answer(instance(i).documents, instance(i).question, plan, 3)
         assert res.error is None and res.answer == ref.text
         assert res.task == "custom" and res.is_passed is None  # no gold: not gated
         assert res.num_recomputed == res.num_context_tokens == ref.num_context_tokens

@@ -11,7 +11,6 @@ from cachesmith.planner import Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.demand import COVERAGE_GRID, DemandModel
 from cachesmith.planner.learned_demand import LearnedDemand, LearnedDemandConfig
 from cachesmith.planner.profile import NEVER
-from cachesmith.request import Request
 from cachesmith.shadow_work import ShadowCalibrator, ShadowConfig
 from tests.bench.sim_helpers import table
 from tests.bench.test_simulator import sim_engine
@@ -69,9 +68,11 @@ def test_shadow_work_never_moves_a_requests_first_token_on_the_replay_clock():
     profile, t = make_profile(), table()
     # pairs and singles: idle gaps of several units, and arrivals during busy time
     arrivals = [0.0, 0.05, 6.0, 6.05, 12.0, 18.0, 18.05, 25.0, 31.0, 31.5]
-    reqs = [Request(i, o, 4.0, a) for i, (o, a) in enumerate(zip(t.outcomes, arrivals))]
-    plain = sim_engine("cachesmith", profile, t, decision_s=0.0).run(reqs)
+    plain_engine = sim_engine("cachesmith", profile, t, decision_s=0.0)
+    plain = plain_engine.run([plain_engine.executor.request(i, o, 4.0, a)
+                              for i, (o, a) in enumerate(zip(t.outcomes, arrivals))])
     engine = sim_engine("cachesmith", profile, t, decision_s=0.0)
+    reqs = [engine.executor.request(i, o, 4.0, a) for i, (o, a) in enumerate(zip(t.outcomes, arrivals))]
     samples = []
     engine.shadow = calibrator(samples.append, clock=engine.clock, initial_unit_s=UNIT_S)
     shadowed = engine.run(reqs)

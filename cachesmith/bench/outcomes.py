@@ -28,6 +28,7 @@ from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, 
 from cachesmith.workloads.card import instance_digest
 from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.tasks import generate
+from cachesmith.workloads.prompts import instance_prompt
 
 
 SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (scores at layer w = 1)
@@ -127,7 +128,7 @@ class OutcomeMeasurer:
         return plans
 
     def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
-        parts = self.pipe.instance_prompt(inst)
+        parts = instance_prompt(self.pipe, inst)
         plans = self.verdicts(inst, self.plans(is_flips_only))
         high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
         keys = [(s, d) for s in SIGNALS for d in anchor_depths(self.num_layers)]

@@ -33,6 +33,7 @@ from cachesmith.profiler.costs import fit_relative
 from cachesmith.profiler.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, parse_label, preset
 from cachesmith.instance import WorkloadInstance
+from cachesmith.workloads.prompts import instance_prompt
 
 PLANNER_PLANS = ((1, 1, 0.3), (1, 1, 0.7), (2, 4, 0.4))  # (w, p, r) the planner typically picks
 
@@ -54,7 +55,7 @@ def measure_paces(pipe: RagPipeline, profile: Profile, instances: list[WorkloadI
     if out.exists():
         return json.loads(out.read_text(encoding="utf-8"))["paces"]
     cost = CostModel(profile)
-    parts = [pipe.instance_prompt(i) for i in instances]
+    parts = [instance_prompt(pipe, i) for i in instances]
     pipe.answer_parts(parts[0], preset("full_prefill", 1.0, pipe.model.num_layers), 1)  # warm-up
     ratios: dict[str, list[float]] = {}
     plans = calibration_plans(pipe.model.num_layers)

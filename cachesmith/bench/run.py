@@ -27,6 +27,7 @@ from cachesmith.profiler.shadow import shadow_calibrator
 from cachesmith.recompute import full_prefill
 from cachesmith.request import RequestResult
 from cachesmith.scheduler import SchedulerConfig
+from cachesmith.workloads.prompts import instance_prompt
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _alone(pipe: RagPipeline, insts: list[WorkloadInstance], plan) -> list[tuple
     """Each instance run alone with `plan`: (its shape, the coverage it ran at, its TTFT)."""
     out = []
     for inst in insts:
-        parts = pipe.instance_prompt(inst)
+        parts = instance_prompt(pipe, inst)
         ans = pipe.answer_parts(parts, plan, 1)
         shape = BatchShape((ans.num_context_tokens,), (ans.num_suffix_tokens,), (len(parts.prefix_ids),))
         out.append((shape, ans.num_recomputed / max(1, ans.num_context_tokens), ans.ttft_s))
@@ -87,8 +88,8 @@ def _cool(pipe: RagPipeline, insts: list[WorkloadInstance]) -> None:
     disk; probes reading the chunks just stored read memory, and on a 2-core machine they ran
     2-16% faster than from the page-cached disk (ADR 0018, docs/adr/0018-cost-profile.md)."""
     for inst in insts:
-        keyed = pipe.keyed_request(pipe.instance_prompt(inst), 1)
-        for key in [*keyed.chunk_keys, *([keyed.prefix_key] if keyed.prefix_key else [])]:
+        stored = pipe.stored_prompt(instance_prompt(pipe, inst))
+        for key in [*stored.chunk_keys, *([stored.prefix_key] if stored.prefix_key else [])]:
             pipe.store.demote(key)
 
 
@@ -134,7 +135,7 @@ def _run_one(pipe, profile, config: BenchConfig, insts, base: float, method: str
                                                 PlannerConfig(bandwidth_gbps=config.bandwidth_gbps),
                                                 shadow_work=shadow_calibrator))
     engine.references = references
-    requests, refused = build_requests(config, insts, base, scale)
+    requests, refused = build_requests(pipe, config, insts, base, scale)
     results = engine.run(requests, show_progress=show_progress)
     results += [RequestResult(i, a, s, "file", error=e, error_kind="invalid") for i, (a, s, e) in refused.items()]
     records = [{**r.to_dict(), "method": method, "slo_scale": scale}

@@ -12,12 +12,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cachesmith.errors import ConfigError
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.methods import default_methods, parse_method
+from cachesmith.pipeline import RagPipeline
 from cachesmith.request import Request
+from cachesmith.scoring import Expected
 from cachesmith.instance import WorkloadInstance, load_workload_file
 from cachesmith.workloads.tasks import generate
 from cachesmith.workloads.trace import PATTERNS, TraceConfig, make_trace, rate_for_utilization
+from cachesmith.workloads.prompts import instance_prompt
 
 
 @dataclass(frozen=True)
@@ -98,14 +101,27 @@ def instances(config: BenchConfig) -> list[WorkloadInstance | str]:
     return [generate(config.task, r.instance_seed, config.variant) for r in trace.requests]
 
 
-def build_requests(config: BenchConfig, insts: list[WorkloadInstance | str], base_slo_s: float,
+def build_requests(pipe: RagPipeline, config: BenchConfig, insts: list[WorkloadInstance | str], base_slo_s: float,
                    slo_scale: float) -> tuple[list[Request], dict[int, tuple[float, float, str]]]:
-    """(requests, refusals {request id: (arrival, slo, error)}) of one SLO scale."""
+    """(requests, refusals {request id: (arrival, slo, error)}) of one SLO scale. Each instance's
+    prompt is tokenized, keyed and stored here (a miss is prefilled), as a server does before it
+    queues a request: the engine runs the keys."""
     trace = make_trace(trace_config(config, base_slo_s, slo_scale))
     requests, refused = [], {}
     for r, inst in zip(trace.requests, insts):
-        if isinstance(inst, str):
-            refused[r.request_id] = (r.arrival_s, r.slo_s, inst)
-        else:
-            requests.append(Request(r.request_id, inst, r.slo_s, r.arrival_s))
+        try:
+            if isinstance(inst, str):
+                raise InputError(inst)
+            requests.append(instance_request(pipe, r.request_id, inst, r.slo_s, r.arrival_s))
+        except InputError as exc:
+            refused[r.request_id] = (r.arrival_s, r.slo_s, str(exc))
     return requests, refused
+
+
+def instance_request(pipe: RagPipeline, request_id: int, inst: WorkloadInstance, slo_s: float,
+                     arrival_s: float = 0.0) -> Request:
+    """The engine `Request` of one workload instance: its prompt tokenized, keyed and stored (a miss
+    is prefilled), its answer length, and its task and gold for the gate. Raises `InputError` (a
+    chunk id the store does not hold, a document past the model's positions)."""
+    return Request(request_id, pipe.stored_prompt(instance_prompt(pipe, inst)), slo_s, inst.max_new_tokens,
+                   arrival_s, expected=Expected.of(inst))

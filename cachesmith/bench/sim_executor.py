@@ -2,8 +2,8 @@
 takes the cost model's TTFT (transfer over the simulated link included) on this machine's measured
 pace, and each request's gate verdict is read from the outcome tables under the plan it ran.
 
-In: a `ScheduleDecision` and the `Admitted` requests it names, whose `request.instance` is an
-`Outcome` (token counts, QCI entropy, verdicts). The machine is the profile's costs at each plan
+In: a `ScheduleDecision` and the `Admitted` requests it names, each the simulated request of an
+`Outcome` (token counts, QCI entropy, verdicts): `request` makes one and notes its outcome. The machine is the profile's costs at each plan
 family's pace plus the reuse time per placed cached row (`bench.pace.MachinePace`). Out:
 `BatchExecution` (seconds, stall, plan, verdicts) and `RequestOutput`s with `is_passed` set.
 "Planned" batches ask the same `Planner` the engine uses, from the tables' layer-0 entropies (the
@@ -27,6 +27,7 @@ from cachesmith.recompute import RecomputeConfig
 from cachesmith.recompute.hooks import LayerInfo
 from cachesmith.request import Request
 from cachesmith.scheduler import ScheduleDecision
+from cachesmith.scoring import Expected
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
 from cachesmith.bench.pace import MachinePace, family
@@ -72,6 +73,13 @@ class SimExecutor:
         self.pace = machine if isinstance(machine, MachinePace) else MachinePace.from_dict(machine)
         self._slowdowns = (noise or MachineNoise()).factors()
         self._machines: dict[str, tuple[CostModel, CostModel]] = {}
+        self.outcomes: dict[int, Outcome] = {}  # the measured outcome behind each request id
+
+    def request(self, request_id: int, outcome: Outcome, slo_s: float, arrival_s: float = 0.0) -> Request:
+        """The simulated request of `outcome`: no stored prompt (its token counts are the
+        outcome's), gated by the outcome's verdicts."""
+        self.outcomes[request_id] = outcome
+        return Request(request_id, None, slo_s, outcome.max_new_tokens, arrival_s, expected=Expected(outcome.task))
 
     def machine(self, signal: str, warmup: int, probe: int, num_tokens: int = 0) -> tuple[CostModel, CostModel]:
         """(the simulated machine for this plan family and batch size in prompt tokens over the
@@ -84,7 +92,7 @@ class SimExecutor:
         return self._machines[key]
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
-        o: Outcome = request.instance
+        o = self.outcomes[request.request_id]
         queued = check_request(request, o.prefix_tokens, o.context_tokens, o.suffix_tokens,
                                self.table.max_positions, kv_capacity_tokens)
         return Admitted(request, None, queued)
@@ -99,14 +107,15 @@ class SimExecutor:
             final, plan, replans = coverages, None, 0
         else:
             reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
-                                a.request.instance.entropy, a.request.instance.task) for a in batch]
+                                self.outcomes[a.request.request_id].entropy, a.request.task) for a in batch]
             plan = self.planner.plan(reqs, decision.budget_s)
             if self.decision_s is not None:
                 plan = replace(plan, decision_s=self.decision_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
             seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s, slowdown)
         signal, w, p = config.signal.value, config.warmup, config.probe
-        verdicts = [self.table.passes(a.request.instance, signal, w, p, c) for a, c in zip(batch, final)]
+        verdicts = [self.table.passes(self.outcomes[a.request.request_id], signal, w, p, c)
+                    for a, c in zip(batch, final)]
         return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
                               [float(c) for c in final])
 
@@ -163,7 +172,7 @@ class SimExecutor:
         out = []
         final = run.final_coverages or run.coverages
         for a, cov, end, verdict in zip(batch, run.coverages, final, run.verdicts):
-            o: Outcome = a.request.instance
+            o = self.outcomes[a.request.request_id]
             out.append(RequestOutput("", float(cov), o.context_tokens, int(round(end * o.context_tokens)),
                                      o.entropy, o.num_tokens, 0, verdict))
         return out

@@ -22,7 +22,6 @@ from cachesmith.clock import ReplayClock
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError
 from cachesmith.planner import BatchShape, CostModel, PlannerConfig, Profile
-from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision, Scheduler, SchedulerConfig
 from cachesmith.bench.sim_executor import MachineNoise, SimExecutor
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
@@ -84,8 +83,8 @@ def simulate_run(table: OutcomeTable, profile: Profile, config: BenchConfig, bas
     if decision_s is not None:
         engine.scheduler = FixedDecisionTime(engine.scheduler, decision_s)
     trace = make_trace(trace_config(config, base_slo_s, slo_scale))
-    requests = [Request(r.request_id, pool[r.request_id % len(pool)] if pool else
-                        instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)
+    requests = [engine.executor.request(r.request_id, pool[r.request_id % len(pool)] if pool else
+                                        instance_for(table, config.task, r.instance_seed), r.slo_s, r.arrival_s)
                 for r in trace.requests]
     results = engine.run(requests)
     records = [{**r.to_dict(), "method": method, "slo_scale": slo_scale} for r in results]

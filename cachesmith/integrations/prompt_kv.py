@@ -16,18 +16,17 @@ imports vLLM, so it is tested on tiny models in `make test`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from cachesmith.errors import CachesmithError, InputError
-from cachesmith.kvstore import KeyedRequest
 from cachesmith.methods import parse_method
 from cachesmith.model.kv_cache import KVCache
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import RagPipeline
 from cachesmith.plan_one import DEFAULT_SLO_S, one_planner
 from cachesmith.recompute import RecomputeConfig
+from cachesmith.request import Request, check_slo
 
 PARAMS_KEY = "cachesmith"  # the key of our parameters inside a request's kv_transfer_params
 PLANNED = "cachesmith"
@@ -79,8 +78,8 @@ class ConnectorParams:
                 raise InputError(f"{PARAMS_KEY}.method={self.method!r}: '{PLANNED}' (planned under slo_ms) "
                                  f"or a fixed method: {exc}") from None
         slo = self.slo_ms
-        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not (math.isfinite(slo) and 0 < slo <= MAX_SLO_MS):
-            raise InputError(f"{PARAMS_KEY}.slo_ms={slo!r}: must be a number in (0, {MAX_SLO_MS:.0f}]")
+        check_slo(slo / 1000.0 if isinstance(slo, (int, float)) and not isinstance(slo, bool) else slo,
+                  f"{PARAMS_KEY}.slo_ms", MAX_SLO_MS / 1000.0, scale=1e3)
         framed = self.num_prefix_tokens + sum(self.chunk_token_counts)
         if framed > num_prompt_tokens - 1:  # the question keeps at least the prompt's last token
             raise InputError(f"{PARAMS_KEY}: num_prefix_tokens + sum(chunk_token_counts) = {framed} must leave "
@@ -130,14 +129,11 @@ def plan_prompt(pipe: RagPipeline, parts: PromptParts, params: ConnectorParams, 
     return PromptPlan(chosen.config, chosen.budget_s * 1000.0)
 
 
-def keyed_request(pipe: RagPipeline, parts: PromptParts, namespace: str = "") -> KeyedRequest:
-    """`RagPipeline.keyed_request` for one answer token, with the prefix and every chunk keyed in
-    `namespace`: equal text under two cache salts is two entries, and neither reads the other's.
-    Missing entries are prefilled and stored here."""
-    ensured = [pipe.store.ensure(pipe.model, ids, namespace) for ids in parts.chunk_ids]
-    prefix = pipe.store.ensure(pipe.model, parts.prefix_ids, namespace)[0] if parts.prefix_ids else None
-    return KeyedRequest([key for key, _ in ensured], parts.suffix_ids, prefix, extra_capacity=1,
-                        was_stored=tuple(not computed for _, computed in ensured))
+def prompt_request(pipe: RagPipeline, parts: PromptParts, params: ConnectorParams, namespace: str = "") -> Request:
+    """The engine `Request` of one prompt, as the server builds one: the prefix and every chunk
+    keyed once in `namespace` (equal text under two cache salts is two entries, and neither reads
+    the other's) and stored here (a miss is prefilled), one answer token, the client's SLO."""
+    return Request(0, pipe.stored_prompt(parts, namespace), params.slo_ms / 1000.0, max_new_tokens=1)
 
 
 def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorParams, waited_s: float = 0.0, *,
@@ -146,10 +142,11 @@ def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorPa
     `plan` (None: `plan_prompt`'s) run by cachesmith's runner. The caller releases the cache."""
     parts = params.parts(token_ids)
     plan = plan or plan_prompt(pipe, parts, params, waited_s)
-    request = keyed_request(pipe, parts, namespace)
-    with pipe.transfer.stage([request], plan.config) as batch:
+    request = prompt_request(pipe, parts, params, namespace)
+    was_stored = request.prompt.was_stored
+    with pipe.transfer.stage([request.prompt.keyed(request.max_new_tokens)], plan.config) as batch:
         out = pipe.runner.run(batch.requests, plan.config, batch)[0]
-    report = LoadReport(len(request.was_stored), sum(request.was_stored), request.was_stored.count(False),
-                        sum(len(ids) for ids, hit in zip(parts.chunk_ids, request.was_stored) if hit),
+    report = LoadReport(len(was_stored), sum(was_stored), was_stored.count(False),
+                        sum(len(ids) for ids, hit in zip(parts.chunk_ids, was_stored) if hit),
                         int(out.selected.numel()), plan.config.label(), plan.budget_ms)
     return PromptKV(out.cache, report, plan)

@@ -288,6 +288,19 @@ class ChunkStore:
         if reader is not None:
             reader.close()
             return key, False
+        return self._prefill(model, token_ids, namespace, key)
+
+    def ensure_held(self, model: Decoder, token_ids: Sequence[int], namespace: str = "",
+                    key: str | None = None) -> tuple[str, bool]:
+        """`ensure`, taking a tier's word that it holds the entry: a request's entry is opened and
+        verified once, where staging reads it (one found corrupt there is evicted and prefilled again
+        from the request's sources), not also when the request is admitted."""
+        key = key or self.key_for(model, token_ids, namespace)
+        if self.contains(key):
+            return key, False
+        return self._prefill(model, token_ids, namespace, key)
+
+    def _prefill(self, model: Decoder, token_ids: Sequence[int], namespace: str, key: str) -> tuple[str, bool]:
         if not self._put(prefill_chunk(model, list(token_ids)), namespace)[1]:
             raise StoreWriteFailed(f"chunk {key[:12]}: no store tier took its KV ({', '.join(t.name for t in self.tiers)}: "
                                    f"full of entries in use, read-only or down)")

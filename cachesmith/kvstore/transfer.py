@@ -67,7 +67,7 @@ class KeyedRequest:
     prefix_key: str | None = None
     coverage: float | None = None
     extra_capacity: int = 0
-    was_stored: tuple[bool, ...] = ()  # per chunk, when keyed by `RagPipeline.keyed_request`: False = prefilled then
+    was_stored: tuple[bool, ...] = ()  # per chunk, as its caller stored it: False = prefilled for this request
     # key -> (token ids, namespace) of entries its caller stored: one that every tier evicted before
     # staging (memory LRU, a disk quota, redis away) is prefilled again there instead of failing the batch
     rebuild: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)

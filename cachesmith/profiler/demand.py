@@ -26,6 +26,7 @@ from tqdm import tqdm
 from cachesmith.errors import InputError
 from cachesmith.gates import make_gate
 from cachesmith.instance import WorkloadInstance
+from cachesmith.profiler.subjects import Subject, scored
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
 from cachesmith.profiler.verdicts import Verdicts
@@ -61,23 +62,23 @@ class DemandProfiler:
         self._gate = make_gate(self.gate)
         self.verdicts = Verdicts(self.pipe, self.cache_path, self.max_new_tokens, max_held=self.num_parallel + 1)
 
-    def passed(self, inst: WorkloadInstance, record: dict) -> bool:
+    def passed(self, inst: Subject, record: dict) -> bool:
         """The gate's verdict on one measured record (fidelity: against full prefill's answer)."""
         if not self._gate.needs_reference:
             return bool(record["passed"])
         full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
         reference = self.measure(inst, [(full, "full_prefill")])[0]["text"]  # cached after its first run
-        return self._gate.passes(inst, record["text"], reference)
+        return self._gate.passes(scored(inst), record["text"], reference)
 
-    def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
+    def measure(self, inst: Subject, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """Each trial's record `{"passed", "entropy", ...}`, measured together (`Verdicts`)."""
         return self.measure_many([(inst, trials)])[0]
 
-    def measure_many(self, batch: list[tuple[WorkloadInstance, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
+    def measure_many(self, batch: list[tuple[Subject, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
         """`measure` for several instances together: their answers share each decoding step."""
         return self.verdicts.measure_many(batch)
 
-    def evaluate(self, inst: WorkloadInstance, plan: RecomputeConfig, tag: str) -> dict:
+    def evaluate(self, inst: Subject, plan: RecomputeConfig, tag: str) -> dict:
         return self.measure(inst, [(plan, tag)])[0]
 
     def flips(self, inst: WorkloadInstance, keys: list[tuple[str, int]], high: bool) -> dict[tuple[str, int], tuple[bool, float]]:
@@ -96,7 +97,7 @@ class DemandProfiler:
             except StopIteration as done:
                 return done.value
 
-    def search_rounds(self, insts: list[WorkloadInstance], keys: list[tuple[str, int]], highs: list[bool]
+    def search_rounds(self, insts: list[Subject], keys: list[tuple[str, int]], highs: list[bool]
                       ) -> Generator[None, None, list[dict[tuple[str, int], tuple[bool, float]]]]:
         """`flips_many` one round at a time: yields after each round's measurement (so idle-time
         work can stop between rounds) and returns the flips.
@@ -121,7 +122,7 @@ class DemandProfiler:
             yield
         return found
 
-    def sample_rounds(self, inst: WorkloadInstance, keys: list[tuple[str, int]]
+    def sample_rounds(self, inst: Subject, keys: list[tuple[str, int]]
                       ) -> Generator[None, None, dict[tuple[str, int], tuple[float, float]]]:
         """`pass_intervals` of one instance one measurement at a time (full prefill, then each
         round): the unit of idle-time (shadow) work."""

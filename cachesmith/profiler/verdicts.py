@@ -1,6 +1,7 @@
 """Quality-gate verdicts of workload instances under many plans, measured together.
 
-In: a `RagPipeline`, one or several `WorkloadInstance`s and their trials, each a (plan, tag). Out: per trial a
+In: a `RagPipeline`, one or several subjects (`subjects.Subject`: workload instances or served
+requests) and their trials, each a (plan, tag). Out: per trial a
 record `{"key", "passed", "entropy", "text"}` (key = instance digest / tag), appended to a JSONL cache, so
 a stopped run resumes where it was.
 
@@ -17,13 +18,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cachesmith.instance import WorkloadInstance
 from cachesmith.jsonl import load_keyed
 from cachesmith.model.generate import Decoding
 from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.subjects import Subject, recompute_request, scored
+from cachesmith.profiler.subjects import digest as subject_digest
 from cachesmith.recompute import PatchFork, RecomputeConfig, RecomputeOutput, RecomputeRequest, Signal
 from cachesmith.scoring import score
-from cachesmith.workloads.card import instance_digest
 
 
 class Verdicts:
@@ -42,14 +43,14 @@ class Verdicts:
         self._requests: dict[str, RecomputeRequest] = {}  # the held instances' chunks, read once
         self.max_held = max_held
 
-    def measure(self, inst: WorkloadInstance, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
+    def measure(self, inst: Subject, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """The record of every trial, measuring the ones the cache lacks together."""
         return self.measure_many([(inst, trials)])[0]
 
-    def measure_many(self, batch: list[tuple[WorkloadInstance, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
+    def measure_many(self, batch: list[tuple[Subject, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
         """`measure` for several instances at once: their missing trials are decoded together, so
         the instances share each decoding pass over the weights."""
-        digests = [instance_digest(inst) for inst, _ in batch]
+        digests = [subject_digest(inst) for inst, _ in batch]
         for d in digests:  # the most recently used last
             self._forks[d] = self._forks.pop(d, {})
         while len(self._forks) > max(self.max_held, len(set(digests))):
@@ -62,7 +63,7 @@ class Verdicts:
             self._measure(list({(m[1], m[3]): m for m in missing}.values()))  # a trial asked twice runs once
         return [[self.cache[f"{d}/{tag}"] for _, tag in trials] for (_, trials), d in zip(batch, digests)]
 
-    def _measure(self, trials: list[tuple[WorkloadInstance, str, RecomputeConfig, str]]) -> None:
+    def _measure(self, trials: list[tuple[Subject, str, RecomputeConfig, str]]) -> None:
         requests = {digest: self._requests.get(digest) or self._request(inst) for inst, digest, _, _ in trials}
         self._requests.update(requests)  # the chunks stay in hand while the instance's forks do
         fulls = self._fork_missing(trials, requests)
@@ -74,7 +75,7 @@ class Verdicts:
         records = []
         for (inst, digest, _, tag), out, gen in zip(trials, outputs, gens):
             text = self.pipe.tokenizer.decode(gen.token_ids).strip()
-            records.append({"key": f"{digest}/{tag}", "passed": score(inst, text).passed,
+            records.append({"key": f"{digest}/{tag}", "passed": score(scored(inst), text).passed,
                             "entropy": out.qci_entropy, "text": text})
             out.cache.release()
         self.cache.update((rec["key"], rec) for rec in records)
@@ -82,19 +83,16 @@ class Verdicts:
             with self.cache_path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(rec) + "\n" for rec in records)
 
-    def forget(self, inst: WorkloadInstance) -> None:
+    def forget(self, inst: Subject) -> None:
         """Drop one instance's records and forks (memory-only use)."""
-        digest = instance_digest(inst)
-        self._forks.pop(digest, None)
-        self._requests.pop(digest, None)
-        for key in [k for k in self.cache if k.startswith(f"{digest}/")]:
+        found = subject_digest(inst)
+        self._forks.pop(found, None)
+        self._requests.pop(found, None)
+        for key in [k for k in self.cache if k.startswith(f"{found}/")]:
             del self.cache[key]
 
-    def _request(self, inst: WorkloadInstance) -> RecomputeRequest:
-        parts = self.pipe.instance_prompt(inst)
-        return RecomputeRequest([self.pipe.chunk(ids) for ids in parts.chunk_ids], parts.suffix_ids,
-                                self.pipe.chunk(parts.prefix_ids) if parts.prefix_ids else None,
-                                extra_capacity=min(inst.max_new_tokens, self.max_new_tokens))
+    def _request(self, inst: Subject) -> RecomputeRequest:
+        return recompute_request(self.pipe, inst, min(inst.max_new_tokens, self.max_new_tokens))
 
     def _fork_missing(self, trials, requests: dict[str, RecomputeRequest]) -> dict[str, RecomputeOutput]:
         """Every fork this call's trials need and lack, per instance in one walk (`fork_many`: their

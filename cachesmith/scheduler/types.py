@@ -6,13 +6,13 @@ reuse for requests that cannot make their SLO anyway).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cachesmith.errors import InputError
 from cachesmith.planner import BatchShape
 from cachesmith.recompute import RecomputeConfig
+from cachesmith.request import check_slo
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,7 @@ class QueuedRequest:
     prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.slo_s, (int, float)) or not math.isfinite(self.slo_s) or self.slo_s <= 0:
-            raise InputError(f"request {self.request_id}: slo_s={self.slo_s!r} must be a positive number of seconds")
+        check_slo(self.slo_s, f"request {self.request_id}: slo_s")
         if self.context_tokens < 0:  # 0: a plain chat, no documents
             raise InputError(f"request {self.request_id}: context_tokens={self.context_tokens} must be >= 0")
         if self.suffix_tokens < 1:

@@ -231,6 +231,8 @@ def _shadow_metrics(engine, model: str):
                   st.num_sampled)
     yield _single(CounterMetricFamily, model, "shadow_dropped", "Sampled requests dropped: too many waited",
                   st.num_dropped)
+    yield _single(CounterMetricFamily, model, "shadow_skipped", "Sampled requests whose stored entries were "
+                  "gone before they were measured", st.num_skipped)
     yield _single(CounterMetricFamily, model, "shadow_samples", "Shadow samples measured to the end and "
                   "learned from", st.num_samples)
     yield _single(CounterMetricFamily, model, "shadow_seconds", "Idle time spent on shadow work", st.seconds)

@@ -64,7 +64,7 @@ def _limits(body: dict, config: ServiceConfig) -> None:
     for name in ("max_tokens", "max_completion_tokens"):
         if name in props:
             props[name]["anyOf"][0]["maximum"] = config.max_tokens_limit
-    props["slo_ms"]["anyOf"][0]["maximum"] = config.max_slo_s * 1e3
+    props["slo_ms"]["anyOf"][0].update(minimum=config.min_slo_s * 1e3, maximum=config.max_slo_s * 1e3)
     props["documents"]["maxItems"] = config.max_documents
 
 

@@ -11,7 +11,6 @@ storing their chunk KV (prefilled on a miss) count in its TTFT, as they would fo
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -29,14 +28,14 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import serving_profile
 from cachesmith.profiler.shadow import shadow_calibrator
-from cachesmith.request import RequestResult, StoredPrompt
+from cachesmith.request import RequestResult, StoredPrompt, check_fits, check_slo
+from cachesmith.scoring import Expected
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
 from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
 from cachesmith.server.streaming import answer_text
 from cachesmith.server.turns import conversation_key, turn_prefixes
-from cachesmith.instance import WorkloadInstance
 
 log = logging.getLogger(__name__)
 MAX_PENDING_TURN_STORES = 64  # chat exchanges waiting to be stored; past it a turn is answered unstored
@@ -100,10 +99,8 @@ class Service:
         try:
             max_tokens, slo_s = self._limits(spec)
             prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned)
-            instance = WorkloadInstance(spec.task, (), spec.question, spec.gold, prefix=spec.system,
-                                        answer_prefix=spec.answer_prefix, max_new_tokens=max_tokens,
-                                        chunk_ids=prompt.chunk_keys, history=spec.history)
-            future = self.loop.submit(instance, slo_s, on_token, sampling=spec.sampling, slot=slot, prompt=prompt)
+            future = self.loop.submit(prompt, slo_s, on_token, max_new_tokens=max_tokens,
+                                      expected=Expected(spec.task, spec.gold), sampling=spec.sampling, slot=slot)
         except BaseException as exc:
             self.chunks.unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError)):
@@ -149,8 +146,7 @@ class Service:
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
             raise InputError(f"max_tokens={max_tokens}: must be between 1 and {cfg.max_tokens_limit}")
         slo_s = cfg.default_slo_s if spec.slo_s is None else spec.slo_s
-        if not (math.isfinite(slo_s) and 0 < slo_s <= cfg.max_slo_s):
-            raise InputError(f"slo_ms={slo_s * 1e3:g}: must be positive and at most {cfg.max_slo_s * 1e3:g}")
+        check_slo(slo_s, "slo_ms", cfg.max_slo_s, scale=1e3, min_slo_s=cfg.min_slo_s)
         return max_tokens, slo_s
 
     def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str]) -> tuple[StoredPrompt, int]:
@@ -193,13 +189,11 @@ class Service:
         limit = self.pipeline.model.config.max_positions
         prefix_ids, suffix_ids = self.pipeline.tokenizer.frame_ids(
             spec.question, spec.system or self.pipeline.system, spec.answer_prefix, spec.history)
-        num_frame, total = len(prefix_ids) + len(suffix_ids), sum(counts)
-        if num_frame + total + max_tokens > limit:
-            # the documents are at fault only where the rest of the prompt fits without them
-            is_rest_long = num_frame + max_tokens > limit
-            field = "documents" if spec.documents and not is_rest_long else spec.text_field
-            raise InputError(f"{field}: the prompt's {num_frame + total} tokens + max_tokens "
-                             f"{max_tokens} exceed the model's {limit} positions")
+        num_frame = len(prefix_ids) + len(suffix_ids)
+        # the documents are at fault only where the rest of the prompt fits without them
+        is_rest_long = num_frame + max_tokens > limit
+        check_fits(num_frame + sum(counts), max_tokens, limit,
+                   "documents" if spec.documents and not is_rest_long else spec.text_field, "max_tokens")
         return _Frame(prefix_ids, document_ids, tuple(counts), suffix_ids)
 
     def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None],
@@ -215,7 +209,7 @@ class Service:
                 key = entry.key
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
                 with self.loop.admission():
-                    _, is_new = self.store.ensure(self.pipeline.model, ids, entry.namespace, key)
+                    _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh

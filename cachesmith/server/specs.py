@@ -46,6 +46,7 @@ class ServiceConfig:
     max_queue: int = 64
     default_slo_s: float = 5.0
     max_slo_s: float = 3600.0
+    min_slo_s: float = 1e-3  # below 1 ms no batch can run
     default_max_tokens: int = 64
     max_tokens_limit: int = 512
     max_documents: int = 64
@@ -67,8 +68,9 @@ class ServiceConfig:
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
                               f"{self.max_tokens_limit}")
-        if not (0 < self.default_slo_s <= self.max_slo_s and math.isfinite(self.max_slo_s)):
-            raise ConfigError(f"need 0 < default_slo_s ({self.default_slo_s}) <= max_slo_s ({self.max_slo_s}) < inf")
+        if not (0 < self.min_slo_s <= self.default_slo_s <= self.max_slo_s and math.isfinite(self.max_slo_s)):
+            raise ConfigError(f"need 0 < min_slo_s ({self.min_slo_s}) <= default_slo_s ({self.default_slo_s}) "
+                              f"<= max_slo_s ({self.max_slo_s}) < inf")
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ from cachesmith.bench import run as bench_run
 from cachesmith.errors import ConfigError
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
+from cachesmith.workloads.prompts import instance_prompt
 
 pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
 
@@ -103,10 +104,10 @@ def test_reuse_probes_read_their_chunks_from_the_slower_tier(tmp_path):
     pipe.store = pipe.transfer.store = ChunkStore(StoreConfig(tiers=("memory", "disk"), root=tmp_path / "kv"))
     insts = [instance(0), instance(1)]
     for inst in insts:  # stored, so hot in memory, as after the base SLO's prefills
-        pipe.keyed_request(pipe.instance_prompt(inst), 1)
+        pipe.stored_prompt(instance_prompt(pipe, inst))
     probes = bench_run.reuse_probes(pipe, insts)
     assert len(probes) == 2 and all(p["seconds"] > 0 for p in probes)
-    num_chunks = sum(len(pipe.instance_prompt(i).chunk_ids) for i in insts)
+    num_chunks = sum(len(instance_prompt(pipe, i).chunk_ids) for i in insts)
     assert pipe.store.stats.hits["disk"] >= num_chunks
     # a memory-only store has nowhere slower to read from: nothing is dropped
     mem = tiny_pipeline(save_tiny_chat_model(tmp_path / "m2"), tmp_path / "kv2")

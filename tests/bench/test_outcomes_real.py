@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from cachesmith.bench.outcomes import OutcomeMeasurer, OutcomeTable, append_table, extend_table
+from cachesmith.bench.setting import instance_request
 from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
@@ -15,7 +16,6 @@ from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import PACKAGED_DIR
 from cachesmith.profiler.verdicts import Verdicts
 from cachesmith.recompute import RecomputeConfig, preset
-from cachesmith.request import Request
 from cachesmith.scoring import score
 from cachesmith.workloads.card import answer_instance
 from cachesmith.workloads.tasks import generate
@@ -56,7 +56,7 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     profile = Profile.load(next(PACKAGED_DIR.glob("smollm2-135m-*.json")))
     for method in ("full_prefill", "cacheblend@0.15", "prophetkv@0.3"):
         engine = Engine(pipe, profile, EngineConfig(method))
-        (res,) = engine.run([Request(0, inst, 60.0)])
+        (res,) = engine.run([instance_request(pipe, 0, inst, 60.0)])
         plan = engine.method.plan(L)
         assert res.is_passed == o.plans[plan.label()], method
 

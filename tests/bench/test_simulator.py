@@ -12,7 +12,6 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.planner import BatchShape, CostModel
 from cachesmith.recompute import parse_label, preset
-from cachesmith.request import Request
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
@@ -34,7 +33,7 @@ def sim_engine(method: str, profile, t, gbps: float | None = None, decision_s: f
 def test_full_prefill_alone_takes_the_cost_models_ttft_and_the_tables_verdict():
     profile, t = make_profile(), table()
     engine = sim_engine("full_prefill", profile, t, decision_s=0.0)
-    reqs = [Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:6])]  # far apart: alone
+    reqs = [engine.executor.request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:6])]  # far apart: alone
     results = engine.run(reqs)
     cost = CostModel(profile)
     for r, o in zip(results, t.outcomes):
@@ -47,7 +46,7 @@ def test_full_prefill_alone_takes_the_cost_models_ttft_and_the_tables_verdict():
 def test_cachesmith_plans_from_table_entropies_and_gets_each_plans_verdict():
     profile, t = make_profile(), table()
     engine = sim_engine("cachesmith", profile, t, decision_s=0.002)
-    reqs = [Request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)]  # a burst: real batches
+    reqs = [engine.executor.request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)]  # a burst: real batches
     results = engine.run(reqs)
     assert max(r.batch_size for r in results) > 1 and {r.mode for r in results} >= {"planned"}
     for r, o in zip(results, t.outcomes):
@@ -59,15 +58,16 @@ def test_cachesmith_plans_from_table_entropies_and_gets_each_plans_verdict():
 def test_a_slow_link_stalls_full_reuse_and_the_stall_is_reported():
     profile, t = make_profile(), table(4)
     engine = sim_engine("full_reuse", profile, t, gbps=0.01)
-    engine.run([Request(0, t.outcomes[0], 50.0, 0.0)])
+    engine.run([engine.executor.request(0, t.outcomes[0], 50.0, 0.0)])
     assert engine.stats.stall_s > 0.5 * engine.stats.busy_s
 
 
 def test_oversized_requests_are_refused_by_name_and_the_run_goes_on():
     profile, t = make_profile(), table(4)
     big = outcome(99, context=9000)
-    results = sim_engine("cachesmith", profile, t).run([Request(0, big, 5.0), Request(1, t.outcomes[1], 5.0)])
-    assert "exceeds the model's 8192 positions" in results[0].error and results[1].error is None
+    engine = sim_engine("cachesmith", profile, t)
+    results = engine.run([engine.executor.request(0, big, 5.0), engine.executor.request(1, t.outcomes[1], 5.0)])
+    assert "exceed the model's 8192 positions" in results[0].error and results[1].error is None
 
 
 def test_instances_are_the_measured_ones_by_seed_else_drawn_from_the_task():
@@ -130,11 +130,11 @@ def test_paces_slow_a_plan_family_and_the_planner_learns_it():
     link = CostModel(profile)
     engine = Engine(None, profile, EngineConfig("full_prefill"), ReplayClock(),
                     runtime=lambda p: SimExecutor(t, p, link, {family("position", 30, 0): 2.0}))
-    (r,) = engine.run([Request(0, o, 50.0)])
+    (r,) = engine.run([engine.executor.request(0, o, 50.0)])
     assert r.ttft_s == pytest.approx(2 * cost.full_prefill_ttft(shape), rel=0.02)  # the overhead is paced too
     paced = Engine(None, profile, EngineConfig("cachesmith"), ReplayClock(),
                    runtime=lambda p: SimExecutor(t, p, link, {"kv_dev/1/1": 1.5, "qci/1/1": 1.5}))
-    paced.run([Request(i, x, 8.0, 10.0 * i) for i, x in enumerate(t.outcomes)])
+    paced.run([paced.executor.request(i, x, 8.0, 10.0 * i) for i, x in enumerate(t.outcomes)])
     assert paced.planner.correction and all(k == pytest.approx(1.5, rel=0.05)
                                             for k in paced.planner.correction.values())
 
@@ -155,7 +155,7 @@ def test_a_large_batch_pace_applies_to_batches_of_that_many_tokens_only():
 def _planned_run(ex: SimExecutor, t, ids=(1, 2), budget: float = 2.0):
     from cachesmith.scheduler import ScheduleDecision
 
-    batch = [ex.admit(Request(i, t.outcomes[i], 10.0), 1 << 20) for i in ids]
+    batch = [ex.admit(ex.request(i, t.outcomes[i], 10.0), 1 << 20) for i in ids]
     return batch, ex.prefill(ScheduleDecision(tuple(ids), budget, "planned"), batch)
 
 
@@ -168,7 +168,7 @@ def test_on_the_machine_the_planner_believes_the_monitor_never_acts():
     assert run.num_monitor_replans == 0 and run.final_coverages == run.coverages
     assert run.seconds == pytest.approx(run.plan.predicted_ttft_s + run.plan.decision_s, rel=1e-9)
     outs = ex.decode(batch, run)
-    assert [o.num_recomputed for o in outs] == [round(c * a.request.instance.context_tokens)
+    assert [o.num_recomputed for o in outs] == [round(c * a.queued.context_tokens)
                                                for c, a in zip(run.coverages, batch)]
 
 
@@ -188,7 +188,7 @@ def test_a_machine_slower_than_the_plan_makes_the_monitor_lower_coverage_and_ver
     assert run.num_monitor_replans > 0
     assert all(f < c for f, c in zip(run.final_coverages, run.coverages))
     assert run.seconds < as_planned  # lowered coverage: the batch ends sooner than its plan would
-    assert run.verdicts == [t.passes(a.request.instance, signal, w, p, f) for a, f in zip(batch, run.final_coverages)]
+    assert run.verdicts == [t.passes(ex.outcomes[a.request.request_id], signal, w, p, f) for a, f in zip(batch, run.final_coverages)]
     assert planner.correction[signal] == pytest.approx(2.0, rel=0.1)  # the pace the monitor saw
 
 
@@ -227,7 +227,7 @@ def test_the_learning_method_hears_the_verdict_of_every_planned_request():
     engine = sim_engine("cachesmith+learn", profile, t)
     heard = []
     engine.planner.served_mix.observe = lambda *verdict: heard.append(verdict)
-    results = engine.run([Request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)])
+    results = engine.run([engine.executor.request(i, o, 3.0, 0.05 * i) for i, o in enumerate(t.outcomes)])
     planned = [r for r in results if r.mode == "planned"]
     assert planned and len(heard) == len(planned)
 
@@ -267,7 +267,7 @@ def test_a_noisy_machine_slows_each_batch_by_its_draw_and_the_planner_hears_the_
     engine = Engine(None, profile, EngineConfig("full_prefill"), ReplayClock(),
                     runtime=lambda p: SimExecutor(t, p, link, None, noise, decision_s=0.0))
     engine.scheduler = FixedDecisionTime(engine.scheduler, 0.0)
-    results = engine.run([Request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:5])])  # alone
+    results = engine.run([engine.executor.request(i, o, 50.0, 100.0 * i) for i, o in enumerate(t.outcomes[:5])])  # alone
     for r, o, factor in zip(results, t.outcomes, islice(noise.factors(), 5)):
         shape = BatchShape((o.context_tokens,), (o.suffix_tokens,), (o.prefix_tokens,))
         assert r.ttft_s == pytest.approx(factor * cost.full_prefill_ttft(shape), rel=1e-9)
@@ -275,7 +275,7 @@ def test_a_noisy_machine_slows_each_batch_by_its_draw_and_the_planner_hears_the_
     for sigma in (0.0, 0.3):
         planned = Engine(None, profile, EngineConfig("cachesmith"), ReplayClock(),
                          runtime=lambda p: SimExecutor(t, p, link, None, MachineNoise(sigma, 0.5, seed=3)))
-        planned.run([Request(i, t.outcomes[i % 8], 8.0, 10.0 * i) for i in range(40)])
+        planned.run([planned.executor.request(i, t.outcomes[i % 8], 8.0, 10.0 * i) for i in range(40)])
         spreads[sigma] = planned.planner.paces.spread()
     assert spreads[0.0] < 0.02 and spreads[0.3] > 0.1
 

@@ -25,7 +25,7 @@ def test_a_burst_past_the_queue_is_refused_before_any_tokenizing_or_prefill(serv
     srv = server_for(max_queue=3)
     service = srv.server.config.app.state.service
     tokenizer, store = service.pipeline.tokenizer, service.store
-    chunk_ids, ensure = tokenizer.chunk_ids, store.ensure
+    chunk_ids, ensure = tokenizer.chunk_ids, store.ensure_held
     tokenized, prefilled = [], []
     gate, entered = threading.Event(), threading.Event()
 
@@ -40,7 +40,7 @@ def test_a_burst_past_the_queue_is_refused_before_any_tokenizing_or_prefill(serv
             gate.wait(30)
         return ensure(model, ids, *args)
 
-    tokenizer.chunk_ids, store.ensure = spy_chunk_ids, spy_ensure
+    tokenizer.chunk_ids, store.ensure_held = spy_chunk_ids, spy_ensure
     answers: dict[int, httpx.Response] = {}
 
     def client(i):
@@ -84,7 +84,7 @@ def test_an_admission_that_raises_is_a_500_and_gives_its_place_back(server_for, 
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         # more failures than places: a place leaked by each would turn the next request into a 429
         for where, target in (("engine", engine), ("store", store)):
-            name = "admit" if where == "engine" else "ensure"
+            name = "admit" if where == "engine" else "ensure_held"
             setattr(target, name, raising(error))
             for i in range(3):
                 r = c.post("/v1/completions", json=body(prompt=f"{where} {i}?", documents=[passage(10 + i)],

@@ -71,7 +71,7 @@ def test_streaming_is_server_sent_events_ending_in_done(server_for):
     ({"documents": [{"id": "0" * 64, "idd": "x"}]}, 400, "documents[0].idd", "Extra inputs"),
     ({"documents": ["   "]}, 400, "documents[0]", "must not be empty"),
     ({"documents": ["word " * 1200]}, 400, "documents", "positions"),
-    ({"slo_ms": -5}, 400, "slo_ms", "greater than or equal to 1"),
+    ({"slo_ms": -5}, 400, "slo_ms", "must be a positive number"),
     ({"max_tokens": 100_000}, 400, "max_tokens", "between 1 and 512"),
     ({"temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
     ({"temperature": -0.1}, 400, "temperature", "greater than or equal to 0"),

@@ -120,7 +120,7 @@ def test_full_coverage_plans_equal_full_prefill_at_6k(pipe, docs):
     parts = pipe.prompt(docs, QUESTION)
     assert len(parts.token_ids) > 6000
     ref, _ = pipe.model.prefill(parts.token_ids)
-    request = pipe.keyed_request(parts, 1)  # every chunk and the prefix stored (prefilled on a miss)
+    request = pipe.stored_prompt(parts).keyed(1)  # every chunk and the prefix stored (prefilled on a miss)
     differences = {}
     for name in FULL_COVERAGE_PRESETS:
         plan = preset(name, 1.0, pipe.model.num_layers)

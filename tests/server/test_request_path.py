@@ -1,0 +1,75 @@
+"""One request path: a chat completion reaches `BatchRunner.run` with each chunk keyed once and its
+entry opened once (verified where staging reads it), and the engine never re-derives a prompt."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from cachesmith.kvstore import ChunkStore
+from cachesmith.pipeline import RagPipeline
+from cachesmith.recompute import BatchRunner
+from cachesmith.server.run import BackgroundServer
+from tests.server.conftest import NAME, make_service
+
+pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
+
+DOCS = ("river glacier lantern harbor meadow falcon", "copper amber silent frozen canyon velvet")
+
+
+class Spies:
+    def __init__(self, monkeypatch) -> None:
+        self.keyed, self.opened, self.runs = [], [], []
+        real_key, real_open, real_run = ChunkStore.key_for, ChunkStore.open, BatchRunner.run
+
+        def key_for(model, token_ids, namespace=""):
+            self.keyed.append(tuple(token_ids))
+            return real_key(model, token_ids, namespace)
+
+        def open_(store, key, model=None):
+            self.opened.append(key)
+            return real_open(store, key, model)
+
+        def run(runner, requests, *args, **kwargs):
+            self.runs.append([len(r.chunks) for r in requests])
+            return real_run(runner, requests, *args, **kwargs)
+
+        monkeypatch.setattr(ChunkStore, "key_for", staticmethod(key_for))
+        monkeypatch.setattr(ChunkStore, "open", open_)
+        monkeypatch.setattr(BatchRunner, "run", run)
+        # the server keys the prompt itself; nothing below it keys it again
+        monkeypatch.setattr(RagPipeline, "stored_prompt", lambda *a: pytest.fail("the prompt was keyed again"))
+        self.real_key = real_key
+
+    def reset(self) -> None:
+        self.keyed.clear(), self.opened.clear(), self.runs.clear()
+
+
+def chat(url: str) -> dict:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Which word comes after river?"}],
+            "documents": list(DOCS), "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture()
+def served(tiny_chat_dir):
+    service = make_service(tiny_chat_dir)
+    srv = BackgroundServer(service).start()
+    yield srv, service
+    srv.stop()
+
+
+def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served, monkeypatch):
+    srv, service = served
+    pipe = service.pipeline
+    chunk_ids = [tuple(pipe.tokenizer.chunk_ids(d)) for d in DOCS]
+    spies = Spies(monkeypatch)
+    chunk_keys = [spies.real_key(pipe.model, list(ids)) for ids in chunk_ids]
+    for is_stored in (False, True):  # first sight (prefilled, then stored), then read from the store
+        spies.reset()
+        answer = chat(srv.url)
+        assert answer["choices"][0]["message"]["content"] is not None
+        assert sorted(k for k in spies.keyed if k in chunk_ids) == sorted(chunk_ids), is_stored  # keyed once
+        assert [spies.opened.count(k) for k in chunk_keys] == [1, 1], is_stored  # opened once: staging
+        assert spies.runs == [[2]], is_stored  # one batch of this request, both chunks staged
