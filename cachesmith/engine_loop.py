@@ -1,23 +1,24 @@
 """The engine on the live clock behind a thread-safe front: what a server talks to.
 
-In: `submit(prompt, slo_s, on_token)` from any thread (a `StoredPrompt`, keyed and stored by the caller). Out: a `Future` resolving to the
-request's `RequestResult` (refused ones at once, with their error), and `on_token(index, token_id)`
-calls as tokens are produced: the first token as soon as its batch's prefill ends, the rest while
-decoding. The prefill thread runs batch after batch while the queue is not empty and hands each
-finished batch's sequences to a decode thread (prefill-decode disaggregation). The
-decode thread steps every decoding sequence together (continuous batching: sequences join and
-leave between steps) and starts no step while a prefill batch runs, so the TTFT SLOs keep the cores;
-only when `max_decoding` sequences wait does decoding run beside prefill, and the prefill thread
-then waits for room before its next batch (memory stays bounded). `is_decode_overlapped=False`
-decodes each batch whole on the prefill thread instead. Admissions (tokenizing, prefilling missing
-chunk KV) run in the caller's thread, one at a time, so they never hold up scheduling. A request
-holds a place in the queue from the moment it is accepted (`reserve`, before any costly work for
-it) until it is queued or refused: beyond `max_queue` places a `QueueFull` with a retry-after
-estimate answers at once. An admission that raises (any exception) resolves its future with an
-internal error and gives its place back. `cancel` drops a request still queued; `close()` stops
-admissions and drains what is queued. A batch that raises turns into per-request errors; the loop
-keeps serving. Served results carry each token's clock time (for end-to-end and inter-token
-latency).
+In: `submit(prompt, slo_s, on_token)` from any thread (a `StoredPrompt`, keyed and stored by its
+caller). Out: a `Future` resolving to the request's `RequestResult` (refused ones at once, with
+their error), and `on_token(index, token_id)` calls as tokens are produced: the first token as soon
+as its batch's prefill ends, the rest while decoding. The prefill thread runs batch after batch
+while the queue is not empty and hands each finished batch's sequences to a decode thread
+(prefill-decode disaggregation). The decode thread steps every decoding sequence together
+(continuous batching: sequences join and leave between steps) and starts no step while a prefill
+batch runs, so the TTFT SLOs keep the cores; only when `max_decoding` sequences wait does decoding
+run beside prefill, and the prefill thread then waits for room before its next batch (memory stays
+bounded). `is_decode_overlapped=False` decodes each batch whole on the prefill thread instead. The
+caller keys and stores a request's prompt first (under `admission()`, so the store sees one writer
+at a time) and its admission, which checks its limits, runs in the caller's thread too: neither
+holds up scheduling. A request holds a place in the queue from the moment it is accepted (`reserve`,
+before any costly work for it) until it is queued or refused: beyond `max_queue` places a
+`QueueFull` with a retry-after estimate answers at once. An admission that raises (any exception)
+resolves its future with an internal error and gives its place back. `cancel` drops a request still
+queued; `close()` stops admissions and drains what is queued. A batch that raises turns into
+per-request errors; the loop keeps serving. Served results carry each token's clock time (for
+end-to-end and inter-token latency).
 """
 from __future__ import annotations
 

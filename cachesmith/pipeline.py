@@ -1,7 +1,8 @@
 """The Python API for one RAG answer: precompute passages, then answer under a given recompute plan.
 
 In: document texts and a question, and the plan to run. Out: `Answer` with the text, TTFT and what
-was recomputed. Chunk KV lives in the tiered `ChunkStore` (memory + disk by default); answering
+was recomputed; or, for the serving engine, a `Request` whose prompt is keyed and stored here
+(`request`, `stored_prompt`). Chunk KV lives in the tiered `ChunkStore` (memory + disk by default); answering
 stages it through the transfer engine while the runner computes. The pipeline plans nothing: the
 plan the system's own planner chooses for a request under a TTFT SLO comes from `cachesmith.plan_one`
 (`OnePlanner.answer`), which sits above the planner and the profiler, themselves above this module.
@@ -24,6 +25,7 @@ from cachesmith.model.tokenizer import PromptParts
 from cachesmith.recompute import BatchRunner, RecomputeConfig
 from cachesmith.request import Request, StoredPrompt, check_fits
 from cachesmith.scoring import Expected
+
 
 @dataclass(frozen=True)
 class Answer:

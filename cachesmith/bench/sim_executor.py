@@ -3,8 +3,9 @@ takes the cost model's TTFT (transfer over the simulated link included) on this 
 pace, and each request's gate verdict is read from the outcome tables under the plan it ran.
 
 In: a `ScheduleDecision` and the `Admitted` requests it names, each the simulated request of an
-`Outcome` (token counts, QCI entropy, verdicts): `request` makes one and notes its outcome. The machine is the profile's costs at each plan
-family's pace plus the reuse time per placed cached row (`bench.pace.MachinePace`). Out:
+`Outcome` (token counts, QCI entropy, verdicts): `request` makes one and notes its outcome. The
+machine is the profile's costs at each plan family's pace plus the reuse time per placed cached
+row (`bench.pace.MachinePace`). Out:
 `BatchExecution` (seconds, stall, plan, verdicts) and `RequestOutput`s with `is_passed` set.
 "Planned" batches ask the same `Planner` the engine uses, from the tables' layer-0 entropies (the
 planner's decision time is real and counted), and run under the same `RuntimeMonitor`, driven on

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,7 @@ from cachesmith.errors import CachesmithError, ConfigError
 from cachesmith.kvstore.disk_quota import DEFAULT_DISK_FRACTION
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validate_namespace
+from cachesmith.kvstore.missed_writes import MissedWrites, WriteRetrier
 from cachesmith.kvstore.reader import EntryReader, read_bytes
 from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, DiskTier, MemoryTier, RedisTier, Tier
 from cachesmith.model import ChunkKV, Decoder, prefill_chunk
@@ -40,6 +41,7 @@ class StoreConfig:
     disk_max_bytes: int | None = None
     redis_ttl_s: int | None = DEFAULT_REDIS_TTL_S
     redis_max_bytes: int | None = None  # set as the redis server's maxmemory (allkeys-lru) at start
+    retry_interval_s: float = 5.0  # how often writes a tier missed are tried again, while any are
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIER_NAMES]
@@ -57,6 +59,8 @@ class StoreConfig:
         if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
             raise ConfigError(f"redis_ttl_s={self.redis_ttl_s} must be a positive number of seconds, "
                               f"or None for no expiry")
+        if not 0 < self.retry_interval_s <= 3600:
+            raise ConfigError(f"retry_interval_s={self.retry_interval_s} must be in (0, 3600] seconds")
 
 
 @dataclass
@@ -75,42 +79,14 @@ class StoreWriteFailed(CachesmithError):
     """No tier could store an entry: the request that needs it cannot be served from the store."""
 
 
-class MissedWrites:
-    """Keys each tier failed to take when stored, the most recent `MAX_MISSED` (older ones are
-    forgotten: their entries then live where they were written, until evicted or read again)."""
-
-    MAX_MISSED = 4096
-
-    def __init__(self) -> None:
-        self._tiers: OrderedDict[str, list[Tier]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def note(self, key: str, tiers: list[Tier], is_retry: bool = False) -> None:
-        with self._lock:
-            if not tiers:
-                self._tiers.pop(key, None)
-                return
-            self._tiers[key] = tiers
-            if not is_retry:
-                self._tiers.move_to_end(key)
-            while len(self._tiers) > self.MAX_MISSED:
-                self._tiers.popitem(last=False)
-
-    def tiers_of(self, key: str) -> list[Tier]:
-        with self._lock:
-            return list(self._tiers.get(key, ()))
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._tiers.pop(key, None)
-
-
 class ChunkStore:
     def __init__(self, config: StoreConfig | None = None, tiers: Sequence[Tier] | None = None) -> None:
         self.config = config or StoreConfig()
         self.tiers = list(tiers) if tiers is not None else self._build(self.config)
         self.stats = StoreStats()
         self._missed = MissedWrites()
+        self._retrier = WriteRetrier(self.retry_missed_writes, lambda: len(self._missed) > 0,
+                                     self.config.retry_interval_s)
         for tier in self._shared():  # a chunk deleted through another server leaves this one too
             tier.watch_deletes(self._forget_locally)
 
@@ -124,7 +100,8 @@ class ChunkStore:
                 tier.delete(key)
 
     def close(self) -> None:
-        """Stop watching for deletes announced by other stores."""
+        """Stop watching for deletes announced by other stores, and retrying missed writes."""
+        self._retrier.close()
         for tier in self._shared():
             tier.close()
 
@@ -214,7 +191,10 @@ class ChunkStore:
         data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace)
         written = [tier.put(key, data) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
-        self._missed.note(key, [t for t, ok in zip(self.tiers, written) if not ok])
+        missed = [t for t, ok in zip(self.tiers, written) if not ok]
+        self._missed.note(key, missed)
+        if missed:
+            self._retrier.wake()
         return key, sum(written)
 
     def _write_back(self, key: str, source) -> None:
@@ -227,6 +207,40 @@ class ChunkStore:
         data = read_bytes(source, 0, source.size)
         if len(data) == source.size:
             self._missed.note(key, [t for t in missing if not t.put(key, data)], is_retry=True)
+
+    def retry_missed_writes(self) -> int:
+        """Write each entry a tier missed to that tier, from a verified copy another tier holds,
+        without waiting for the entry's next read (the retrier's pass while a tier was away).
+        Returns how many entries now sit in every tier that had missed them."""
+        num_done, pending = 0, self._missed.items()
+        up = {t.name for t in {id(t): t for _, missing in pending for t in missing}.values() if t.is_up}
+        for key, missing in pending:
+            if not any(t.name in up for t in missing):
+                continue  # its tiers are still away: nothing read, nothing sent
+            holders = [t for t in self.tiers if t not in missing]
+            reader = self._verified_copy(key, holders)
+            if reader is None:  # gone from every tier that held it: nothing left to write
+                self._missed.forget(key)
+                continue
+            try:
+                self._write_back(key, reader.source)
+            finally:
+                reader.close()
+            num_done += not self._missed.tiers_of(key)
+        return num_done
+
+    def _verified_copy(self, key: str, tiers: Sequence[Tier]) -> EntryReader | None:
+        for tier in tiers:
+            source = tier.source(key)
+            if source is None:
+                continue
+            try:
+                reader = EntryReader(source)
+                self._verify(reader, key, None)
+                return reader
+            except (CorruptEntry, ValueError, KeyError):
+                source.close()
+        return None
 
     def contains(self, key: str) -> bool:
         validate_key(key)

@@ -81,6 +81,21 @@ def test_a_redis_that_refuses_writes_is_skipped_but_up(model, redis_server, capl
     assert store.tiers[1].is_up  # reachable: only the write was refused
 
 
+def test_an_entry_redis_refused_reaches_it_by_the_retry_pass_once_it_has_room(model, redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("maxmemory", 1)  # every write refused (OOM), redis still up
+    store = ChunkStore(StoreConfig(tiers=("memory", "redis"), redis_url=redis_server.url, retry_interval_s=0.05))
+    key = store.put(prefill_chunk(model, _ids(9)))
+    assert store.describe(key)[1] == ("memory",)
+    client.config_set("maxmemory", 0)  # room again: no read of the entry is needed to fill redis
+    assert _until(lambda: store.tiers[1].contains(key)), "the retry pass never wrote the entry to redis"
+    other = ChunkStore(StoreConfig(tiers=("redis",), redis_url=redis_server.url))  # another server
+    assert torch.equal(other.get(key, model).keys, store.get(key, model).keys)
+    store.close(), other.close()
+
+
 def _until(condition, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

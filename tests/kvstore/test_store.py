@@ -151,6 +151,10 @@ class _Flaky(MemoryTier):
         super().__init__(1 << 30)
         self.is_down = False
 
+    @property
+    def is_up(self) -> bool:
+        return not self.is_down
+
     def put(self, key, data):
         return False if self.is_down else super().put(key, data)
 
