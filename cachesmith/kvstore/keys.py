@@ -51,8 +51,12 @@ def validate_namespace(namespace: str) -> str:
     return namespace
 
 
+def is_key(key) -> bool:
+    return isinstance(key, str) and _KEY.match(key) is not None
+
+
 def validate_key(key: str, field: str = "key") -> str:
-    if not isinstance(key, str) or not _KEY.match(key):
+    if not is_key(key):
         raise InputError(f"{field}={str(key)[:80]!r} is not a chunk key (64 lower-case hex digits)")
     return key
 

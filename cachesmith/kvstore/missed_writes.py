@@ -4,15 +4,21 @@ tier back, whichever comes first.
 
 In: the keys each tier failed to take (`MissedWrites.note`), and a store's retry pass. Out: the
 tiers an entry still misses (`tiers_of`), and a daemon thread (`WriteRetrier`) that runs the pass
-every `interval_s` while any write is missed, and only then.
+every `interval_s` while any write is missed, and only then. With a journal (a file beside the disk
+tier's entries), the list outlives the process: each change is one appended line, each retry pass
+rewrites it whole, and a store started on the same disk replays it, so what a killed server stored
+during an outage still reaches the shared tier.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from cachesmith.kvstore.keys import is_key
 from cachesmith.kvstore.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -24,15 +30,22 @@ class MissedWrites:
 
     MAX_MISSED = 4096
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Path | None = None, tiers: Sequence[Tier] = ()) -> None:
+        """`journal`: where the list is kept across restarts (replayed now against `tiers`, by name)."""
         self._tiers: OrderedDict[str, list[Tier]] = OrderedDict()
         self._lock = threading.Lock()
+        self._journal = journal
+        if journal is not None:
+            self._replay(journal, {t.name: t for t in tiers})
 
     def note(self, key: str, tiers: list[Tier], is_retry: bool = False) -> None:
         with self._lock:
             if not tiers:
-                self._tiers.pop(key, None)
+                if self._tiers.pop(key, None) is not None:
+                    self._append(key, [])
                 return
+            if self._tiers.get(key) != tiers:
+                self._append(key, tiers)
             self._tiers[key] = tiers
             if not is_retry:
                 self._tiers.move_to_end(key)
@@ -50,11 +63,60 @@ class MissedWrites:
 
     def forget(self, key: str) -> None:
         with self._lock:
-            self._tiers.pop(key, None)
+            if self._tiers.pop(key, None) is not None:
+                self._append(key, [])
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._tiers)
+
+    def compact(self) -> None:
+        """Rewrite the journal from the list as it is (removed when empty)."""
+        if self._journal is None:
+            return
+        with self._lock:
+            lines = "".join(_line(key, tiers) for key, tiers in self._tiers.items())
+            try:
+                if not lines:
+                    self._journal.unlink(missing_ok=True)
+                    return
+                tmp = self._journal.with_name(f".{self._journal.name}.{os.getpid()}.tmp")
+                tmp.write_text(lines, encoding="ascii")
+                os.replace(tmp, self._journal)
+            except OSError as exc:  # a read-only disk: the list in memory still holds it
+                log.debug("store: missed-writes journal not rewritten (%s)", exc)
+
+    def _append(self, key: str, tiers: list[Tier]) -> None:
+        """Caller holds the lock."""
+        if self._journal is None:
+            return
+        try:
+            with self._journal.open("a", encoding="ascii") as f:
+                f.write(_line(key, tiers))
+        except OSError as exc:
+            log.debug("store: missed-writes journal not appended (%s)", exc)
+
+    def _replay(self, journal: Path, by_name: dict[str, Tier]) -> None:
+        try:
+            lines = journal.read_text(encoding="ascii").splitlines()
+        except (OSError, UnicodeDecodeError):
+            return  # none yet, or unreadable: nothing is known to be missed
+        for line in lines:
+            key, _, names = line.partition(" ")
+            if not is_key(key):
+                continue  # a line cut short by a kill: skipped
+            tiers = [by_name[n] for n in names.split(",") if n in by_name]
+            if tiers:
+                self._tiers[key] = tiers
+                self._tiers.move_to_end(key)
+            else:
+                self._tiers.pop(key, None)
+        while len(self._tiers) > self.MAX_MISSED:
+            self._tiers.popitem(last=False)
+
+
+def _line(key: str, tiers: list[Tier]) -> str:
+    return f"{key} {','.join(t.name for t in tiers)}\n"
 
 
 class WriteRetrier:

@@ -25,6 +25,7 @@ from cachesmith.model.assets import cachesmith_home
 
 log = logging.getLogger(__name__)
 TIER_NAMES = ("memory", "disk", "redis")
+MISSED_WRITES_JOURNAL = "missed_writes.log"
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,13 @@ class ChunkStore:
         self.config = config or StoreConfig()
         self.tiers = list(tiers) if tiers is not None else self._build(self.config)
         self.stats = StoreStats()
-        self._missed = MissedWrites()
+        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        # kept beside the disk tier's entries, so a restarted server still writes back what it missed
+        self._missed = MissedWrites(disk and disk.root / MISSED_WRITES_JOURNAL, self.tiers)
         self._retrier = WriteRetrier(self.retry_missed_writes, lambda: len(self._missed) > 0,
                                      self.config.retry_interval_s)
+        if len(self._missed):
+            self._retrier.wake()
         for tier in self._shared():  # a chunk deleted through another server leaves this one too
             tier.watch_deletes(self._forget_locally)
 
@@ -227,6 +232,7 @@ class ChunkStore:
             finally:
                 reader.close()
             num_done += not self._missed.tiers_of(key)
+        self._missed.compact()
         return num_done
 
     def _verified_copy(self, key: str, tiers: Sequence[Tier]) -> EntryReader | None:

@@ -1,12 +1,14 @@
-"""Writes a tier missed reach it once it is back, without waiting for the entry's next read."""
+"""Writes a tier missed reach it once it is back, without waiting for the entry's next read, and
+after a restart on the same disk."""
 from __future__ import annotations
 
 import threading
 import time
 
 from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.kvstore.store import MISSED_WRITES_JOURNAL
 from cachesmith.kvstore.missed_writes import MissedWrites, WriteRetrier
-from cachesmith.kvstore.tiers import MemoryTier
+from cachesmith.kvstore.tiers import DiskTier, MemoryTier
 from cachesmith.model import prefill_chunk
 from tests.kvstore.test_store import _Flaky, _ids
 
@@ -98,3 +100,37 @@ def test_missed_writes_keep_the_most_recent():
     assert keys[0] == f"{2:064x}" and keys[-1] == f"{MissedWrites.MAX_MISSED + 1:064x}"  # the oldest two forgotten
     missed.note(keys[0], [])
     assert len(missed) == MissedWrites.MAX_MISSED - 1 and missed.tiers_of(keys[0]) == []
+
+
+def test_a_restarted_store_on_the_same_disk_still_writes_back_what_it_missed(model, tmp_path):
+    flaky = _Flaky()
+    config = StoreConfig(tiers=("memory", "disk"), root=tmp_path / "kv", retry_interval_s=3600)
+    first = ChunkStore(config, tiers=[MemoryTier(1 << 30), DiskTier(tmp_path / "kv"), flaky])
+    flaky.is_down = True
+    keys = [first.put(prefill_chunk(model, _ids(seed=s))) for s in range(2)]
+    journal = tmp_path / "kv" / MISSED_WRITES_JOURNAL
+    assert journal.read_text().split() == [keys[0], "redis", keys[1], "redis"]
+    del first  # killed: never closed, its list in memory gone
+    flaky.is_down = False
+    second = ChunkStore(config, tiers=[MemoryTier(1 << 30), DiskTier(tmp_path / "kv"), flaky])
+    assert [k for k, _ in second._missed.items()] == keys and second._retrier.is_running
+    assert second.retry_missed_writes() == 2 and all(flaky.contains(k) for k in keys)  # read from its disk
+    assert not journal.exists()  # nothing left missed
+    second.close()
+
+
+def test_the_journal_records_changes_only_and_skips_a_cut_line(tmp_path):
+    tier, journal = _Flaky(), tmp_path / "missed.log"
+    missed = MissedWrites(journal, [tier])
+    missed.note("a" * 64, [])  # stored everywhere: nothing to record
+    assert not journal.exists()
+    missed.note("a" * 64, [tier])
+    missed.note("a" * 64, [tier], is_retry=True)  # unchanged: not appended again
+    missed.forget("b" * 64)  # never missed: nothing to record
+    missed.note("c" * 64, [tier])
+    missed.forget("a" * 64)
+    assert journal.read_text().splitlines() == ["a" * 64 + " redis", "c" * 64 + " redis", "a" * 64 + " "]
+    with journal.open("a") as f:
+        f.write("d" * 20)  # a kill mid-line
+    assert [k for k, _ in MissedWrites(journal, [tier]).items()] == ["c" * 64]
+    assert MissedWrites(journal, []).items() == []  # a tier no longer configured is not waited for
