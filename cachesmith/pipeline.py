@@ -120,8 +120,7 @@ class RagPipeline:
         if not question.strip():
             raise InputError(f"request {request_id}: question must be non-empty")
         parts = self.prompt(documents, question, answer_prefix, system or None)
-        check_fits(len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.suffix_ids), max_new_tokens,
-                   self.model.config.max_positions, f"request {request_id}")
+        check_fits(len(parts.token_ids), max_new_tokens, self.model.config.max_positions, f"request {request_id}")
         return Request(request_id, self.stored_prompt(parts), slo_s, max_new_tokens, arrival_s, sampling, expected)
 
     def answer(self, documents: Sequence[str], question: str, plan: RecomputeConfig, max_new_tokens: int = 32,

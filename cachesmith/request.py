@@ -21,17 +21,17 @@ from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.scoring import Expected
 
 
-def check_slo(slo_s: float, field: str = "slo_s", max_slo_s: float = math.inf, scale: float = 1.0,
-              min_slo_s: float = 0.0) -> None:
+def check_slo(value: float, field: str = "slo_s", max_slo_s: float = math.inf, min_slo_s: float = 0.0,
+              scale: float = 1.0) -> None:
     """An SLO is a positive, finite number of seconds, at least `min_slo_s` (when set) and at most
-    `max_slo_s`; the error names `field` in its own unit (`scale`: seconds to that unit, 1e3 for a
-    field in ms)."""
-    is_number = isinstance(slo_s, (int, float)) and not isinstance(slo_s, bool)
-    if not (is_number and math.isfinite(slo_s) and 0 < slo_s and min_slo_s <= slo_s <= max_slo_s):
-        shown = slo_s * scale if is_number else slo_s
+    `max_slo_s`. `value` is in the field's own unit, `scale` of them to the second (1e3 for a
+    field in ms), and the error names the field with the value as it was given."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    seconds = value / scale if is_number else math.nan
+    if not (math.isfinite(seconds) and 0 < seconds and min_slo_s <= seconds <= max_slo_s):
         low = f" of at least {min_slo_s * scale:.10g}" if min_slo_s > 0 else ""
         high = "" if math.isinf(max_slo_s) else f" and at most {max_slo_s * scale:.10g}"
-        raise InputError(f"{field}={shown!r}: must be a positive number{low}{high}")
+        raise InputError(f"{field}={value!r}: must be a positive number{low}{high}")
 
 
 def check_fits(num_prompt_tokens: int, max_new_tokens: int, max_positions: int, field: str,
@@ -89,8 +89,9 @@ class Request:
 
     def __post_init__(self) -> None:
         check_slo(self.slo_s, f"request {self.request_id}: slo_s")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InputError(f"request {self.request_id}: max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"request {self.request_id}: max_new_tokens={n!r} must be an integer >= 1")
 
     @property
     def task(self) -> str:

@@ -28,7 +28,10 @@ def test_the_slo_rule_names_the_field_in_its_own_unit():
         with pytest.raises(InputError, match="slo_s=.*must be a positive number"):
             check_slo(bad)
     with pytest.raises(InputError, match="slo_ms=4000000.0: must be a positive number and at most 3600000"):
-        check_slo(4000.0, "slo_ms", 3600.0, scale=1e3)
+        check_slo(4_000_000.0, "slo_ms", 3600.0, scale=1e3)
+    with pytest.raises(InputError, match="slo_ms=0.5: must be a positive number of at least 1 and at most"):
+        check_slo(0.5, "slo_ms", 3600.0, 1e-3, scale=1e3)
+    check_slo(1.0, "slo_ms", 3600.0, 1e-3, scale=1e3)
 
 
 def test_the_positions_rule_counts_the_tokens_to_generate():

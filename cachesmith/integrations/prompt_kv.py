@@ -78,8 +78,7 @@ class ConnectorParams:
                 raise InputError(f"{PARAMS_KEY}.method={self.method!r}: '{PLANNED}' (planned under slo_ms) "
                                  f"or a fixed method: {exc}") from None
         slo = self.slo_ms
-        check_slo(slo / 1000.0 if isinstance(slo, (int, float)) and not isinstance(slo, bool) else slo,
-                  f"{PARAMS_KEY}.slo_ms", MAX_SLO_MS / 1000.0, scale=1e3)
+        check_slo(slo, f"{PARAMS_KEY}.slo_ms", MAX_SLO_MS / 1000.0, scale=1e3)
         framed = self.num_prefix_tokens + sum(self.chunk_token_counts)
         if framed > num_prompt_tokens - 1:  # the question keeps at least the prompt's last token
             raise InputError(f"{PARAMS_KEY}: num_prefix_tokens + sum(chunk_token_counts) = {framed} must leave "

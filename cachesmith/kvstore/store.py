@@ -7,7 +7,6 @@ a miss, so the caller recomputes the chunk instead of serving it.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,7 +140,21 @@ class ChunkStore:
     def open(self, key: str, model: Decoder | None = None) -> EntryReader | None:
         """A verified reader from the fastest tier holding `key`, filling faster tiers on the way."""
         validate_key(key)
-        for i, tier in enumerate(self.tiers):
+        reader = self._first_verified(key, model, self.tiers)
+        if reader is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits[reader.tier.name] += 1
+        faster = self.tiers[:self.tiers.index(reader.tier)]
+        if faster:
+            self._fill(faster, key, reader.source)
+        self._write_back(key, reader.source)
+        return reader
+
+    def _first_verified(self, key: str, model: Decoder | None, tiers: Sequence[Tier]) -> EntryReader | None:
+        """A verified reader from the first of `tiers` holding `key`; a holder whose entry fails
+        verification on the way is evicted."""
+        for tier in tiers:
             source = tier.source(key)
             if source is None:
                 continue
@@ -153,12 +166,7 @@ class ChunkStore:
                 self._evict(tier, key, exc)
                 continue
             reader.tier = tier
-            self.stats.hits[tier.name] += 1
-            if i > 0:
-                self._fill(self.tiers[:i], key, source)
-            self._write_back(key, source)
             return reader
-        self.stats.misses += 1
         return None
 
     @staticmethod
@@ -218,12 +226,13 @@ class ChunkStore:
         without waiting for the entry's next read (the retrier's pass while a tier was away).
         Returns how many entries now sit in every tier that had missed them."""
         num_done, pending = 0, self._missed.items()
-        up = {t.name for t in {id(t): t for _, missing in pending for t in missing}.values() if t.is_up}
+        missed_tiers = {t.name: t for _, missing in pending for t in missing}
+        up = {name for name, tier in missed_tiers.items() if tier.is_up}  # one check per tier per pass
         for key, missing in pending:
             if not any(t.name in up for t in missing):
                 continue  # its tiers are still away: nothing read, nothing sent
             holders = [t for t in self.tiers if t not in missing]
-            reader = self._verified_copy(key, holders)
+            reader = self._first_verified(key, None, holders)
             if reader is None:  # gone from every tier that held it: nothing left to write
                 self._missed.forget(key)
                 continue
@@ -234,19 +243,6 @@ class ChunkStore:
             num_done += not self._missed.tiers_of(key)
         self._missed.compact()
         return num_done
-
-    def _verified_copy(self, key: str, tiers: Sequence[Tier]) -> EntryReader | None:
-        for tier in tiers:
-            source = tier.source(key)
-            if source is None:
-                continue
-            try:
-                reader = EntryReader(source)
-                self._verify(reader, key, None)
-                return reader
-            except (CorruptEntry, ValueError, KeyError):
-                source.close()
-        return None
 
     def contains(self, key: str) -> bool:
         validate_key(key)

@@ -146,7 +146,7 @@ class Service:
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
             raise InputError(f"max_tokens={max_tokens}: must be between 1 and {cfg.max_tokens_limit}")
         slo_s = cfg.default_slo_s if spec.slo_s is None else spec.slo_s
-        check_slo(slo_s, "slo_ms", cfg.max_slo_s, scale=1e3, min_slo_s=cfg.min_slo_s)
+        check_slo(slo_s * 1e3, "slo_ms", cfg.max_slo_s, cfg.min_slo_s, scale=1e3)
         return max_tokens, slo_s
 
     def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str]) -> tuple[StoredPrompt, int]:
@@ -157,10 +157,11 @@ class Service:
         frame = self._tokenize(spec, max_tokens, spaces)
         entries = [None if ids is None else self.chunks.entry(ids, spaces.chunks) for ids in frame.document_ids]
         prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
-        self.chunks.reserve(self.chunks.new_entries([e for e in entries if e is not None]), spaces, "documents")
+        missing = self.chunks.new_entries([e for e in entries if e is not None])
+        self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
-        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, pinned)
+        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, {e.key for e in missing}, pinned)
         num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
         sources = [(e.key, tuple(ids), e.namespace) for e, ids in zip(entries, frame.document_ids) if e is not None]
         if prefix is not None:
@@ -196,9 +197,11 @@ class Service:
                    "documents" if spec.documents and not is_rest_long else spec.text_field, "max_tokens")
         return _Frame(prefix_ids, document_ids, tuple(counts), suffix_ids)
 
-    def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None],
+    def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None], missing_keys: set[str],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:
-        """Each document's chunk key, and whether its KV was prefilled now (for this request)."""
+        """Each document's chunk key, and whether its KV was prefilled now (for this request). Only
+        the entries found missing are looked up again (another request may have stored one since);
+        one held then and evicted before staging is prefilled there from the request's sources."""
         keys, fresh = [], []
         for doc, ids, entry in zip(documents, token_ids, entries):
             is_new = False
@@ -208,8 +211,9 @@ class Service:
             else:
                 key = entry.key
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
-                with self.loop.admission():
-                    _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
+                if key in missing_keys:
+                    with self.loop.admission():
+                        _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh

@@ -18,8 +18,9 @@ DOCS = ("river glacier lantern harbor meadow falcon", "copper amber silent froze
 
 class Spies:
     def __init__(self, monkeypatch) -> None:
-        self.keyed, self.opened, self.runs = [], [], []
+        self.keyed, self.opened, self.runs, self.held = [], [], [], []
         real_key, real_open, real_run = ChunkStore.key_for, ChunkStore.open, BatchRunner.run
+        real_held = ChunkStore.ensure_held
 
         def key_for(model, token_ids, namespace=""):
             self.keyed.append(tuple(token_ids))
@@ -29,19 +30,24 @@ class Spies:
             self.opened.append(key)
             return real_open(store, key, model)
 
+        def ensure_held(store, model, token_ids, *args):
+            self.held.append(tuple(token_ids))
+            return real_held(store, model, token_ids, *args)
+
         def run(runner, requests, *args, **kwargs):
             self.runs.append([len(r.chunks) for r in requests])
             return real_run(runner, requests, *args, **kwargs)
 
         monkeypatch.setattr(ChunkStore, "key_for", staticmethod(key_for))
         monkeypatch.setattr(ChunkStore, "open", open_)
+        monkeypatch.setattr(ChunkStore, "ensure_held", ensure_held)
         monkeypatch.setattr(BatchRunner, "run", run)
         # the server keys the prompt itself; nothing below it keys it again
         monkeypatch.setattr(RagPipeline, "stored_prompt", lambda *a: pytest.fail("the prompt was keyed again"))
         self.real_key = real_key
 
     def reset(self) -> None:
-        self.keyed.clear(), self.opened.clear(), self.runs.clear()
+        self.keyed.clear(), self.opened.clear(), self.runs.clear(), self.held.clear()
 
 
 def chat(url: str) -> dict:
@@ -73,3 +79,5 @@ def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served,
         assert sorted(k for k in spies.keyed if k in chunk_ids) == sorted(chunk_ids), is_stored  # keyed once
         assert [spies.opened.count(k) for k in chunk_keys] == [1, 1], is_stored  # opened once: staging
         assert spies.runs == [[2]], is_stored  # one batch of this request, both chunks staged
+        # a chunk found missing is stored; one found stored is not looked up a second time
+        assert sorted(k for k in spies.held if k in chunk_ids) == ([] if is_stored else sorted(chunk_ids))
