@@ -18,6 +18,7 @@ import torch
 
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine
+from cachesmith.model import device as accel
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
 from cachesmith.model.chunk import extend_chunk
 from cachesmith.model.sampling import GREEDY, SamplingParams
@@ -134,8 +135,7 @@ class RagPipeline:
 
     def answer_parts(self, parts: PromptParts, plan: RecomputeConfig, max_new_tokens: int = 32) -> Answer:
         request = self.stored_prompt(parts).keyed(max_new_tokens)  # misses are prefilled here, off the clock
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
+        accel.synchronize(self.model.device)
         with self.batch_guard() if self.batch_guard is not None else nullcontext():
             start = time.perf_counter()
             with self.transfer.stage([request], plan) as batch:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cachesmith.model import device as accel
+from cachesmith.testing.sim_cuda import SimCuda
 from tests.redis_server import start_redis
 from tests.tiny_models import TINY_ARCHITECTURES, save_tiny_model
 
@@ -49,12 +51,26 @@ def redis_server(tmp_path):
     server.stop()
 
 
-# "cuda" only where torch sees a GPU, so a run without one neither collects nor skips it; it carries
-# the `cuda` mark, so `make test-cuda` (pytest -m cuda) selects exactly the GPU cases.
-DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
+# "sim_cuda" everywhere: the simulated CUDA device (CPU data, CUDA's errors, counted syncs); "cuda"
+# only where torch sees a GPU, so a run without one neither collects nor skips it. The marks select
+# them: `make test-cuda` runs `-m cuda` on a GPU machine.
+DEVICES = ["cpu", pytest.param("sim_cuda", marks=pytest.mark.sim_cuda)] + \
+    ([pytest.param("cuda", marks=pytest.mark.cuda)] if accel.is_cuda_available() else [])
 
 
 @pytest.fixture(params=DEVICES)
-def device(request) -> str:
-    """Each device a test should pass on: "cpu", and "cuda" where there is one."""
-    return request.param
+def device(request):
+    """Each device a test should pass on, by the name the code is given: "cpu", "cuda" on the
+    simulated device, and "cuda" on a GPU where there is one."""
+    if request.param == "sim_cuda":
+        with SimCuda():
+            yield "cuda"
+    else:
+        yield request.param
+
+
+@pytest.fixture()
+def sim_cuda():
+    """The simulated CUDA device, on for the test: `with sim_cuda.count() as c:` measures a region."""
+    with SimCuda() as sim:
+        yield sim

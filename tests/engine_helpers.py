@@ -16,7 +16,10 @@ WORDS = ("river glacier lantern harbor meadow falcon copper amber silent frozen 
          "orchard beacon summit").split()
 
 
-def save_tiny_chat_model(path: Path, num_layers: int = 4, seed: int = 0, max_positions: int = 1024) -> Path:
+def save_tiny_chat_model(path: Path, num_layers: int = 4, seed: int = 0, max_positions: int = 1024,
+                         weight_std: float | None = None) -> Path:
+    """`weight_std`: redraw every matrix with this spread (transformers' default init gives
+    near-uniform logits, whose greedy tokens say little about the math that made them)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -24,6 +27,11 @@ def save_tiny_chat_model(path: Path, num_layers: int = 4, seed: int = 0, max_pos
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = LlamaForCausalLM(config).float().eval()
+    if weight_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0, weight_std)
     model.save_pretrained(str(path))
     real = resolve_model("smollm2-135m")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("server", "integrations"),
     ("cli_ask", "cli_store", "cli_workload", "cli_eval", "demo"),
     ("cli", "cachesmith"),
+    ("testing",),  # the simulated CUDA device: tests and benchmarks use it, nothing that serves does
 )
 
 

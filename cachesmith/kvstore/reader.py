@@ -11,6 +11,7 @@ import torch
 
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, EntryHeader, block_checksum, parse_header
 from cachesmith.model import ChunkKV
+from cachesmith.model import device as accel
 
 
 class RangeSource(Protocol):
@@ -110,8 +111,8 @@ class EntryReader:
         h = self.header
         shape = (h.num_layers, h.num_tokens, h.num_kv_heads, h.head_dim)
         is_pinned = torch.device(device).type == "cuda"
-        keys = torch.empty(shape, dtype=h.torch_dtype, pin_memory=is_pinned)  # [L, T, Hkv, D]
-        values = torch.empty(shape, dtype=h.torch_dtype, pin_memory=is_pinned)
+        keys = accel.pinned_empty(shape, h.torch_dtype, is_pinned)  # [L, T, Hkv, D]
+        values = accel.pinned_empty(shape, h.torch_dtype, is_pinned)
         for layer in range(h.num_layers):
             self.read_layer_into(layer, keys[layer], values[layer])
         return ChunkKV(h.token_ids, keys.to(device), values.to(device), h.model_fingerprint)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from contextlib import nullcontext
 
 import torch
 
 from cachesmith.kvstore.entry_format import BLOCK_ROWS
 from cachesmith.kvstore.reader import EntryReader, block_runs
+from cachesmith.model import device as accel
 
 
 def is_staged_for(device: torch.device, is_staged: bool | None) -> bool:
@@ -41,7 +41,7 @@ class StagingPath:
         self.device = torch.device(device)
         self.is_staged = is_staged_for(self.device, is_staged)
         self.is_async = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.is_async else None
+        self.stream = accel.new_stream(self.device)
 
     def batch(self) -> "BatchStaging":
         """The copies of one batch; call on the thread that runs the batch's layers."""
@@ -53,12 +53,12 @@ class BatchStaging:
 
     def __init__(self, path: StagingPath) -> None:
         self.path = path
-        self._events: dict[int, list[torch.cuda.Event]] = defaultdict(list)
+        self._events: dict[int, list] = defaultdict(list)  # layer -> device events of its copies
         self._lock = threading.Lock()
         if path.is_async:
             # the cache's slabs may come from the pool, last used by work still queued on the
             # compute stream: side-stream copies must not overtake it
-            path.stream.wait_stream(torch.cuda.current_stream(path.device))
+            path.stream.wait_stream(accel.current_stream(path.device))
 
     def load(self, reader: EntryReader, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor,
              blocks: list[int] | None) -> int:
@@ -66,8 +66,8 @@ class BatchStaging:
         if not self.path.is_staged:
             return reader.read_blocks_into(layer, k_dst, v_dst, blocks)
         is_pinned = self.path.is_async
-        k_host = torch.empty(k_dst.shape, dtype=k_dst.dtype, pin_memory=is_pinned)  # [T, Hkv, D]
-        v_host = torch.empty(v_dst.shape, dtype=v_dst.dtype, pin_memory=is_pinned)
+        k_host = accel.pinned_empty(k_dst.shape, k_dst.dtype, is_pinned)  # [T, Hkv, D]
+        v_host = accel.pinned_empty(v_dst.shape, v_dst.dtype, is_pinned)
         nbytes = reader.read_blocks_into(layer, k_host, v_host, blocks)  # verified here, on the host
         num_blocks = -(-k_dst.shape[0] // BLOCK_ROWS)
         runs = [(0, num_blocks)] if blocks is None else block_runs(blocks)
@@ -80,14 +80,14 @@ class BatchStaging:
         left alone (an earlier load of this layer may have filled them). On CUDA the pinned source
         stays alive until its copy has run: torch's host allocator holds the block back until then."""
         is_async = self.path.is_async
-        with torch.cuda.stream(self.path.stream) if is_async else nullcontext():
+        with accel.on_stream(self.path.stream):
             for first, end in runs:
                 rows = slice(first * BLOCK_ROWS, end * BLOCK_ROWS)
                 for dst, src in zip(dsts, srcs):
                     dst[rows].copy_(src[rows], non_blocking=is_async)
             if not is_async:
                 return
-            event = torch.cuda.Event()
+            event = accel.new_event(self.path.device)
             event.record(self.path.stream)
         with self._lock:
             self._events[layer].append(event)
@@ -97,7 +97,7 @@ class BatchStaging:
         with self._lock:
             events = self._events.pop(layer, [])
         if events:
-            stream = torch.cuda.current_stream(self.path.device)
+            stream = accel.current_stream(self.path.device)
             for event in events:
                 stream.wait_event(event)
 

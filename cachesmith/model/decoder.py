@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cachesmith.errors import InputError
-from cachesmith.model import native
+from cachesmith.model import device as accel, native
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.layers import DecoderLayer, RMSNorm
@@ -41,12 +41,13 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """The device by its full name (`cuda` as `cuda:0`: what its tensors report, so comparisons hold)."""
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not accel.is_cuda_available():
         raise InputError("device='cuda' was asked for but torch sees no CUDA device")
     if device.type not in ("cpu", "cuda"):
         raise InputError(f"device={device.type!r} is not supported; choose 'cpu' or 'cuda'")
-    return device
+    return accel.normalize(device)
 
 
 class Decoder:

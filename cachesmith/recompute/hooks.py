@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachesmith.model import device as accel
+
 PHASES = ("warmup", "probe", "patch")
 
 
@@ -79,8 +81,7 @@ class LayerStatsRecorder(RunnerHooks):
     _start: float = 0.0
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        accel.synchronize(self.device)
 
     def before_layer(self, layer: int, phase: str) -> None:
         self._sync()

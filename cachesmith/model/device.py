@@ -1,0 +1,204 @@
+"""The one door to the accelerator: streams, events, pinned memory, graphs and device queries.
+
+In: a `torch.device` (or its name). Out: the real `torch.cuda` objects on a CUDA device, and inert
+stand-ins on the CPU, so that code above calls the same functions on every device and no other
+module names `torch.cuda` (a test greps). Tests swap the backend for a simulated CUDA device
+(`cachesmith.testing.sim_cuda`) that holds CPU data, reports `cuda:0`, raises where CUDA raises
+and counts host syncs and copies; the real backend below is what a GPU runs.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """What a CUDA device offers (the real one, or the test suite's simulation)."""
+
+    def is_available(self) -> bool: ...
+    def current_index(self) -> int: ...
+    def new_stream(self, device: torch.device) -> Any: ...
+    def current_stream(self, device: torch.device) -> Any: ...
+    def stream(self, stream: Any) -> AbstractContextManager: ...
+    def new_event(self) -> Any: ...
+    def synchronize(self, device: torch.device) -> None: ...
+    def empty_cache(self) -> None: ...
+    def name(self, device: torch.device) -> str: ...
+    def version(self) -> str | None: ...
+    def memory_allocated(self, device: torch.device) -> int: ...
+    def new_graph(self) -> "Graph": ...
+
+
+class Graph(Protocol):
+    """A captured sequence of device work (a CUDA graph), replayed without the host launching it."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+    def replay(self) -> None: ...
+
+
+class TorchCuda:
+    """The real device, through `torch.cuda`."""
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def current_index(self) -> int:
+        return torch.cuda.current_device()
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream: Any) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def name(self, device: torch.device) -> str:
+        return torch.cuda.get_device_name(device)
+
+    def version(self) -> str | None:
+        return torch.version.cuda
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def new_graph(self) -> "Graph":
+        return _TorchGraph()
+
+
+class _TorchGraph:
+    """`torch.cuda.CUDAGraph`, captured after one warm-up run on a side stream (what torch asks:
+    lazy initialisations inside the first run must not land in the graph)."""
+
+    def __init__(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self._graph):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+_backend: Backend = TorchCuda()
+
+
+def use_backend(backend: Backend) -> Backend:
+    """Put `backend` in place of the current one and return the one it replaces (tests)."""
+    global _backend
+    previous, _backend = _backend, backend
+    return previous
+
+
+def backend() -> Backend:
+    return _backend
+
+
+def is_cuda_available() -> bool:
+    return _backend.is_available()
+
+
+def is_cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def normalize(device: torch.device | str) -> torch.device:
+    """`cuda` as `cuda:N` (the index tensors report), so that a device compares equal to its
+    tensors' (`torch.device("cuda") != torch.device("cuda:0")`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", _backend.current_index())
+    return device
+
+
+class _InertStream:
+    """A CPU 'stream': work is done when it is issued, so ordering is already given."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _InertEvent:
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def new_stream(device: torch.device) -> Any:
+    """A side stream on `device` (inert on the CPU)."""
+    return _backend.new_stream(device) if is_cuda(device) else _InertStream()
+
+
+def current_stream(device: torch.device) -> Any:
+    return _backend.current_stream(device) if is_cuda(device) else _InertStream()
+
+
+def on_stream(stream: Any) -> AbstractContextManager:
+    """Issue work on `stream` while inside (nothing changes for an inert stream)."""
+    return nullcontext() if isinstance(stream, _InertStream) or stream is None else _backend.stream(stream)
+
+
+def new_event(device: torch.device) -> Any:
+    return _backend.new_event() if is_cuda(device) else _InertEvent()
+
+
+def synchronize(device: torch.device) -> None:
+    """Block the host until `device` has done all its work (timing only: never in the serving path)."""
+    if is_cuda(device):
+        _backend.synchronize(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    if is_cuda(device):
+        _backend.empty_cache()
+
+
+def describe(device: torch.device) -> dict[str, str | None]:
+    """The device's name and CUDA version, for payloads (None on the CPU)."""
+    if not is_cuda(device):
+        return {"cuda": None, "gpu": None}
+    return {"cuda": _backend.version(), "gpu": _backend.name(device)}
+
+
+def memory_allocated(device: torch.device) -> int:
+    return _backend.memory_allocated(device) if is_cuda(device) else 0
+
+
+def new_graph(device: torch.device) -> Graph | None:
+    """A graph to capture work on `device` into; None on the CPU, where nothing is gained."""
+    return _backend.new_graph() if is_cuda(device) else None
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, is_pinned: bool) -> torch.Tensor:
+    """A host buffer, page-locked when it feeds asynchronous copies to a device."""
+    return torch.empty(shape, dtype=dtype, pin_memory=is_pinned)

@@ -1,0 +1,511 @@
+"""A simulated CUDA device: CUDA's semantics checked on a machine without a GPU.
+
+In: code that runs on `device="cuda"`. Out: the same results as on the CPU (every tensor holds CPU
+data), an error wherever a real GPU would raise, and counts of what a GPU would pay for.
+
+- A `SimTensor` holds a CPU tensor and reports `cuda:0`. A `TorchFunctionMode` (entered on every
+  thread started while the simulation is on: a mode is thread-local) runs each torch call that
+  touches one on the CPU data and wraps the results; factories given `device="cuda"`, `.to("cuda")`
+  and `.cuda()` make them. Function level, not dispatcher level: Python indexing of a dispatcher
+  subclass reaches a CUDA device guard that a CPU build of torch cannot pass.
+- It raises (`SimCudaError`) where CUDA raises: `.numpy()` of a device tensor, an op mixing a CPU
+  tensor (not a 0-dim scalar) with a device tensor, a device pointer handed to host code
+  (`data_ptr`, what the native C kernels take), and a host sync or a copy from pageable host
+  memory while a graph is being captured.
+- It counts, per `count()` region and across threads: ops on device tensors, host syncs (`item`,
+  `tolist`, `nonzero`, `bool`/`int`/`float`, `equal`, a boolean mask index, an event or device
+  synchronize), copies each way, and findings: a `non_blocking` host -> device copy from memory
+  that is not pinned, and an attention call that only torch's math kernel runs on CUDA.
+- Streams, events and graphs come through `cachesmith.model.device`, whose backend it replaces.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from cachesmith.model import device as device_module
+
+CUDA0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+class SimCudaError(RuntimeError):
+    """What a real CUDA device would have raised."""
+
+
+@dataclass
+class Counts:
+    """What the device work of one region cost."""
+    ops: int = 0  # torch calls on device tensors (metadata reads excluded)
+    syncs: int = 0  # the host waited for the device
+    d2h: int = 0  # device -> host copies
+    h2d: int = 0  # host -> device copies
+    findings: list[str] = field(default_factory=list)  # legal but slow on a GPU
+    attention: Counter = field(default_factory=Counter)  # SDPA calls by the kernel CUDA would run
+    sync_sites: list[str] = field(default_factory=list)  # what synced (names), for messages
+
+    def __iadd__(self, other: "Counts") -> "Counts":
+        self.ops += other.ops
+        self.syncs += other.syncs
+        self.d2h += other.d2h
+        self.h2d += other.h2d
+        self.findings += other.findings
+        self.attention += other.attention
+        self.sync_sites += other.sync_sites
+        return self
+
+
+class SimTensor(torch.Tensor):
+    """A device tensor of the simulation: CPU data in `elem`, `cuda:0` everywhere it shows."""
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "SimTensor":
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
+            dtype=elem.dtype, device=CUDA0, requires_grad=elem.requires_grad)
+        out.elem = elem
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise SimCudaError(f"{func} reached the dispatcher with a simulated device tensor")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _ACTIVE.handle(func, args, kwargs or {}) if _ACTIVE is not None else \
+            _raise_inactive(func)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # printing reads the values back
+        if _ACTIVE is not None:
+            _ACTIVE.sync("repr")
+        return f"SimTensor(cuda:0, {self.elem!r})"
+
+
+def _raise_inactive(func) -> None:
+    raise SimCudaError(f"{getattr(func, '__name__', func)} on a simulated device tensor outside the simulation")
+
+
+# property reads answered by the wrapper itself (its metadata is the device tensor's)
+_OWN_PROPERTIES = {"device", "is_cuda", "is_cpu", "dtype", "shape", "ndim", "layout", "requires_grad",
+                   "is_leaf", "grad_fn", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested",
+                   "names", "output_nr", "_version", "grad", "is_inference"}
+_METADATA = {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "element_size", "nelement",
+             "__len__", "is_floating_point", "is_complex", "__get__", "get_device", "is_inference",
+             "__hash__", "is_pinned", "__format__"}
+_SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "equal",
+          "masked_select", "unique", "unique_consecutive", "allclose", "__array__", "__iter__"}
+_RAISES = {"numpy": "`.numpy()` of a device tensor: a host view of device memory does not exist",
+           "data_ptr": "a device pointer handed to host code (a native C kernel reads host memory)",
+           "untyped_storage": "the storage of a device tensor read on the host"}
+_COPIES_IN = {"tensor", "as_tensor", "from_numpy", "asarray"}  # build from host data
+_HOST_SPECIAL = _COPIES_IN | {"pin_memory", "is_pinned", "to", "cuda", "copy_"}  # special even with no device tensor
+_INDEXED = {"__getitem__", "__setitem__"}  # CPU index tensors are allowed (copied to the device)
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        return f"get:{getattr(owner, '__name__', '?')}"
+    return name
+
+
+def _unwrap(x):
+    return x.elem if isinstance(x, SimTensor) else x
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+class SimCuda:
+    """The simulation, on while entered (`with SimCuda() as sim:`); `sim.count()` measures a region."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: list[Counts] = []
+        self._pinned: dict[int, weakref.ref] = {}  # id of a pinned base tensor -> it
+        self.is_capturing = False
+        self.total = Counts()
+
+    # -- on and off ------------------------------------------------------------------------
+    def __enter__(self) -> "SimCuda":
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise SimCudaError("a simulated CUDA device is already on")
+        _ACTIVE = self
+        self._previous_backend = device_module.use_backend(SimBackend(self))
+        self._boot = threading.Thread._bootstrap_inner
+        sim = self
+
+        def bootstrap(thread):  # every new thread runs under the mode, as the loaders must
+            with _Mode(sim):
+                sim._boot(thread)
+
+        threading.Thread._bootstrap_inner = bootstrap
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        self._mode.__exit__(*exc)
+        threading.Thread._bootstrap_inner = self._boot
+        device_module.use_backend(self._previous_backend)
+        _ACTIVE = None
+
+    @contextmanager
+    def count(self) -> Iterator[Counts]:
+        """Counts of the work done inside, on any thread."""
+        counts = Counts()
+        with self._lock:
+            self._regions.append(counts)
+        try:
+            yield counts
+        finally:
+            with self._lock:
+                self._regions.remove(counts)
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Inside, a sync or a pageable copy raises, as during CUDA graph capture."""
+        self.is_capturing = True
+        try:
+            yield
+        finally:
+            self.is_capturing = False
+
+    # -- what is counted -------------------------------------------------------------------
+    def _add(self, **kwargs) -> None:
+        with self._lock:
+            for counts in (self.total, *self._regions):
+                for key, value in kwargs.items():
+                    if key == "finding":
+                        counts.findings.append(value)
+                    elif key == "kernel":
+                        counts.attention[value] += 1
+                    elif key == "site":
+                        counts.sync_sites.append(value)
+                    else:
+                        setattr(counts, key, getattr(counts, key) + value)
+
+    def sync(self, what: str) -> None:
+        if self.is_capturing:
+            raise SimCudaError(f"{what}: a host sync while a CUDA graph is being captured")
+        self._add(syncs=1, site=what)
+
+    def h2d(self, src: torch.Tensor | None, is_non_blocking: bool, what: str) -> None:
+        is_pinned = src is not None and self.is_pinned(src)
+        if self.is_capturing and not is_pinned:
+            raise SimCudaError(f"{what}: a copy from pageable host memory while a CUDA graph is being captured")
+        self._add(h2d=1)
+        if is_non_blocking and not is_pinned:
+            self._add(finding=f"{what}: non_blocking host -> device copy from memory that is not pinned")
+
+    def d2h(self, what: str) -> None:
+        if self.is_capturing:
+            raise SimCudaError(f"{what}: a device -> host copy while a CUDA graph is being captured")
+        self._add(d2h=1)
+
+    # -- pinned host memory ----------------------------------------------------------------
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        key = id(base)
+        self._pinned[key] = weakref.ref(base, lambda _, key=key: self._pinned.pop(key, None))
+        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether `t` is (a view of) a buffer made pinned: views keep their base alive."""
+        base = t if t._base is None else t._base
+        ref = self._pinned.get(id(base))
+        return ref is not None and ref() is base
+
+    # -- the torch calls -------------------------------------------------------------------
+    def handle(self, func, args: tuple, kwargs: dict) -> Any:
+        name = _name(func)
+        if name.startswith("get:"):
+            return self._property(func, name[4:], args)
+        flat = tree_flatten((args, kwargs))[0]
+        sims = [t for t in flat if isinstance(t, SimTensor)]
+        if name in _RAISES and sims:
+            raise SimCudaError(f"{name}: {_RAISES[name]}")
+        special = _SPECIAL.get(name)
+        if special is not None and (sims or name in _HOST_SPECIAL):
+            out = special(self, func, args, kwargs, sims)
+            if out is not NotImplemented:
+                return out
+        wants_device = _is_cuda(kwargs.get("device"))
+        wants_pinned = kwargs.get("pin_memory") is True
+        if not sims and not wants_device and not wants_pinned:
+            return func(*args, **kwargs)
+        if sims and name not in _INDEXED:
+            self._check_mixed(name, flat)
+        if name in _SYNCS and sims:
+            self.sync(name)
+        if name not in _METADATA and (sims or wants_device):
+            self._add(ops=1)
+        if name in _INDEXED and sims:
+            self._index_copies(name, args)
+        if name == "scaled_dot_product_attention":
+            self._add(kernel=_sdpa_kernel(args, kwargs))
+        if wants_device:
+            kwargs = {**kwargs, "device": CPU}
+        if wants_pinned:
+            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        if wants_pinned:
+            return self.pin(out)
+        if name in _SYNCS and not isinstance(out, torch.Tensor):
+            return out
+        return self._wrap(out, sims, args)
+
+    def _property(self, func, prop: str, args: tuple) -> Any:
+        target = args[0]
+        if prop in _OWN_PROPERTIES or not isinstance(target, SimTensor):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args)
+        self._add(ops=1)
+        return self._wrap(func(target.elem, *args[1:]), [target], args)
+
+    @staticmethod
+    def _wrap(out, sims: list, args: tuple):
+        """CPU results as device tensors; an in-place op gives back the wrapper it was called on."""
+        by_elem = {id(s.elem): s for s in sims}
+
+        def wrap(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, SimTensor):
+                same = by_elem.get(id(x))
+                return SimTensor(x) if same is None else same
+            return x
+        return tree_map(wrap, out)
+
+    @staticmethod
+    def _check_mixed(name: str, flat: list) -> None:
+        for t in flat:
+            if isinstance(t, torch.Tensor) and not isinstance(t, SimTensor) and t.dim() > 0:
+                raise SimCudaError(f"{name}: expected all tensors on one device, found cuda:0 and cpu "
+                                   f"(a cpu tensor of shape {tuple(t.shape)})")
+
+    def _index_copies(self, name: str, args: tuple) -> None:
+        index = args[1] if len(args) > 1 else None
+        for t in tree_flatten(index)[0]:
+            if isinstance(t, torch.Tensor):
+                if t.dtype == torch.bool:  # a boolean mask: its true count sizes the result
+                    self.sync(f"{name} with a boolean mask")
+                if not isinstance(t, SimTensor) and t.dim() > 0:
+                    self.h2d(t, False, f"{name} with a host index")
+        if name == "__setitem__" and len(args) > 2:
+            value = args[2]
+            if isinstance(value, torch.Tensor) and not isinstance(value, SimTensor) and value.dim() > 0:
+                self.h2d(value, False, "__setitem__ of host values")
+
+
+def _sdpa_kernel(args: tuple, kwargs: dict) -> str:
+    """Which kernel torch's CUDA SDPA picks for these inputs: the flash kernel takes no mask and
+    half precision; the memory-efficient one takes a mask but not `enable_gqa`; else math."""
+    q = args[0]
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    is_gqa = bool(kwargs.get("enable_gqa", False)) and q.shape[-3] != args[1].shape[-3]
+    if mask is not None and is_gqa:
+        return "math"
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    return "efficient" if not is_gqa else "math"
+
+
+# -- calls whose device semantics differ from running the op on the data ------------------------
+
+def _to(sim: SimCuda, func, args, kwargs, sims):
+    src = args[0]
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    copy = bool(kwargs.get("copy", False))
+    if isinstance(src, SimTensor):
+        if device is not None and device.type == "cpu":
+            sim.d2h("to(cpu)")
+            return src.elem.to(dtype=dtype or src.dtype, copy=True)
+        if dtype is None or dtype == src.dtype:
+            return SimTensor(src.elem.clone()) if copy else src
+        sim._add(ops=1)
+        return SimTensor(src.elem.to(dtype))
+    if _is_cuda(device):
+        sim.h2d(src, non_blocking, "to(cuda)")
+        return SimTensor(src.to(dtype=dtype or src.dtype, copy=True))
+    return NotImplemented
+
+
+def _cuda(sim: SimCuda, func, args, kwargs, sims):
+    src = args[0]
+    if isinstance(src, SimTensor):
+        return src
+    sim.h2d(src, bool(kwargs.get("non_blocking", False)), "cuda()")
+    return SimTensor(src.clone())
+
+
+def _cpu(sim: SimCuda, func, args, kwargs, sims):
+    sim.d2h("cpu()")
+    return args[0].elem.clone()
+
+
+def _copy_(sim: SimCuda, func, args, kwargs, sims):
+    dst, src = args[0], args[1]
+    non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+    if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and isinstance(src, torch.Tensor):
+        if src.dim() > 0 or src.numel() > 0:
+            sim.h2d(src, non_blocking, "copy_ into a device tensor")
+        dst.elem.copy_(src)
+        return dst
+    if isinstance(src, SimTensor) and not isinstance(dst, SimTensor):
+        sim.d2h("copy_ into a host tensor")
+        if not non_blocking or not sim.is_pinned(dst):
+            sim.sync("copy_ into a host tensor")
+        dst.copy_(src.elem)
+        return dst
+    return NotImplemented
+
+
+def _factory(sim: SimCuda, func, args, kwargs, sims):
+    """`torch.tensor` / `as_tensor` of host data onto the device is a host -> device copy."""
+    if not _is_cuda(kwargs.get("device")):
+        return NotImplemented
+    data = args[0] if args else kwargs.get("data")
+    if isinstance(data, SimTensor):
+        return NotImplemented
+    sim.h2d(data if isinstance(data, torch.Tensor) else None, False, f"torch.{_name(func)} onto the device")
+    out = func(*tree_map(_unwrap, args), **{**kwargs, "device": CPU})
+    return SimTensor(out if out is not data else out.clone())
+
+
+def _pin_memory(sim: SimCuda, func, args, kwargs, sims):
+    return NotImplemented if sims else sim.pin(args[0].clone())
+
+
+def _is_pinned(sim: SimCuda, func, args, kwargs, sims):
+    return False if sims else sim.is_pinned(args[0])
+
+
+_SPECIAL: dict[str, Callable] = {"to": _to, "cuda": _cuda, "cpu": _cpu, "copy_": _copy_, "tensor": _factory,
+                                 "as_tensor": _factory, "asarray": _factory, "pin_memory": _pin_memory,
+                                 "is_pinned": _is_pinned}
+
+_ACTIVE: SimCuda | None = None
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, sim: SimCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.sim.handle(func, args, kwargs or {})
+
+
+# -- streams, events and graphs -----------------------------------------------------------------
+
+class SimStream:
+    def __init__(self, sim: SimCuda) -> None:
+        self.sim = sim
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        self.sim.sync("stream.synchronize")
+
+
+class SimEvent:
+    def __init__(self, sim: SimCuda) -> None:
+        self.sim = sim
+        self.is_recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self.is_recorded = True
+
+    def synchronize(self) -> None:
+        self.sim.sync("event.synchronize")
+
+    def query(self) -> bool:
+        return True
+
+
+class SimGraph:
+    """A graph whose capture refuses what capture refuses (syncs, pageable copies) and whose replay
+    runs the captured callable again: its inputs and outputs must live in the same tensors."""
+
+    def __init__(self, sim: SimCuda) -> None:
+        self.sim = sim
+        self._fn: Callable[[], Any] | None = None
+        self.num_replays = 0
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        fn()  # the warm-up run
+        with self.sim.capturing():
+            out = fn()
+        self._fn = fn
+        return out
+
+    def replay(self) -> None:
+        with self.sim.capturing():  # a replay launches no host work: nothing may sync
+            self._fn()
+        self.num_replays += 1
+
+
+class SimBackend:
+    """`cachesmith.model.device`'s backend while the simulation is on."""
+
+    def __init__(self, sim: SimCuda) -> None:
+        self.sim = sim
+        self._current = SimStream(sim)
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_index(self) -> int:
+        return 0
+
+    def new_stream(self, device: torch.device) -> SimStream:
+        return SimStream(self.sim)
+
+    def current_stream(self, device: torch.device) -> SimStream:
+        return self._current
+
+    def stream(self, stream: Any):
+        return contextmanager(lambda: (yield))()
+
+    def new_event(self) -> SimEvent:
+        return SimEvent(self.sim)
+
+    def synchronize(self, device: torch.device) -> None:
+        self.sim.sync("synchronize")
+
+    def empty_cache(self) -> None:
+        return None
+
+    def name(self, device: torch.device) -> str:
+        return "simulated CUDA device (CPU data)"
+
+    def version(self) -> str | None:
+        return None
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def new_graph(self) -> SimGraph:
+        return SimGraph(self.sim)
+
+
+def active() -> SimCuda | None:
+    """The simulation that is on, if any."""
+    return _ACTIVE
