@@ -44,20 +44,21 @@ class StagingPath:
         self.stream = accel.new_stream(self.device)
 
     def batch(self) -> "BatchStaging":
-        """The copies of one batch; call on the thread that runs the batch's layers."""
+        """The copies of one batch; call on the thread that runs the batch's layers, after its
+        caches are taken (see `BatchStaging`)."""
         return BatchStaging(self)
 
 
 class BatchStaging:
-    """One batch's loads: called from loader threads (`load`) and the runner's thread (the rest)."""
+    """One batch's loads: called from loader threads (`load`) and the runner's thread (the rest).
+    Made once the batch's caches are: their slabs may come from the pool, last used by work still
+    queued on the compute stream (by any thread), and side-stream copies must not overtake it."""
 
     def __init__(self, path: StagingPath) -> None:
         self.path = path
         self._events: dict[int, list] = defaultdict(list)  # layer -> device events of its copies
         self._lock = threading.Lock()
         if path.is_async:
-            # the cache's slabs may come from the pool, last used by work still queued on the
-            # compute stream: side-stream copies must not overtake it
             path.stream.wait_stream(accel.current_stream(path.device))
 
     def load(self, reader: EntryReader, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor,
@@ -87,6 +88,8 @@ class BatchStaging:
                     dst[rows].copy_(src[rows], non_blocking=is_async)
             if not is_async:
                 return
+            for dst in dsts:  # a slab freed (not pooled) mid-copy is reused only after the copy
+                accel.record_stream(dst, self.path.stream)
             event = accel.new_event(self.path.device)
             event.record(self.path.stream)
         with self._lock:

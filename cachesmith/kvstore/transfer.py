@@ -14,9 +14,9 @@ prefix is loaded whole wherever cached KV is read. Loads run on the engine's lon
 threads in deadline (layer) order, one task per (layer, request), through a token-bucket link that
 emulates a capped bandwidth. Which rows are loaded or issued is one boolean matrix per request
 [layer, cached row] (numpy), so the runner's thread does no per-chunk bookkeeping. With prefetch
-off, a layer's loads are issued only when the runner reaches it. On a device, a Patch layer loads
-all its cached rows: knowing which ones are reused would need the selection on the host, a sync
-that costs more than the few rows it saves (the recomputed rows are overwritten by the layer).
+off, a layer's loads are issued only when the runner reaches it. The selection is on the host on
+every device (the runner reads the ranking back once, `signals.rank`, and selects there), so a Patch
+layer loads only the rows it reuses on a GPU too, with no sync to learn which.
 """
 from __future__ import annotations
 
@@ -149,9 +149,12 @@ class TransferEngine:
 
 def _load_loop(jobs: queue.PriorityQueue) -> None:
     """A loader thread's life. It holds the queue, never the engine: between jobs nothing it
-    references keeps the engine (and its model's weights) alive."""
-    while _run_job(jobs.get()):
-        pass
+    references keeps the engine (and its model's weights) alive. Under inference mode, as the
+    runner is (a new thread starts without it): a cache's pooled slabs may have been made under it,
+    and torch refuses in-place writes into such a tensor outside it."""
+    with torch.inference_mode():
+        while _run_job(jobs.get()):
+            pass
 
 
 def _run_job(job: tuple) -> bool:
@@ -207,12 +210,12 @@ class BatchTransfer(RunnerHooks):
         self._last_patched = -1  # Patch layers up to here have run: later selections skip them
         self._max_layer = -1  # the deepest layer the runner has reached
         self.staged: list[_Staged] = []
-        self.copies = engine.staging.batch()
         try:
             self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
         except BaseException:
             self._close_readers()
             raise
+        self.copies = engine.staging.batch()  # after the caches' slabs are taken: copies wait for their last use
         self.set_plan(plan)
 
     def set_plan(self, plan: RecomputeConfig) -> None:
@@ -323,8 +326,7 @@ class BatchTransfer(RunnerHooks):
         layers = [layer for layer in self.patch_layers if layer > self._last_patched]
         for i, (st, sel) in enumerate(zip(self.staged, selected)):
             reused = np.ones(st.num_cached, dtype=bool)  # the prefix (exact) is read with them
-            if sel.device.type == "cpu":  # on a device: every row (see the module docstring)
-                reused[st.num_prefix + sel.numpy()] = False
+            reused[st.num_prefix + sel.numpy()] = False  # a host tensor on every device (`signals.select`)
             for layer in layers:
                 self._need(layer, i, reused)
 

@@ -29,6 +29,7 @@ class Backend(Protocol):
     def version(self) -> str | None: ...
     def memory_allocated(self, device: torch.device) -> int: ...
     def new_graph(self) -> "Graph": ...
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
 
 class Graph(Protocol):
@@ -76,6 +77,9 @@ class TorchCuda:
 
     def new_graph(self) -> "Graph":
         return _TorchGraph()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
 
 
 class _TorchGraph:
@@ -197,6 +201,15 @@ def memory_allocated(device: torch.device) -> int:
 def new_graph(device: torch.device) -> Graph | None:
     """A graph to capture work on `device` into; None on the CPU, where nothing is gained."""
     return _backend.new_graph() if is_cuda(device) else None
+
+
+def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """Mark `tensor`'s memory as used by `stream` (work other than its allocating stream's): the
+    caching allocator then hands it to no new tensor before that stream's work issued so far is
+    done. Inert on the CPU."""
+    if stream is None or isinstance(stream, _InertStream) or not is_cuda(tensor.device):
+        return
+    _backend.record_stream(tensor, stream)
 
 
 def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, is_pinned: bool) -> torch.Tensor:

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from cachesmith.model import device as accel
+
 
 class SlabPool:
     """Keeps released slabs for reuse, up to `max_bytes`; a slab is reused for a request needing at
@@ -44,6 +46,7 @@ class SlabPool:
         default twice the capacity), laid out [L, capacity', Hkv, D], or [L, Hkv, capacity', D] if
         `is_head_major`."""
         num_layers, capacity, num_kv_heads, head_dim = shape
+        device = accel.normalize(device)  # `cuda` as its slabs report it, `cuda:0`: else none would match
         row = num_layers * num_kv_heads * head_dim  # elements per row of capacity
         max_capacity = 2 * capacity if max_capacity is None else max_capacity
         with self._lock:

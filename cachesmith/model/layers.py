@@ -36,6 +36,19 @@ def causal_by_position_mask(q_positions: torch.Tensor, k_positions: torch.Tensor
     return k_positions[None, :] <= q_positions[:, None]
 
 
+def _needs_expanded_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether grouped query heads must meet expanded KV heads rather than `enable_gqa` (CUDA).
+
+    CUDA's flash kernel takes `enable_gqa` but no mask and only half precision; its memory-efficient
+    kernel takes a mask but not `enable_gqa`. Anything else runs the math kernel, which builds the
+    whole float32 score matrix (about 10 GB per buffer at 16K keys with 30% of rows recomputed).
+    Repeating K and V costs (H / Hkv - 1) copies of one layer's KV instead. The CPU keeps
+    `enable_gqa`: its flash kernel maps the heads itself and takes a mask (measured fastest)."""
+    if q.device.type != "cuda":
+        return False
+    return mask is not None or q.dtype not in (torch.float16, torch.bfloat16)
+
+
 class DecoderLayer:
     """Weights of one layer; Q, K and V are fused into one matmul."""
 
@@ -111,10 +124,14 @@ class DecoderLayer:
         """
         # A leading batch dim of 1: torch's CPU flash kernel only takes 4-D inputs (3-D falls
         # back to the math path, ~9x slower at 2K tokens).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=is_causal, enable_gqa=True,
-        )[0]  # [H, Tq, D]
+        q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        is_gqa = q.shape[1] != k.shape[1]
+        if is_gqa and _needs_expanded_heads(q, mask):
+            rep = q.shape[1] // k.shape[1]
+            k4, v4 = k4.repeat_interleave(rep, dim=1), v4.repeat_interleave(rep, dim=1)  # [1, H, Tk, D]
+            is_gqa = False
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=is_causal,
+                                             enable_gqa=is_gqa)[0]  # [H, Tq, D]
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
     def out_proj(self, attn: torch.Tensor) -> torch.Tensor:

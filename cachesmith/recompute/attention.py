@@ -7,7 +7,9 @@ A single masked call over the full key length does twice the work of a causal pa
 over the sequence. `ScatteredAttention` splits the sorted query rows into blocks and gives each
 block only the keys up to its last position, so the work moves toward the causal half: the key
 tiles past a block's last row are never computed. The CPU flash kernel skips nothing under a mask,
-so that slicing is the tile skipping; on CPU float32 `split_attention` goes further.
+so that slicing is the tile skipping; on CPU float32 `split_attention` goes further. On CUDA the
+masks are built on the device, and `DecoderLayer.attend` gives a masked call expanded KV heads, so
+the memory-efficient kernel runs it, not the math one.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from cachesmith.model.layers import DecoderLayer, causal_by_position_mask
 # kernel's cost per (row, key) is flat from about 128 rows per call up and climbs below (smaller
 # query tiles), so blocks of 128-256 rows cut the masked keys without paying for small calls.
 ROWS_PER_BLOCK_REDUCED = 256
+MASK_ALIGNMENT = 8  # elements per mask row CUDA's memory-efficient attention takes without a padded copy
 
 
 def default_num_blocks(device: torch.device, dtype: torch.dtype, num_scattered: int = 0) -> int:
@@ -36,10 +39,15 @@ def default_num_blocks(device: torch.device, dtype: torch.dtype, num_scattered: 
 
 
 class ScatteredAttention:
-    """Block plan for query rows at sorted `q_positions` (CPU); masks are built once, reused per layer."""
+    """Block plan for query rows at sorted `q_positions`; masks are built once, reused per layer.
+
+    `q_positions` is a host tensor: its values size the blocks without a device sync. The masks are
+    built on `device` from `device_positions` (the same positions there; copied once when absent),
+    so a run copies a few positions to the device, never a [rows, keys] mask."""
 
     def __init__(self, q_positions: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 num_suffix: int, num_blocks: int | None = None) -> None:
+                 num_suffix: int, num_blocks: int | None = None,
+                 device_positions: torch.Tensor | None = None) -> None:
         num_q = q_positions.numel()
         num_scattered = num_q - num_suffix
         num_blocks = default_num_blocks(device, dtype, num_scattered) if num_blocks is None else num_blocks
@@ -49,16 +57,14 @@ class ScatteredAttention:
             bounds.append(num_q)  # the suffix is its own block: it sees every key
         else:
             bounds[-1] = num_q  # one call for everything
+        positions = q_positions.to(device) if device_positions is None else device_positions  # [num_q]
         self.blocks: list[tuple[int, int, int, torch.Tensor]] = []
         host_positions = q_positions.tolist()  # a host tensor: its values are read without a device sync
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b <= a:
                 continue
             num_keys = host_positions[b - 1] + 1
-            visible = causal_by_position_mask(q_positions[a:b], torch.arange(num_keys))  # [b - a, num_keys]
-            # additive float mask, built once: SDPA would convert a boolean one on every call
-            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-            self.blocks.append((a, b, num_keys, mask.to(device)))
+            self.blocks.append((a, b, num_keys, _additive_mask(positions[a:b], num_keys, dtype)))
 
     def __call__(self, layer: DecoderLayer, q: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,20 @@ class ScatteredAttention:
             return layer.attend(q, keys, values, mask=self.blocks[0][3])
         outs = [layer.attend(q[a:b], keys[:m], values[:m], mask=mask) for a, b, m, mask in self.blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _additive_mask(q_positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask [num_q, num_keys] (0 visible, -inf hidden) on `q_positions`' device,
+    built once: SDPA would convert a boolean one on every call."""
+    device = q_positions.device
+    visible = causal_by_position_mask(q_positions, torch.arange(num_keys, device=device))  # [num_q, num_keys]
+    if device.type != "cuda":
+        return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    # CUDA's memory-efficient kernel pads a mask whose rows are not 8-element aligned, a copy per
+    # call: rows of an aligned width, sliced, are taken as they are
+    width = -(-num_keys // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    mask = torch.zeros((visible.shape[0], width), dtype=dtype, device=device)[:, :num_keys]
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, q_positions: torch.Tensor,

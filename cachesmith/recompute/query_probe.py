@@ -57,23 +57,29 @@ def qci_last_scores(model: Decoder, seqs: list[Sequence], hq: torch.Tensor, star
     last layer scores their attention over the cached context."""
     last = model.num_layers - 1
     rope = model.rope
+    key_positions = [_probe_positions(s, hq.device) for s in seqs]  # the same in every layer
     for index in range(start, last):
         hooks.before_layer(index, "probe")
         layer = model.layers[index]
         q, k, v = layer.qkv(layer.input_norm(hq))
         outs, a = [], 0
-        for s in seqs:
+        for s, kpos in zip(seqs, key_positions):
             b, sfx = a + s.num_suffix, slice(s.suffix_start, s.num_tokens)
             keys, values = rope.apply(k[a:b], s.cos[sfx], s.sin[sfx]), v[a:b]
             if s.request.prefix is not None:  # exact, so the query-only pass may see it
                 pre = s.request.prefix
                 pk = rope.apply(pre.keys[index], s.cos[:s.num_prefix], s.sin[:s.num_prefix])
                 keys, values = torch.cat([pk, keys]), torch.cat([pre.values[index], values])
-            kpos = torch.cat([torch.arange(s.num_prefix), torch.arange(s.suffix_start, s.num_tokens)])
-            kpos = kpos.to(hq.device)
             qi = rope.apply(q[a:b], s.cos[sfx], s.sin[sfx])
             outs.append(attend_with_probs(qi, keys, values, kpos[s.num_prefix:], kpos)[0])
             a = b
         hq = layer.mlp_block(hq.add_(layer.out_proj(torch.cat(outs))))
         after(hooks, index, "probe", hq.shape[0], sum(s.num_prefix for s in seqs))
     return qci_scores(model, seqs, hq, range(last, last + 1), hooks, after)
+
+
+def _probe_positions(s: Sequence, device: torch.device) -> torch.Tensor:
+    """True positions [num_prefix + num_suffix] of the keys a query-only pass sees (prefix, then
+    suffix), built on the device: a host-built tensor is a copy to the device."""
+    return torch.cat([torch.arange(s.num_prefix, device=device),
+                      torch.arange(s.suffix_start, s.num_tokens, device=device)])

@@ -152,7 +152,8 @@ class BatchRunner:
             s.selected = signals.select(s, s.coverage)
         hooks.after_selection([s.selected for s in seqs])
         rows = [self._patch_rows(s) for s in seqs]
-        index = torch.cat([self._row_index(s, a) for s, a in zip(seqs, self._offsets(seqs))]).to(ranked.h.device)
+        # rows in the all-rows layout, from the positions already on the device (no second copy)
+        index = _joined([r.positions + a if a else r.positions for r, a in zip(rows, self._offsets(seqs))])
         h_sel = ranked.h[index]  # [sum (k_i + n_i), hidden]
         pre = None
         if ranked.start_kv is not None:  # kv_dev scored on the first Patch layer's K, V: reuse them
@@ -197,7 +198,9 @@ class BatchRunner:
         return config.warmup, h, None
 
     def _kv_dev_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
-                      hooks: RunnerHooks):
+                      hooks: RunnerHooks, is_ranked: bool = True):
+        """KV deviation scores (`s.scores`), ranked unless `is_ranked` is False (a caller that fuses
+        them with another ranking reads them back itself)."""
         scores = [torch.zeros(s.num_context, device=self.model.device) for s in seqs]
         start = config.warmup + config.probe
         for layer in range(config.warmup, start):
@@ -213,7 +216,7 @@ class BatchRunner:
             scores[i] = scores[i] + self._deviation(s, start, k[a:a + s.num_tokens], v[a:a + s.num_tokens],
                                                     config.kv_dev_target, is_rotated=False)
         for s, sc in zip(seqs, scores):
-            s.scores, s.ranking = sc, signals.rank(sc)
+            s.scores, s.ranking = sc, signals.rank(sc) if is_ranked else None
         return start, h, (x, k, v)
 
     def _fused_probe(self, config: RecomputeConfig, seqs: list[Sequence], h: torch.Tensor,
@@ -221,9 +224,10 @@ class BatchRunner:
         """The query's last-layer attention (rewinds to w), then KV deviation on layer w's
         projections (reused by Patch, as CacheBlend's), the two rankings fused (`signals.fuse`)."""
         qci = qci_last_scores(self.model, seqs, self._suffix_rows(seqs, h), config.warmup, hooks, self._after)
-        start, h, start_kv = self._kv_dev_probe(replace(config, probe=0), seqs, h, hooks)
+        start, h, start_kv = self._kv_dev_probe(replace(config, probe=0), seqs, h, hooks, is_ranked=False)
         for s, q in zip(seqs, qci):
-            s.scores, s.ranking = signals.fuse(s.scores.cpu(), q.cpu())
+            kv_scores, qci_scores = torch.stack([s.scores.float(), q.float()]).cpu()  # one read back
+            s.scores, s.ranking = signals.fuse(kv_scores, qci_scores)
         return start, h, start_kv
 
     def _full_layer(self, index: int, seqs: list[Sequence], h: torch.Tensor, hooks: RunnerHooks,
@@ -335,9 +339,9 @@ class BatchRunner:
         return offset + torch.cat([s.context_start + s.selected, torch.arange(s.suffix_start, s.num_tokens)])
 
     def _suffix_rows(self, seqs: list[Sequence], h: torch.Tensor) -> torch.Tensor:
-        index = torch.cat([a + torch.arange(s.suffix_start, s.num_tokens)
-                           for s, a in zip(seqs, self._offsets(seqs))])
-        return h[index.to(h.device)]
+        index = torch.cat([torch.arange(a + s.suffix_start, a + s.num_tokens, device=h.device)
+                           for s, a in zip(seqs, self._offsets(seqs))])  # built on the device: no copy
+        return h[index]
 
     def _patch_rows(self, s: Sequence) -> PatchRows:
         positions = self._row_index(s, 0)
@@ -347,7 +351,7 @@ class BatchRunner:
             attention = split_attention.SplitAttention(positions, s.num_suffix, cfg.num_heads, cfg.num_kv_heads)
         else:
             attention = ScatteredAttention(positions, self.model.device, self.model.dtype, s.num_suffix,
-                                           self.num_attention_blocks)
+                                           self.num_attention_blocks, device_positions=dev)
         return PatchRows(dev, s.cos[dev], s.sin[dev], attention)
 
     def _finish(self, seqs: list[Sequence], h: torch.Tensor, rows_per_seq: list[int]):

@@ -136,6 +136,7 @@ class SimCuda:
         self._regions: list[Counts] = []
         self._pinned: dict[int, weakref.ref] = {}  # id of a pinned base tensor -> it
         self.is_capturing = False
+        self.num_recorded_streams = 0  # record_stream calls: device memory lent to a side stream
         self.total = Counts()
 
     # -- on and off ------------------------------------------------------------------------
@@ -173,8 +174,8 @@ class SimCuda:
         try:
             yield counts
         finally:
-            with self._lock:
-                self._regions.remove(counts)
+            with self._lock:  # by identity: nested regions may hold equal counts
+                self._regions = [r for r in self._regions if r is not counts]
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -245,6 +246,8 @@ class SimCuda:
             if out is not NotImplemented:
                 return out
         wants_device = _is_cuda(kwargs.get("device"))
+        if sims and kwargs.get("device") is not None and not wants_device:  # e.g. empty_like(x, device="cpu")
+            return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         wants_pinned = kwargs.get("pin_memory") is True
         if not sims and not wants_device and not wants_pinned:
             return func(*args, **kwargs)
@@ -504,6 +507,11 @@ class SimBackend:
 
     def new_graph(self) -> SimGraph:
         return SimGraph(self.sim)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if not isinstance(tensor, SimTensor):
+            raise SimCudaError("record_stream of a host tensor: only device memory belongs to a stream")
+        self.sim.num_recorded_streams += 1
 
 
 def active() -> SimCuda | None:

@@ -5,9 +5,28 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.model import Decoder
+from cachesmith.testing.sim_cuda import SimCuda
 from tests.conftest import DEVICES
 
 
-@pytest.fixture(scope="module", params=DEVICES)
-def model(tiny_llama_dir, request):
-    return Decoder(tiny_llama_dir[0], request.param)
+@pytest.fixture(scope="module")
+def loaded_models(tiny_llama_dir):
+    """Models of real devices, loaded once per module (device name -> model)."""
+    loaded: dict[str, Decoder] = {}
+
+    def get(device: str) -> Decoder:
+        if device not in loaded:
+            loaded[device] = Decoder(tiny_llama_dir[0], device)
+        return loaded[device]
+    return get
+
+
+@pytest.fixture(params=DEVICES)
+def model(tiny_llama_dir, loaded_models, request):
+    """The tiny model on each device; on the simulated CUDA device the simulation is on for the
+    test (a mode lives no longer than its test, so the model is loaded inside it each time)."""
+    if request.param == "sim_cuda":
+        with SimCuda():
+            yield Decoder(tiny_llama_dir[0], "cuda")
+    else:
+        yield loaded_models(request.param)

@@ -53,8 +53,8 @@ def test_flipped_byte_and_truncation_are_detected(model):
     flipped = bytearray(data)
     flipped[reader.header.offset(2, True, 70)] ^= 0x40
     bad = EntryReader(BytesSource(bytes(flipped)))
-    k = torch.empty_like(chunk.keys[0], device="cpu")  # entries are read into host memory
-    v = torch.empty_like(chunk.values[0], device="cpu")
+    k = torch.empty(chunk.keys[0].shape, dtype=chunk.dtype)  # entries are read into host memory
+    v = torch.empty(chunk.values[0].shape, dtype=chunk.dtype)
     bad.read_layer_into(2, k, v, torch.tensor([3]))  # the damaged block (rows 64..127) is not read
     with pytest.raises(CorruptEntry, match="layer 2 block 1"):
         bad.read_layer_into(2, k, v, torch.tensor([BLOCK_ROWS + 1]))

@@ -30,8 +30,8 @@ def test_redis_partial_layer_reads(model, redis_url):
     key = store.put(chunk)
     reader = EntryReader(store.tiers[0].source(key))
     rows = torch.tensor([2, 70, 129])
-    k = torch.zeros_like(chunk.keys[0], device="cpu")  # entries are read into host memory
-    v = torch.zeros_like(chunk.values[0], device="cpu")
+    k = torch.zeros(chunk.keys[0].shape, dtype=chunk.dtype)  # entries are read into host memory
+    v = torch.zeros(chunk.values[0].shape, dtype=chunk.dtype)
     reader.read_layer_into(2, k, v, rows)
     assert torch.equal(k[rows], chunk.keys[2].cpu()[rows]) and torch.equal(v[rows], chunk.values[2].cpu()[rows])
 

@@ -121,3 +121,97 @@ def test_store_get_lands_on_the_models_device(models, device, tmp_path):
     got = store.get(key, model)
     assert got.keys.device.type == model.device.type and torch.equal(got.keys.cpu(), chunk.keys.cpu())
 
+
+
+def _stage_onto_pooled_slabs(model, store, keyed, plan, capacity):
+    """One staged run whose caches take slabs made under inference mode (as a pass of the runner or
+    of decoding makes them) and pooled: `capacity` rows each, what the batch's caches ask for."""
+    with torch.inference_mode():
+        made = [model.new_cache(capacity) for _ in keyed]
+    for cache in made:
+        cache.release()
+    reused = model.kv_pool.num_reused
+    engine = TransferEngine(store, model, TransferConfig(is_staged=True))
+    with engine.stage(keyed, plan) as batch:
+        assert all(st.cache.key_slab.is_inference() for st in batch.staged)
+        out = BatchRunner(model).run(batch.requests, plan, batch)
+    engine.close()
+    assert model.kv_pool.num_reused == reused + 2 * len(keyed)
+    return out
+
+
+def test_loader_threads_fill_pooled_slabs_made_under_inference_mode(models, device, tmp_path):
+    """Loader threads copy into the cache outside the runner's inference mode unless they enter it
+    themselves: torch refused ("Inplace update to inference tensor outside InferenceMode") once a
+    pooled slab had been made under it. Walked on CPU's staged route and on the simulated device."""
+    model = models(device)
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    reqs, keyed = stored_requests(model, store, seeds=(3,))
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+    ref = BatchRunner(model).run(reqs, plan)[0]
+    capacity = reqs[0].prefix.num_tokens + sum(c.num_tokens for c in reqs[0].chunks) + len(reqs[0].suffix_ids)
+    out = _stage_onto_pooled_slabs(model, store, keyed, plan, capacity)[0]
+    assert torch.equal(out.logits.cpu(), ref.logits.cpu())
+
+
+class _SpyBackend:
+    """The simulation's backend, logging the stream calls staging makes (`log`, shared with the pool)."""
+
+    def __init__(self, inner, log: list[str]) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def new_stream(self, device):
+        return _SpyStream(self.inner.new_stream(device), "side", self.log)
+
+    def current_stream(self, device):
+        return _SpyStream(self.inner.current_stream(device), "compute", self.log)
+
+    def stream(self, stream):
+        return self.inner.stream(stream.inner if isinstance(stream, _SpyStream) else stream)
+
+    def record_stream(self, tensor, stream) -> None:
+        self.log.append(f"record_stream {stream.name}")
+
+
+class _SpyStream:
+    def __init__(self, inner, name: str, log: list[str]) -> None:
+        self.inner, self.name, self.log = inner, name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event) -> None:
+        self.log.append(f"{self.name} waits event")
+
+
+@pytest.mark.sim_cuda
+def test_side_stream_copies_wait_for_the_last_use_of_the_batchs_slabs(tiny_llama_dir, sim_cuda, tmp_path,
+                                                                     monkeypatch):
+    """A pooled slab may have been given back while work on it is still queued on the compute stream
+    (a cache moved to head-major on the decode thread gives its old slabs back at once): the side
+    stream must wait for the compute stream after the batch's slabs are taken, not before. Each copy
+    marks its destination as used by the side stream, so a slab freed mid-copy is not reused."""
+    from cachesmith.model import device as accel
+
+    model = Decoder(tiny_llama_dir[0], "cuda")
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    _, keyed = stored_requests(model, store, seeds=(3,))
+    log: list[str] = []
+    take = model.kv_pool.take
+    monkeypatch.setattr(model.kv_pool, "take", lambda *a, **k: log.append("take") or take(*a, **k))
+    previous = accel.use_backend(_SpyBackend(accel.backend(), log))
+    try:
+        engine = TransferEngine(store, model)
+        plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)
+        with engine.stage(keyed, plan) as batch:
+            BatchRunner(model).run(batch.requests, plan, batch)
+        engine.close()
+    finally:
+        accel.use_backend(previous)
+    first_wait = log.index("side waits compute")
+    assert max(i for i, e in enumerate(log) if e == "take") < first_wait  # every slab taken before it
+    assert log.count("record_stream side") >= 2 * model.num_layers  # K and V of every layer, at least
+    assert "compute waits event" in log

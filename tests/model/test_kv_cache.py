@@ -90,3 +90,18 @@ def test_pooled_key_and_value_slabs_share_one_capacity():
                     assert torch.equal(x, y)
         cache.to_head_major(40)  # a move takes a pair again
         assert cache.key_slab.stride() == cache.value_slab.stride()
+
+
+@pytest.mark.sim_cuda
+def test_a_pool_reuses_slabs_on_a_cuda_device_named_without_its_index(sim_cuda):
+    """Slabs report `cuda:0`; a cache asked for on `cuda` must still find them (it compared
+    `cuda:0 == cuda`, False, so nothing was ever reused on a GPU)."""
+    pool = SlabPool()
+    first = KVCache(L, HKV, D, 16, torch.device("cuda"), torch.float32, pool)
+    assert first.key_slab.device == torch.device("cuda", 0)
+    first.release()
+    again = KVCache(L, HKV, D, 16, torch.device("cuda"), torch.float32, pool)
+    assert pool.num_reused == 2 and again.key_slab.device == torch.device("cuda", 0)
+    again.release()
+    KVCache(L, HKV, D, 16, torch.device("cpu"), torch.float32, pool)  # never a slab of another device
+    assert pool.num_reused == 2

@@ -26,6 +26,8 @@ def test_device_tensors_hold_the_cpu_values_and_report_cuda(sim_cuda):
     x[1:] = 5
     assert torch.equal(x.cpu(), torch.tensor([[10.0, 11, 12], [5, 5, 5]]))
     assert (x * 2).device.type == "cuda" and (x + torch.tensor(1.0)).device.type == "cuda"  # 0-dim host scalar
+    host = torch.empty_like(x, device="cpu")
+    assert not isinstance(host, SimTensor) and host.device.type == "cpu" and host.shape == x.shape
     assert accel.is_cuda_available() and accel.normalize("cuda") == x.device
 
 

@@ -1,0 +1,107 @@
+"""The layer loop on the simulated CUDA device: which attention kernel CUDA would run, and what a
+run copies between host and device.
+
+A GPU runs the Patch and suffix rows' masked attention in its memory-efficient kernel only when the
+KV heads come expanded (no `enable_gqa`); the math kernel builds the whole float32 score matrix.
+Masks are built on the device, so a run copies only a fixed few small host tensors to it, however
+many layers and chunks: `H2D_PER_REQUEST`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachesmith.model import Decoder, prefill_chunk
+from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic, full_reuse
+from cachesmith.recompute.config import RecomputeConfig, Signal, fused_family, fusionrag
+
+pytestmark = pytest.mark.sim_cuda
+
+# per request and run: the question's ids, the stored chunks' ids (`build_sequence`), and the Patch
+# rows' positions (`BatchRunner._patch_rows`), from which the device builds indices and masks
+H2D_PER_REQUEST = 3
+PLANS = {"full_reuse": lambda n: full_reuse(), "cacheblend@15%": lambda n: cacheblend(0.15),
+         "epic@15%": lambda n: epic(0.15), "qci@15%": lambda n: RecomputeConfig(Signal.QCI, 1, 1, 0.15),
+         "fusionrag@15%": lambda n: fusionrag(0.15, n), "fused@20%": lambda n: fused_family(0.2, n)}
+RANKED = {"cacheblend@15%", "qci@15%", "fusionrag@15%", "fused@20%"}  # their ranking is read back
+
+
+def _save_llama(path, num_layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                 tie_word_embeddings=False)).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """num_layers -> a tiny GQA llama (4 query heads over 2 KV heads)."""
+    return {n: _save_llama(tmp_path_factory.mktemp(f"sim-llama-{n}"), n) for n in (3, 6)}
+
+
+def _ids(seed: int, num_chunks: int, chunk_len: int = 40) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(3, 128, (chunk_len,), generator=g).tolist() for _ in range(num_chunks)]
+    return chunks, torch.randint(3, 128, (8,), generator=g).tolist()
+
+
+def _request(model: Decoder, chunks: list[list[int]], question: list[int]) -> RecomputeRequest:
+    return RecomputeRequest([prefill_chunk(model, c) for c in chunks], question)
+
+
+def _first_logits(path, device: str, dtype: torch.dtype, plan_name: str, sim=None):
+    """Last-position logits of one run of the plan (the second, when counted on `sim`), its counts."""
+    model = Decoder(path, device, dtype)
+    request = _request(model, *_ids(1, 3))
+    runner, plan = BatchRunner(model), PLANS[plan_name](model.num_layers)
+    if sim is None:
+        return runner.run([request], plan)[0].logits, None
+    runner.run([request], plan)  # first use builds lazy tables (RoPE): not the steady state
+    with sim.count() as counts:
+        logits = runner.run([request], plan)[0].logits
+    return logits.cpu(), counts
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_patch_rows_never_run_the_math_kernel_and_give_the_cpu_tokens(model_dirs, sim_cuda, plan_name):
+    """bfloat16, what a GPU serves: every attention call is one CUDA runs fast (flash without a
+    mask, memory-efficient with one), and the first token is the CPU's."""
+    path = model_dirs[3]
+    cpu_logits, _ = _first_logits(path, "cpu", torch.bfloat16, plan_name)
+    logits, counts = _first_logits(path, "cuda", torch.bfloat16, plan_name, sim_cuda)
+    assert counts.attention["math"] == 0, counts.attention
+    assert counts.attention["efficient"] > 0, counts.attention  # the masked Patch rows
+    assert int(logits.argmax()) == int(cpu_logits.argmax())
+
+
+@pytest.mark.parametrize("plan_name", ["full_reuse", "cacheblend@15%", "qci@15%"])
+def test_float32_logits_equal_the_cpus(model_dirs, sim_cuda, plan_name):
+    """float32: the expanded-heads call on the device computes what the CPU's kernels do (the CPU
+    splits the scattered rows' attention differently: equal up to rounding)."""
+    path = model_dirs[3]
+    cpu_logits, _ = _first_logits(path, "cpu", torch.float32, plan_name)
+    logits, counts = _first_logits(path, "cuda", torch.float32, plan_name, sim_cuda)
+    assert counts.attention["math"] == 0, counts.attention
+    assert (logits - cpu_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_a_run_copies_a_fixed_few_tensors_whatever_the_layers_and_chunks(model_dirs, sim_cuda, plan_name):
+    """Per `BatchRunner.run`: `H2D_PER_REQUEST` host -> device copies per request, for 3 or 6
+    layers and 2 or 8 chunks; no host sync; the rankings are the only reads back."""
+    for num_layers, path in model_dirs.items():
+        model = Decoder(path, "cuda", torch.bfloat16)
+        runner, plan = BatchRunner(model), PLANS[plan_name](num_layers)
+        for num_chunks in (2, 8):
+            batch = [_request(model, *_ids(seed, num_chunks)) for seed in (1, 2)]
+            runner.run(batch, plan)
+            with sim_cuda.count() as counts:
+                runner.run(batch, plan)
+            where = (plan_name, num_layers, num_chunks, counts)
+            assert counts.h2d == H2D_PER_REQUEST * len(batch), where
+            assert counts.syncs == 0, where
+            assert counts.d2h == (len(batch) if plan_name in RANKED else 0), where
+            assert not counts.findings, where
