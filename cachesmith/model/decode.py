@@ -9,7 +9,10 @@ and only attention runs per sequence, over that sequence's own rows. Where loadi
 native kernels faster (`model.native`), every layer of the step runs in one native call for up to
 `native.MAX_NATIVE_ROWS` sequences; else the layer loop below runs torch's kernels (attention:
 `model.row_attention`), with native attention where it was measured faster.
-Sequences may sit at different positions and join or leave between steps. Equal to
+Sequences may sit at different positions and join or leave between steps. Given the ids and the
+positions as device tensors (`Decoding` keeps them there between steps), a step reads no value back
+from the device and copies nothing to it: each cache's length is known on the host, so every slice,
+write and table bound is a host int (what a GPU needs to run the step without waiting). Equal to
 `Decoder.decode_step` per sequence up to floating-point rounding (the identity tests hold it to 1e-4
 in float32).
 """
@@ -27,17 +30,24 @@ from cachesmith.model.row_attention import attend_one, key_split
 
 
 @torch.inference_mode()
-def decode_step(model: Decoder, token_ids: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
-    """Next-token logits [num_seqs, vocab] of each sequence, after its `token_ids[j]` is appended."""
+def decode_step(model: Decoder, token_ids: Sequence[int] | torch.Tensor, caches: Sequence[KVCache],
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits [num_seqs, vocab] of each sequence, after its `token_ids[j]` is appended.
+
+    Ids given on the host are checked and copied to the device. A device tensor of ids [num_seqs]
+    (ones the model chose: not read back to check them) and `positions` [num_seqs] on the device
+    (each cache's `num_tokens`, kept there by the caller) are used in place: no host sync, no copy."""
     if len(token_ids) != len(caches) or not caches:
         raise InputError(f"decode_step: {len(token_ids)} token ids for {len(caches)} caches")
     cfg = model.config
     starts = [c.num_tokens for c in caches]
     if max(starts) >= cfg.max_positions:
         raise InputError(f"decode reached the model's maximum of {cfg.max_positions} positions")
-    positions = torch.tensor(starts, device=model.device)
-    cos, sin = model.rope.cos_sin(positions)  # [num_seqs, 1, head_dim]
-    h = model.embed(model.as_token_tensor(token_ids))  # [num_seqs, hidden]
+    ids = token_ids if isinstance(token_ids, torch.Tensor) else model.as_token_tensor(token_ids)
+    if positions is None:
+        positions = torch.tensor(starts, device=model.device)
+    cos, sin = model.rope.cos_sin_at(positions, max(starts) + 1)  # [num_seqs, 1, head_dim]
+    h = model.embed(ids)  # [num_seqs, hidden]
     if is_fused(model, len(caches)):  # every layer in one native call
         h = native.decode_layers(h, model.native_layer_table, _native_layouts(caches, starts),
                                  cos.reshape(len(caches), -1).contiguous(), sin.reshape(len(caches), -1).contiguous())

@@ -9,6 +9,15 @@ id, not included, or after `max_new_tokens`) and, when asked, their log-probabil
 `start_generation` chooses a sequence's first token at once (it is the request's TTFT);
 `Decoding` holds the sequences being decoded: `step` chooses everyone's next token in one
 `decode_step`, and sequences join and leave between steps. The caller owns the caches (and releases them).
+
+On a GPU a step must not wait for the device until its tokens are wanted on the host. `Decoding`
+keeps each sequence's next input id and position on the device between steps (`_DeviceInputs`):
+plain greedy rows are chosen there in one argmax that becomes the next step's input, and the
+positions are incremented there. So a step after the first of a set of sequences copies nothing to
+the device and reads nothing back while it runs, and its tokens come to the host once, in one copy
+into a pinned buffer (`_TokenReader`). The inputs are rebuilt from the host (one copy) when
+sequences join or leave, or when a row was chosen on the host: sampled rows, penalties and
+log-probabilities still go through their own `Sampler`, one row at a time.
 """
 from __future__ import annotations
 
@@ -18,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cachesmith.errors import InputError
+from cachesmith.model import device as accel
 from cachesmith.model.decode import decode_step
 from cachesmith.model.decoder import Decoder
 from cachesmith.model.kv_cache import KVCache
-from cachesmith.model.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob
+from cachesmith.model.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, greedy_ids
 
 
 @dataclass(eq=False)
@@ -40,7 +50,11 @@ class Generation:
 
     def take(self, logits: torch.Tensor) -> None:
         """Choose the next token from `logits` [vocab]; done at a stop id or when out of room."""
-        token, logprob = self.sampler.choose(logits)
+        self.keep(*self.sampler.choose(logits))
+
+    def keep(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """The next token, chosen (`take`, or on the device for the whole batch): kept unless it is
+        a stop id; done at a stop id or when out of room."""
         if token in self.stop_ids:
             self.is_done = True
             return
@@ -85,12 +99,55 @@ def prepare_cache(gen: Generation) -> None:
         cache.to_head_major(capacity=cache.num_tokens + left)
 
 
+@dataclass(eq=False)
+class _DeviceInputs:
+    """The next step's inputs of one list of sequences, kept on the device between steps."""
+    gens: list[Generation]  # in row order (a copy: `Decoding.active` is replaced or appended to)
+    starts: list[int]  # each cache's num_tokens before the step: the host knows them without a read
+    token_ids: torch.Tensor  # [num_seqs] long, device: each sequence's last kept token
+    positions: torch.Tensor  # [num_seqs] long, device: `starts` there
+    is_plain_greedy: list[bool]  # per row: chosen on the device (`SamplingParams.is_plain_greedy`)
+
+    def is_for(self, gens: list[Generation]) -> bool:
+        """Whether these are still the inputs of `gens` (same rows, caches where they were left)."""
+        return self.gens == gens and self.starts == [g.cache.num_tokens for g in gens]
+
+
+MIN_PINNED_IDS = 64  # the largest batch-size bucket: one pinned buffer serves every usual batch
+
+
+class _TokenReader:
+    """Each step's device-chosen ids to the host: on a GPU one asynchronous copy into a pinned
+    buffer (kept across steps: pinning memory is slow) and one wait on its event; on the CPU the ids
+    are host memory already."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: torch.Tensor | None = None  # [capacity] long
+
+    def read(self, ids: torch.Tensor) -> list[int]:
+        """ids [num_seqs] long -> their values."""
+        if not accel.is_cuda(self.device):
+            return ids.tolist()
+        n = ids.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = accel.pinned_empty((max(n, MIN_PINNED_IDS),), torch.long, is_pinned=True)
+        host = self._pinned[:n]
+        host.copy_(ids, non_blocking=True)
+        done = accel.new_event(self.device)
+        done.record()
+        done.synchronize()  # the step's one wait: its tokens decide who goes on
+        return host.tolist()
+
+
 class Decoding:
     """The sequences being decoded together on one model."""
 
     def __init__(self, model: Decoder) -> None:
         self.model = model
         self.active: list[Generation] = []
+        self._inputs: _DeviceInputs | None = None  # the next step's, while they still hold
+        self._reader = _TokenReader(model.device)
 
     def start(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int, **kwargs) -> Generation:
         """`start_generation` on this model, joined to the next step unless already done."""
@@ -110,11 +167,44 @@ class Decoding:
         gens = self.active
         for gen in gens:
             prepare_cache(gen)
-        logits = decode_step(self.model, [g.token_ids[-1] for g in gens], [g.cache for g in gens])
-        for gen, row in zip(gens, logits):  # row: [vocab]
-            gen.take(row)
+        inputs = self._inputs_of(gens)
+        logits, greedy = self._launch(inputs)
+        chosen = self._reader.read(greedy) if greedy is not None else None
+        for j, gen in enumerate(gens):
+            if inputs.is_plain_greedy[j]:
+                gen.sampler.note(chosen[j])
+                gen.keep(chosen[j])
+            else:  # logits[j]: [vocab], on the device; its sampler reads values back
+                gen.take(logits[j])
+                self._inputs = None  # the device holds no id for this row: the host's, next step
         self.active = [g for g in gens if not g.is_done]
         return [g for g in gens if g.is_done]
+
+    @torch.inference_mode()
+    def _inputs_of(self, gens: list[Generation]) -> _DeviceInputs:
+        """The device inputs of `gens`: the last step's, advanced on the device, while they hold;
+        else built from the host in one copy (sequences joined or left, or a row was chosen on the host)."""
+        if self._inputs is not None and self._inputs.is_for(gens):
+            return self._inputs
+        starts = [g.cache.num_tokens for g in gens]
+        both = torch.tensor([[g.token_ids[-1] for g in gens], starts], device=self.model.device)  # [2, num_seqs]
+        self._inputs = _DeviceInputs(list(gens), starts, both[0], both[1],
+                                     [g.sampler.params.is_plain_greedy for g in gens])
+        return self._inputs
+
+    @torch.inference_mode()
+    def _launch(self, inputs: _DeviceInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's device work: logits [num_seqs, vocab], and each row's greedy id [num_seqs]
+        (None if no row is plain greedy), which is also the next step's input. Nothing in it reads
+        a value back from the device or copies one to it."""
+        logits = decode_step(self.model, inputs.token_ids, [g.cache for g in inputs.gens], inputs.positions)
+        inputs.starts = [start + 1 for start in inputs.starts]
+        inputs.positions.add_(1)
+        if not any(inputs.is_plain_greedy):
+            return logits, None
+        greedy = greedy_ids(logits)
+        inputs.token_ids.copy_(greedy)  # in place: the next step reads the same buffer
+        return logits, greedy
 
     def run(self) -> None:
         """Step until every sequence is done."""

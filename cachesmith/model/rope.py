@@ -1,6 +1,7 @@
 """Rotary position embedding at explicit positions.
 
-In: pre-RoPE query or key rows `[num_tokens, num_heads, head_dim]` and their absolute positions.
+In: pre-RoPE query or key rows `[num_tokens, num_heads, head_dim]` and their absolute positions
+(on the host, or on the device with their bound known on the host: `cos_sin_at`).
 Out: the same rows rotated to those positions. Positions are explicit everywhere so that cached
 chunk K (stored pre-RoPE) can be placed at any offset with exactly the rotation a full prefill uses.
 """
@@ -73,6 +74,13 @@ class RotaryEmbedding:
         is read back from the device to find them."""
         self._reserve(end)
         return self._cos[start:end], self._sin[start:end]
+
+    def cos_sin_at(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` of positions [num_tokens] that live on the device, all below `num_positions`
+        (known on the host, e.g. from the caches' lengths): one gather per table, and no value is
+        read back from the device (what a decode step needs to stay free of host syncs)."""
+        self._reserve(num_positions)
+        return self._cos[positions], self._sin[positions]
 
     def _reserve(self, num_positions: int) -> None:
         if self._cos is None or self._cos.shape[0] < num_positions:

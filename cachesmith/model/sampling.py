@@ -11,6 +11,11 @@ drawn. Temperature 0 is greedy (argmax after penalties). Log-probabilities are t
 (log-softmax of the raw logits, before penalties and temperature), as vLLM reports them by default.
 A request with a `seed` draws from its own generator seeded with it: the same request with the same
 seed gives the same tokens.
+
+Plain greedy rows (no penalties, no log-probabilities) of a batch are chosen together on the device
+(`greedy_ids`: one argmax, nothing read back; `Decoding` copies the ids to the host once per step).
+Every other row goes through its `Sampler` on its own, which reads values back (a host sync per row
+on a GPU).
 """
 from __future__ import annotations
 
@@ -55,6 +60,13 @@ class SamplingParams:
         # such a temperature means the most likely token anyway (vLLM's threshold)
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the host (penalties, log-probabilities): such a row's token
+        is the argmax of its logits, chosen on the device with the batch's (`greedy_ids`)."""
+        return (self.is_greedy and self.num_logprobs is None
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
+
 
 GREEDY = SamplingParams()
 
@@ -86,8 +98,12 @@ class Sampler:
             token = int(torch.argmax(scores))
         else:
             token = self._draw(scores / p.temperature)
-        self._counts[token] = self._counts.get(token, 0) + 1
+        self.note(token)
         return token, (None if p.num_logprobs is None else _logprob(logits, token, p.num_logprobs))
+
+    def note(self, token: int) -> None:
+        """Count a token chosen for this sequence (by `choose`, or on the device by `greedy_ids`)."""
+        self._counts[token] = self._counts.get(token, 0) + 1
 
     def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -113,6 +129,12 @@ class Sampler:
             probs = torch.where(is_kept, probs, torch.zeros_like(probs))
         choice = int(torch.multinomial(probs, 1, generator=self._generator))
         return int(idx[choice])
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [num_seqs, vocab] -> each row's most likely token id [num_seqs] (long), where the
+    logits are: one call for the batch, and no value read back (ties: the lowest id, as `choose`)."""
+    return torch.argmax(logits, dim=-1)
 
 
 def _logprob(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprob:

@@ -220,16 +220,24 @@ class SimCuda:
 
     # -- pinned host memory ----------------------------------------------------------------
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        base = t if t._base is None else t._base
-        key = id(base)
-        self._pinned[key] = weakref.ref(base, lambda _, key=key: self._pinned.pop(key, None))
+        key = id(t)
+        self._pinned[key] = weakref.ref(t, lambda _, key=key: self._pinned.pop(key, None))
         return t
 
+    def _is_marked(self, t: torch.Tensor) -> bool:
+        ref = self._pinned.get(id(t))
+        return ref is not None and ref() is t
+
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether `t` is (a view of) a buffer made pinned: views keep their base alive."""
-        base = t if t._base is None else t._base
-        ref = self._pinned.get(id(base))
-        return ref is not None and ref() is base
+        """Whether `t` is a pinned buffer or a view of one. Views are marked as they are made
+        (`handle`): under inference mode a view keeps no `_base`."""
+        return self._is_marked(t) or (t._base is not None and self._is_marked(t._base))
+
+    def _mark_view(self, src, out) -> None:
+        """A view of a pinned buffer is pinned memory too."""
+        if (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and self._is_marked(src)
+                and out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
+            self.pin(out)
 
     # -- the torch calls -------------------------------------------------------------------
     def handle(self, func, args: tuple, kwargs: dict) -> Any:
@@ -250,7 +258,10 @@ class SimCuda:
             return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         wants_pinned = kwargs.get("pin_memory") is True
         if not sims and not wants_device and not wants_pinned:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self._pinned and args:
+                self._mark_view(args[0], out)
+            return out
         if sims and name not in _INDEXED:
             self._check_mixed(name, flat)
         if name in _SYNCS and sims:
@@ -489,6 +500,9 @@ class SimBackend:
 
     def new_event(self) -> SimEvent:
         return SimEvent(self.sim)
+
+    def new_timing_event(self) -> device_module.HostTimingEvent:
+        return device_module.HostTimingEvent()  # work is done when issued: the host clock times it
 
     def synchronize(self, device: torch.device) -> None:
         self.sim.sync("synchronize")

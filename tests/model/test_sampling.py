@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cachesmith.errors import InputError
-from cachesmith.model.sampling import Sampler, SamplingParams
+from cachesmith.model.sampling import Sampler, SamplingParams, greedy_ids
 
 
 def _logits(seed: int = 0, vocab: int = 50) -> torch.Tensor:
@@ -25,6 +25,21 @@ def test_greedy_is_argmax_and_same_seed_repeats():
     hot = SamplingParams(temperature=1.5, seed=42)
     assert _draws(hot, logits, 40) == _draws(hot, logits, 40)
     assert _draws(hot, logits, 40) != _draws(SamplingParams(temperature=1.5, seed=43), logits, 40)
+
+
+def test_batch_greedy_ids_are_each_rows_choice_ties_included():
+    rows = torch.stack([_logits(seed) for seed in range(4)])  # [4, vocab]
+    rows[1, 7] = rows[1, 30] = rows[1].max() + 1  # a tie: the lowest id, as one row's argmax
+    assert greedy_ids(rows).tolist() == [Sampler().choose(row)[0] for row in rows]
+    assert greedy_ids(rows)[1] == 7
+
+
+@pytest.mark.parametrize("params, is_plain", [(SamplingParams(), True), (SamplingParams(temperature=1e-8), True),
+                                              (SamplingParams(num_logprobs=0), False),
+                                              (SamplingParams(presence_penalty=0.5), False),
+                                              (SamplingParams(temperature=0.7), False)])
+def test_only_plain_greedy_rows_are_chosen_on_the_device(params, is_plain):
+    assert params.is_plain_greedy == is_plain
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])

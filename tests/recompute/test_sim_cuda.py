@@ -105,3 +105,22 @@ def test_a_run_copies_a_fixed_few_tensors_whatever_the_layers_and_chunks(model_d
             assert counts.syncs == 0, where
             assert counts.d2h == (len(batch) if plan_name in RANKED else 0), where
             assert not counts.findings, where
+
+
+def test_recording_layer_times_adds_no_host_sync(model_dirs, sim_cuda):
+    """The profile's layer times come from device timing events read after the run: timing a run
+    must not add a sync per layer, or the costs it measures would include drained streams."""
+    from cachesmith.recompute import LayerStatsRecorder
+
+    model = Decoder(model_dirs[6], "cuda", torch.bfloat16)
+    request, runner, plan = _request(model, *_ids(2, 4)), BatchRunner(model), cacheblend(0.15)
+    runner.run([request], plan)
+    with sim_cuda.count() as plain:
+        runner.run([request], plan)
+    recorder = LayerStatsRecorder(model.device)
+    with sim_cuda.count() as timed:
+        runner.run([request], plan, recorder)
+    assert timed.syncs == plain.syncs and timed.h2d == plain.h2d
+    stats = recorder.stats
+    assert [s.layer for s in stats] == list(range(6)) and all(s.seconds > 0 for s in stats)
+    assert recorder.total_seconds() == pytest.approx(sum(s.seconds for s in stats))

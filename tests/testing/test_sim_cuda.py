@@ -58,6 +58,9 @@ def test_host_syncs_and_copies_are_counted_per_region_and_across_threads(sim_cud
 def test_pinned_buffers_and_their_views_are_known_and_pageable_async_copies_are_findings(sim_cuda):
     pinned = accel.pinned_empty((8, 2), torch.float32, True)
     assert pinned.is_pinned() and pinned[2:4].is_pinned() and not torch.empty(3).is_pinned()
+    with torch.inference_mode():  # inference tensors' views keep no `_base`
+        buffer = accel.pinned_empty((8, 2), torch.float32, True)
+        assert buffer[2:4].is_pinned() and buffer.view(16)[3:].is_pinned()
     dst = torch.empty(8, 2, device="cuda")
     with sim_cuda.count() as counts:
         dst[:4].copy_(pinned[:4], non_blocking=True)
