@@ -8,6 +8,7 @@ and counts host syncs and copies; the real backend below is what a GPU runs.
 """
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Protocol
 
@@ -23,6 +24,7 @@ class Backend(Protocol):
     def current_stream(self, device: torch.device) -> Any: ...
     def stream(self, stream: Any) -> AbstractContextManager: ...
     def new_event(self) -> Any: ...
+    def new_timing_event(self) -> "TimingEvent": ...
     def synchronize(self, device: torch.device) -> None: ...
     def empty_cache(self) -> None: ...
     def name(self, device: torch.device) -> str: ...
@@ -30,6 +32,13 @@ class Backend(Protocol):
     def memory_allocated(self, device: torch.device) -> int: ...
     def new_graph(self) -> "Graph": ...
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+
+
+class TimingEvent(Protocol):
+    """A point in the device's work whose time can be read once the device has passed it."""
+
+    def record(self) -> None: ...
+    def seconds_since(self, start: "TimingEvent") -> float: ...
 
 
 class Graph(Protocol):
@@ -60,6 +69,9 @@ class TorchCuda:
     def new_event(self) -> Any:
         return torch.cuda.Event()
 
+    def new_timing_event(self) -> "TimingEvent":
+        return _TorchTimingEvent()
+
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
@@ -80,6 +92,33 @@ class TorchCuda:
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
+
+
+class _TorchTimingEvent:
+    """A CUDA event with timing: recorded on the current stream, read after the device passed it."""
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self._event.record()
+
+    def seconds_since(self, start: "_TorchTimingEvent") -> float:
+        self._event.synchronize()
+        return start._event.elapsed_time(self._event) / 1e3
+
+
+class HostTimingEvent:
+    """The host clock where work is done when issued (the CPU, the simulated device)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def seconds_since(self, start: "HostTimingEvent") -> float:
+        return self.at - start.at
 
 
 class _TorchGraph:
@@ -174,6 +213,12 @@ def on_stream(stream: Any) -> AbstractContextManager:
 
 def new_event(device: torch.device) -> Any:
     return _backend.new_event() if is_cuda(device) else _InertEvent()
+
+
+def new_timing_event(device: torch.device) -> TimingEvent:
+    """A point in `device`'s work to time from (`later.seconds_since(earlier)`): device time on a
+    GPU, where the host runs ahead of the work it launched, without syncing at each point."""
+    return _backend.new_timing_event() if is_cuda(device) else HostTimingEvent()
 
 
 def synchronize(device: torch.device) -> None:
