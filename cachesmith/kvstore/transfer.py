@@ -35,7 +35,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry
 from cachesmith.kvstore.link import Link
 from cachesmith.kvstore.reader import EntryReader
-from cachesmith.kvstore.staging import StagingPath
+from cachesmith.kvstore.staging import LayerLoad, StagingPath
 from cachesmith.kvstore.store import ChunkStore
 from cachesmith.model import ChunkKV, Decoder, KVCache, prefill_chunk
 from cachesmith.recompute import RecomputeConfig, RecomputeRequest, RunnerHooks, Signal
@@ -295,13 +295,17 @@ class BatchTransfer(RunnerHooks):
         self.engine.submit(layer, self, request, rows)
 
     def run_load(self, layer: int, request: int, rows: np.ndarray) -> None:
-        """On a loader thread: the cached rows `rows` [num_cached] of one request's `layer`."""
+        """On a loader thread: the cached rows `rows` [num_cached] of one request's `layer`, every
+        entry's into one host buffer sent on in one copy (`staging.LayerLoad`)."""
         try:
             if not self._is_closed:
-                for seg in self.staged[request].segments:
-                    wanted = rows[seg.start:seg.end]
-                    if not seg.failed and seg.reader is not None and wanted.any():
-                        self._load_segment(layer, seg, wanted)
+                st = self.staged[request]
+                keys, values = st.cache.keys[layer][:st.num_cached], st.cache.values[layer][:st.num_cached]
+                with self.copies.layer_load(layer, keys, values) as load:
+                    for seg in st.segments:
+                        wanted = rows[seg.start:seg.end]
+                        if not seg.failed and seg.reader is not None and wanted.any():
+                            self._load_segment(load, seg, wanted)
         except BaseException as exc:  # surfaced to the runner in before_layer
             self._error = exc
         finally:
@@ -309,12 +313,12 @@ class BatchTransfer(RunnerHooks):
                 self._pending[layer] -= 1
                 self._cond.notify_all()
 
-    def _load_segment(self, layer: int, seg: _Segment, wanted: np.ndarray) -> None:
+    def _load_segment(self, load: LayerLoad, seg: _Segment, wanted: np.ndarray) -> None:
         num_rows = int(wanted.sum())
         on_link = self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
         blocks = None if num_rows == wanted.size else np.unique(wanted.nonzero()[0] // BLOCK_ROWS).tolist()
         try:
-            nbytes = self.copies.load(seg.reader, layer, seg.chunk.keys[layer], seg.chunk.values[layer], blocks)
+            nbytes = load.read(seg.reader, seg.start, blocks)
         except CorruptEntry as exc:
             log.warning("transfer: %s; the chunk will be recomputed", exc)
             seg.failed = True

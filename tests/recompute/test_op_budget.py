@@ -113,3 +113,59 @@ def test_staged_requests_do_not_grow_with_chunks(model, requests, tmp_path):
         per_layer[k] = counts[-1]
     engine.close()
     assert per_layer[20] <= 1.1 * per_layer[5], per_layer
+
+
+# -- the same budgets on the simulated CUDA device, with the plan a CUDA device uses -----------------
+
+@pytest.fixture()
+def sim_model(model, sim_cuda):
+    """The test model's weights on the simulated device (a fresh load: the module's model is on CPU)."""
+    return Decoder(model.model_dir, "cuda", torch.bfloat16)
+
+
+@pytest.fixture()
+def sim_requests(sim_model):
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 128, (n,), generator=g).tolist()
+    return {k: RecomputeRequest([prefill_chunk(sim_model, ids(CHUNK_TOKENS)) for _ in range(k)], ids(32))
+            for k in (5, 20)}
+
+
+@pytest.mark.sim_cuda
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_on_a_cuda_device_ops_per_layer_stay_in_budget_with_no_sync(sim_model, sim_requests, sim_cuda, name):
+    """Counted by the simulation (torch calls on device tensors, on every thread), with the runner's
+    default plan for a CUDA device: no per-chunk work, no host sync, a fixed few copies in."""
+    plan, budget = BUDGETS[name]
+    runner = BatchRunner(sim_model)
+    per_layer, copies = {}, {}
+    for k, request in sim_requests.items():
+        runner.run([request], plan)  # first use builds lazy tables (RoPE)
+        with sim_cuda.count() as counts:
+            runner.run([request], plan)
+        assert counts.syncs == 0 and counts.attention["math"] == 0, counts
+        per_layer[k], copies[k] = counts.ops / NUM_LAYERS, counts.h2d
+    assert per_layer[20] <= 1.1 * per_layer[5] and per_layer[20] <= budget, per_layer
+    assert copies[5] == copies[20], copies
+
+
+@pytest.mark.sim_cuda
+def test_on_a_cuda_device_staged_chunks_cost_two_copies_per_layer(sim_model, sim_requests, sim_cuda, tmp_path):
+    """Stored chunks reach a device cache through one pinned buffer and one copy per tensor, layer
+    and request, however many chunks the request has (they were two copies per chunk and layer)."""
+    store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
+    engine, runner, plan = TransferEngine(store, sim_model), BatchRunner(sim_model), cacheblend(0.15)
+    copies, per_layer = {}, {}
+    for k, r in sim_requests.items():
+        keyed = KeyedRequest([store.put(c) for c in r.chunks], r.suffix_ids)
+        for _ in range(2):  # the second is counted
+            with sim_cuda.count() as counts, engine.stage([keyed], plan) as batch:
+                runner.run(batch.requests, plan, batch)
+        copies[k], per_layer[k] = counts.h2d, counts.ops / NUM_LAYERS
+        assert counts.findings == [] and counts.syncs == 0
+    engine.close()
+    loaded_layers = NUM_LAYERS - plan.warmup  # a WarmUp layer reads nothing stored
+    assert copies[5] == copies[20] == 2 * loaded_layers + 3, copies  # + the run's own three (ids, positions)
+    assert per_layer[20] <= 1.15 * per_layer[5], per_layer  # the loaders' per-run device copies
