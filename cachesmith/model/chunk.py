@@ -39,8 +39,8 @@ class ChunkKV:
 
     def keys_at(self, model: Decoder, layer: int, offset: int) -> torch.Tensor:
         """Rotated K [num_tokens, Hkv, D] of `layer` placed at positions offset..offset+T-1."""
-        positions = torch.arange(offset, offset + self.num_tokens, device=self.keys.device)
-        return model.rope.rotate(self.keys[layer], positions)
+        cos, sin = model.rope.cos_sin_range(offset, offset + self.num_tokens)  # positions known on the host
+        return model.rope.apply(self.keys[layer], cos, sin)
 
     def check_compatible(self, model: Decoder, field: str = "chunk") -> None:
         if self.model_fingerprint != model.fingerprint:
@@ -72,16 +72,16 @@ def extend_chunk(model: Decoder, base: ChunkKV, token_ids: Sequence[int]) -> Chu
     reused and only the new tokens run (over them), which is exact because `base` is itself a prefill
     from position 0 with nothing before it (a conversation's stored earlier turns)."""
     base.check_compatible(model, "base chunk")
-    ids = model.as_token_tensor(token_ids, field="token_ids", start=base.num_tokens)
+    ids = list(token_ids)  # checked and copied to the device once, by `extend`
     n = base.num_tokens
-    cache = model.new_cache(n + ids.numel())
-    cos, sin = model.rope.cos_sin(torch.arange(n, device=model.device))
+    cache = model.new_cache(n + len(ids))
+    cos, sin = model.rope.cos_sin_range(0, n)
     for layer in range(model.num_layers):
         cache.write(layer, 0, model.rope.apply(base.keys[layer], cos, sin), base.values[layer])
     cache.num_tokens = n
     pre_rope_keys: list[torch.Tensor] = []
     model.extend(ids, cache, pre_rope_keys=pre_rope_keys)
     keys = torch.cat([base.keys, torch.stack(pre_rope_keys)], dim=1)
-    values = cache.value_slab[:, :n + ids.numel()].clone(memory_format=torch.contiguous_format)
+    values = cache.value_slab[:, :n + len(ids)].clone(memory_format=torch.contiguous_format)
     cache.release()
     return ChunkKV(base.token_ids + tuple(int(t) for t in token_ids), keys, values, model.fingerprint)

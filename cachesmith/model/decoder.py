@@ -161,8 +161,7 @@ class Decoder:
         Writes rotated K/V into `cache` (if given) and appends each layer's pre-RoPE K to
         `pre_rope_keys` (if given). Returns the final-normed hidden [T, hidden].
         """
-        positions = torch.arange(start, start + token_ids.numel(), device=self.device)
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = self.rope.cos_sin_range(start, start + token_ids.numel())  # known on the host: no read back
         h = self.embed(token_ids)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(layer.input_norm(h))
@@ -203,7 +202,7 @@ class Decoder:
         ids = self.as_token_tensor(token_ids, start=start)
         end = start + ids.numel()
         positions = torch.arange(start, end, device=self.device)
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = self.rope.cos_sin_range(start, end)
         # one row sees every key; several need the causal-by-position mask [T, end]
         mask = None if ids.numel() == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
         h = self.embed(ids)

@@ -22,6 +22,7 @@ from tests.server.conftest import NAME, tiny_profile
 pytestmark = [pytest.mark.real_model, pytest.mark.sim_cuda]  # the tiny model borrows the packaged tokenizer
 
 DOCS = [" ".join(WORDS[(d * 5 + i) % len(WORDS)] for i in range(60)) + f" passage {d}." for d in range(3)]
+NUM_REQUESTS = 12  # what `session` sends
 METHOD = "cacheblend@0.15"  # a fixed plan: the tokens depend on the math alone, not on timing
 
 
@@ -85,4 +86,7 @@ def test_every_http_path_answers_on_the_simulated_gpu_as_on_the_cpu(model_dir, t
         srv.stop()
     assert answers == cpu_answers
     assert answers["rag_new"] == answers["rag_stored"] and len(answers["streams"]) == 8
-    assert counts.findings == [] and counts.ops > 0
+    assert counts.findings == [] and counts.ops > 0 and counts.attention["math"] == 0
+    # the host waits only where it must: each decode step's tokens (one event), and per request its
+    # first token, its first choice and its entropy (read once the batch is done)
+    assert counts.syncs - counts.sync_sites.count("event.synchronize") <= 3 * NUM_REQUESTS, counts.sync_sites
