@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test test-vllm test-cuda gpu-check setup system-deps bench sanitize lock latest clean
+.PHONY: demo test test-vllm test-cuda gpu-check gpu-kit setup system-deps bench sanitize lock latest clean
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
@@ -52,38 +52,41 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
 
 # On a machine with an NVIDIA GPU, in its own python3 (torch and transformers installed there, no
-# venv; cachesmith imported from this checkout through PYTHONPATH). `gpu-check` runs the prepared
-# check of benchmarks/gpu_check.py on random weights of Llama-3-8B's shape and writes
-# docs/bench/gpu_check.json (exit status 1 when a bar fails; GPU_CHECK_ARGS adds flags, e.g.
-# --max-minutes 6). `test-cuda` runs the tests marked cuda (the `device` fixture's GPU cases) in
-# CUDA_TESTS: the folders whose tests import nothing beyond torch and transformers (the server's
-# tests need fastapi and openai). What that machine lacks travels with the checkout, prepared here
-# and kept out of git (`echo /.whl/ >> .git/info/exclude; echo /.tokenizer/ >> .git/info/exclude`):
-#   - the packaged tokenizer, which the served requests are tokenized with (the weights are random):
-#       mkdir -p .tokenizer && cp "$(.venv/bin/cachesmith models path smollm2-135m)"/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .tokenizer/
-#   - the server's packages as wheels for that machine's Python (3.12; 3.5 MB), the lock's versions:
-#       python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         -d .whl fastapi==0.165.0 uvicorn==0.55.0
-#     both targets install .whl/*.whl into GPU_SITE (no index: nothing is fetched) and put it on PYTHONPATH.
-# Without the tokenizer or the wheels the serve leg is recorded as skipped (its bar then fails);
-# every other row still runs.
+# venv, maybe no network; cachesmith imported from this checkout through PYTHONPATH). First, here:
+# `make gpu-kit` gathers into $(GPU_KIT)/ (git-ignored; carry it with the checkout) everything the
+# two targets below import beyond torch, transformers, safetensors, tqdm and jinja2: the wheels at
+# the lock's versions for CPython 3.11-3.13 on manylinux x86_64 (fastapi, uvicorn, pydantic,
+# prometheus_client, redis, xxhash, pytest, ...: found by importing the server, the check and the
+# CUDA tests, benchmarks/gpu_kit.py), the packaged tokenizer's files (the served requests are
+# tokenized with them; the weights are random) and a MANIFEST. On the GPU machine, both targets
+# install from that folder alone (no index) what its Python lacks into GPU_SITE, put it on
+# PYTHONPATH and check that every module imports, or stop naming what is missing.
+# `gpu-check` runs the prepared check of benchmarks/gpu_check.py on random weights of Llama-3-8B's
+# shape and writes docs/bench/gpu_check.json (exit status 1 when a bar fails; GPU_CHECK_ARGS adds
+# flags, e.g. --max-minutes 6). `test-cuda` runs the tests marked cuda (the `device` fixture's GPU
+# cases) in CUDA_TESTS, less CUDA_IGNORE: the redis tier's cases, which need a redis-server binary
+# that a bare GPU machine lacks (its device path is the memory tier's, which runs).
 PY_GPU ?= python3
+GPU_KIT ?= gpu-kit
 GPU_SITE ?= /tmp/cachesmith-site
-GPU_TOKENIZER ?= .tokenizer
+GPU_TOKENIZER ?= $(GPU_KIT)/tokenizer
 GPU_CHECK_ARGS ?=
 CUDA_TESTS ?= tests/kvstore tests/model tests/recompute
-GPU_WHEELS = if ls .whl/*.whl >/dev/null 2>&1; then \
-  $(PY_GPU) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+CUDA_IGNORE ?= tests/kvstore/test_redis.py
+GPU_INSTALL = $(PY_GPU) benchmarks/gpu_kit.py install --kit $(GPU_KIT) --site $(GPU_SITE)
+
+gpu-kit: $(STAMP)
+	$(BIN)/cachesmith models fetch smollm2-135m
+	$(BIN)/python benchmarks/gpu_kit.py build --out $(GPU_KIT) --tests $(CUDA_TESTS) --ignore $(CUDA_IGNORE)
 
 gpu-check:
-	@$(GPU_WHEELS)
-	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) benchmarks/gpu_check.py --shape 8b \
-	  $$(test -d $(GPU_TOKENIZER) && echo --tokenizer-dir $(GPU_TOKENIZER)) $(GPU_CHECK_ARGS)
+	@$(GPU_INSTALL) --need-tokenizer
+	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) benchmarks/gpu_check.py --shape 8b --tokenizer-dir $(GPU_TOKENIZER) \
+	  $(GPU_CHECK_ARGS)
 
 test-cuda:
-	@$(GPU_WHEELS)
-	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) -m pytest -q -m cuda $(CUDA_TESTS)
+	@$(GPU_INSTALL)
+	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) -m pytest -q -m cuda $(CUDA_TESTS) $(addprefix --ignore=,$(CUDA_IGNORE))
 
 # The native kernels' tests against a build with AddressSanitizer and UBSan (any finding aborts the
 # run). The sanitized library lives under a CACHESMITH_HOME of its own (the model and corpus linked

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from cachesmith.model.device import synchronize
 from cachesmith.planner import Profile, ProfileError
 from cachesmith.profiler.synthetic import random_request
 
@@ -35,12 +36,13 @@ def parse_timing_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize()
+    """Seconds `fn` took, the device synchronized on both sides (a GPU runs behind the host)."""
+    if device is not None:
+        synchronize(device)
     start = time.perf_counter()
     fn()
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize()
+    if device is not None:
+        synchronize(device)
     return time.perf_counter() - start
 
 

@@ -1,9 +1,9 @@
 """One prepared check of the engine on a GPU: speed against transformers, reuse through the store,
 batching, decode, logits agreement and the HTTP server, on random weights of a named shape.
 
-In: --shape (`tiny`: a CPU dry run; `1b`: Llama-3.2-1B's layers; `8b`: Llama-3-8B's), --device,
---dtype, --contexts, and --tokenizer-dir (default: the packaged smollm2-135m folder; elsewhere a
-carried copy of its tokenizer files). The vocabulary is that tokenizer's (49,152), so the server
+In: --shape (`tiny`: a dry run, on the CPU or the simulated CUDA device; `1b`: Llama-3.2-1B's
+layers; `8b`: Llama-3-8B's), --device, --dtype, --contexts, and --tokenizer-dir (default: the
+packaged smollm2-135m folder; elsewhere a carried copy of its tokenizer files). The vocabulary is that tokenizer's (49,152), so the server
 can tokenize; every other size is the named model's. Random weights (std 0.02, norms 1) are drawn
 on the device in the target dtype and saved once as an HF-format folder (config.json,
 model.safetensors, the tokenizer's files; in /dev/shm where it has room), which our `Decoder`,
@@ -13,7 +13,8 @@ Out: a table, one line per row, and the JSON payload (--out, stamped by `common.
 payload). A row is a dict; one that raised holds `error` (the exception's last line, the traceback
 goes to stderr) and the run goes on; one the clock (--max-minutes) or a missing package stopped
 holds `skipped`. Then the bars and whether each passed; the exit status is 1 when one failed.
-Rows (timings: median of 3 after a warm-up, synchronized on CUDA):
+Rows (timings: median of 3 after a warm-up, synchronized on CUDA; the sizes below are 1b's and
+8b's, `tiny` runs each leg once at small sizes: SIZES):
   logits   last-position logits of a 2K prompt, ours against transformers': cosine, same top-1,
            top-10 overlap, max |diff|
   prefill  our full prefill (`Decoder.prefill`) against transformers' forward, per context
@@ -28,8 +29,11 @@ Rows (timings: median of 3 after a warm-up, synchronized on CUDA):
            pool of 8, so documents recur in new orders) and one plain chat over loopback (stdlib
            client); each answer's status and `cachesmith` object
 Bars: logits cosine >= 0.995; 10/10 RAG requests answered with a plan; no row errored.
-Usage: python benchmarks/gpu_check.py --shape 8b   (make gpu-check)
-       python benchmarks/gpu_check.py --shape tiny --device cpu --dtype float32 --contexts 256 512
+On the simulated CUDA device (`python -m cachesmith.testing.sim_run benchmarks/gpu_check.py ...`,
+CI: tests/bench/test_gpu_check_sim.py) the server is started under the simulation too (serve_leg).
+Usage: python benchmarks/gpu_check.py --shape 8b   (make gpu-check, after make gpu-kit)
+       python benchmarks/gpu_check.py --shape tiny --device cpu
+       python -m cachesmith.testing.sim_run benchmarks/gpu_check.py --shape tiny --device cuda
 """
 from __future__ import annotations
 
@@ -40,73 +44,87 @@ import random
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_rows import Clock, guarded  # noqa: E402
 from common import emit, median, print_table, random_request, timed  # noqa: E402
 from random_model import (SHAPES, build_model, default_tokenizer_dir, llama_config, scratch_root,  # noqa: E402
                           weight_bytes)
 from serve_leg import NUM_RAG, serve_row  # noqa: E402
 
 from cachesmith.model import Decoder, Decoding  # noqa: E402
+from cachesmith.model import device as accel  # noqa: E402
 from cachesmith.recompute import BatchRunner, cacheblend, epic, full_prefill, full_reuse  # noqa: E402
+from cachesmith.testing import sim_cuda  # noqa: E402
 
-SHORT = 2048  # the context of the logits, batch and decode rows
-BATCH, STREAMS, NEW_TOKENS = 8, (1, 8), 64
 COSINE_BAR = 0.995
 METHODS = {"full_reuse": full_reuse(), "cacheblend@0.15": cacheblend(0.15), "cacheblend@0.3": cacheblend(0.3),
            "epic@0.15": epic(0.15)}
 
 
-class Clock:
-    """The run's budget: each row asks it before starting and is skipped once it is spent."""
-
-    def __init__(self, minutes: float) -> None:
-        self.start, self.budget_s = time.monotonic(), 60 * minutes
-
-    def left(self) -> float:
-        return self.budget_s - (time.monotonic() - self.start)
-
-
-def guarded(rows: list[dict], clock: Clock, leg: str, case: str, measure: Callable[[], dict],
-            reserve_s: float = 0.0) -> dict:
-    """Run one row: its fields, or `skipped` when under `reserve_s` of the budget is left, or
-    `error` (the exception's last line) when it raised; the run goes on either way."""
-    row = {"leg": leg, "case": case}
-    if clock.left() <= reserve_s:
-        row["skipped"] = "time"
-    else:
-        start = time.monotonic()
-        try:
-            row.update(measure())
-        except Exception as exc:  # every row is recorded, whatever broke in it
-            traceback.print_exc()
-            row["error"] = traceback.format_exception_only(exc)[-1].strip()
-        row["wall_s"] = round(time.monotonic() - start, 2)
-    rows.append(row)
-    status = row.get("error") or (f"skipped: {row['skipped']}" if "skipped" in row else "ok")
-    print(f"[{clock.budget_s - clock.left():6.0f} s] {leg} {case}: {status}", file=sys.stderr, flush=True)
-    return row
+@dataclass(frozen=True)
+class Sizes:
+    """The rows' sizes for a shape: `tiny` runs small enough for CI's simulated device on 2 cores."""
+    short: int  # the context of the logits, batch and decode rows
+    batch: int  # requests in the batch row
+    new_tokens: int  # greedy tokens per stream in the decode rows
+    streams: tuple[int, ...]  # one decode row each
+    repeats: int  # timed runs per measurement, after a warm-up: their median is the row's
+    contexts: tuple[int, ...]  # --contexts' default: the prefill and reuse rows
+    doc_words: int  # --doc-words' default: words per served document
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up: kernels chosen, pools filled
-    return 1e3 * median([timed(fn, device) for _ in range(repeats)])
+FULL = Sizes(short=2048, batch=8, new_tokens=64, streams=(1, 8), repeats=3, contexts=(2048, 8192, 16384),
+             doc_words=150)
+# a dry run that checks the script, not the speed: every leg once, each measured once
+TINY = Sizes(short=256, batch=2, new_tokens=4, streams=(1, 2), repeats=1, contexts=(256,), doc_words=40)
+SIZES = {"tiny": TINY, "1b": FULL, "8b": FULL}
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Where the rows are timed, and how many timed runs each measurement takes (the shape's)."""
+    device: torch.device
+    repeats: int
+
+    def seconds(self, fn: Callable[[], object]) -> float:
+        """The median of `repeats` runs of `fn`, after a warm-up (kernels chosen, pools filled)."""
+        fn()
+        return median([timed(fn, self.device) for _ in range(self.repeats)])
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        return 1e3 * self.seconds(fn)
 
 
 # -- the reference model -----------------------------------------------------------------------
 def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    """transformers' model from the same folder, sdpa attention, straight onto the device."""
+    """transformers' model from the same folder, sdpa attention, loaded on the host and moved to the
+    device: its `device_map` (no host copy first) needs `accelerate`, which neither the lock nor the
+    GPU kit carries (transformers 5 raises without it)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
-    if device.type == "cuda":
-        kwargs["device_map"] = str(device)  # no CPU copy of the weights first
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    return (tensor_by_tensor(model, device) if sim_cuda.active() is not None else model.to(device)).eval()
+
+
+def tensor_by_tensor(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`module.to(device)` one parameter and buffer at a time, tied ones kept tied: the simulated
+    device cannot run `nn.Module.to` (its shallow-copy check of the host parameter against the
+    device one raises as a device mix)."""
+    moved: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is not None and id(t) not in moved:
+                    moved[id(t)] = t.detach().to(device)
+                if t is not None:
+                    table[name] = moved[id(t)]
+    return module
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -115,29 +133,29 @@ def release_all(outs) -> None:
         out.cache.release()
 
 
-def logits_row(model: Decoder, hf, device: torch.device) -> dict:
-    ids = torch.randint(0, model.config.vocab_size, (SHORT,), generator=torch.Generator().manual_seed(7))
+def logits_row(model: Decoder, hf, short: int, device: torch.device) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (short,), generator=torch.Generator().manual_seed(7))
     ours, cache = model.prefill(ids)
     cache.release()
     with torch.inference_mode():
         ref = hf(ids.to(device)[None], logits_to_keep=1).logits[0, -1].float()
     top_ours, top_ref = ours.topk(10).indices.tolist(), ref.topk(10).indices.tolist()
     cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
-    return {"tokens": SHORT, "cosine": cosine, "same_top1": top_ours[0] == top_ref[0],
+    return {"tokens": short, "cosine": cosine, "same_top1": top_ours[0] == top_ref[0],
             "top10_overlap": len(set(top_ours) & set(top_ref)) / 10,
             "max_abs_diff": (ours - ref).abs().max().item(), "passed": cosine >= COSINE_BAR}
 
 
-def prefill_row(model: Decoder, hf, flat: list[int], device: torch.device) -> dict:
-    ids = torch.tensor(flat, device=device)
-    engine = median_ms(lambda: model.prefill(ids)[1].release(), device)
+def prefill_row(model: Decoder, hf, flat: list[int], timer: Timer) -> dict:
+    ids = torch.tensor(flat, device=timer.device)
+    engine = timer.ms(lambda: model.prefill(ids)[1].release())
     with torch.inference_mode():
-        ref = median_ms(lambda: hf(ids[None], logits_to_keep=1), device)
+        ref = timer.ms(lambda: hf(ids[None], logits_to_keep=1))
     return {"tokens": len(flat), "engine_ms": engine, "hf_ms": ref, "hf_over_engine": ref / engine}
 
 
-def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, device: torch.device) -> dict:
-    ms = median_ms(lambda: release_all(runner.run([req], plan)), device)
+def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, timer: Timer) -> dict:
+    ms = timer.ms(lambda: release_all(runner.run([req], plan)))
     return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None}
 
 
@@ -152,7 +170,7 @@ def stage_store(model: Decoder, req) -> tuple:
     return store, TransferEngine(store, model), keyed, num_bytes
 
 
-def store_row(runner: BatchRunner, engine, keyed, req, plan, full_ms: float | None, device: torch.device) -> dict:
+def store_row(runner: BatchRunner, engine, keyed, req, plan, full_ms: float | None, timer: Timer) -> dict:
     """`plan` staged from the store, and its logits against the direct path's (the store->device
     copy must change nothing)."""
     def run():
@@ -164,12 +182,12 @@ def store_row(runner: BatchRunner, engine, keyed, req, plan, full_ms: float | No
     direct = runner.run([req], plan)
     diff = (run() - direct[0].logits).abs().max().item()
     release_all(direct)
-    ms = median_ms(run, device)
+    ms = timer.ms(run)
     return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None,
             "logit_diff_vs_direct": diff}
 
 
-def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_ms, device) -> None:
+def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_ms, timer: Timer) -> None:
     """Each method at one context: direct, then through the store (set up once for all four)."""
     staged: dict = {}
 
@@ -182,10 +200,10 @@ def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_m
         for name, plan in METHODS.items():
             common = {"context_tokens": context, "method": name}
             guarded(rows, clock, "reuse", f"{name} {context} direct",
-                    lambda: {**common, "path": "direct", **direct_row(runner, req, plan, full_ms, device)}, reserve_s)
+                    lambda: {**common, "path": "direct", **direct_row(runner, req, plan, full_ms, timer)}, reserve_s)
             guarded(rows, clock, "reuse", f"{name} {context} store",
                     lambda: {**common, "path": "store", **(store_row(runner, staged["engine"], staged["keyed"], req,
-                             plan, full_ms, device) if "keyed" in staged else {"skipped": "the store's setup failed"})},
+                             plan, full_ms, timer) if "keyed" in staged else {"skipped": "the store's setup failed"})},
                     reserve_s)
     finally:
         if "engine" in staged:
@@ -193,7 +211,7 @@ def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_m
             staged["store"].close()
 
 
-def context_rows(rows, clock, reserve_s, model, hf, runner, context: int, device) -> None:
+def context_rows(rows, clock, reserve_s, model, hf, runner, context: int, timer: Timer) -> None:
     """At one context: the request (chunk KV computed off the clock), the prefill row, the methods."""
     made: dict = {}
 
@@ -204,25 +222,26 @@ def context_rows(rows, clock, reserve_s, model, hf, runner, context: int, device
     if "req" not in made:
         return
     req, flat = made["req"], made["flat"]
-    pre = guarded(rows, clock, "prefill", f"{context}", lambda: prefill_row(model, hf, flat, device), reserve_s)
-    method_rows(rows, clock, reserve_s, model, runner, req, context, pre.get("engine_ms"), device)
+    pre = guarded(rows, clock, "prefill", f"{context}", lambda: prefill_row(model, hf, flat, timer), reserve_s)
+    method_rows(rows, clock, reserve_s, model, runner, req, context, pre.get("engine_ms"), timer)
 
 
-def batch_row(model: Decoder, hf, runner: BatchRunner, device: torch.device) -> dict:
-    made = [random_request(model, [], SHORT, random.Random(100 + i)) for i in range(BATCH)]
-    reqs, ids = [r for r, _ in made], torch.tensor([f for _, f in made], device=device)
-    blend = median_ms(lambda: release_all(runner.run(reqs, cacheblend(0.15))), device)
-    full = median_ms(lambda: release_all(runner.run(reqs, full_prefill(model.num_layers))), device)
+def batch_row(model: Decoder, hf, runner: BatchRunner, sizes: Sizes, timer: Timer) -> dict:
+    made = [random_request(model, [], sizes.short, random.Random(100 + i)) for i in range(sizes.batch)]
+    reqs, ids = [r for r, _ in made], torch.tensor([f for _, f in made], device=timer.device)
+    blend = timer.ms(lambda: release_all(runner.run(reqs, cacheblend(0.15))))
+    full = timer.ms(lambda: release_all(runner.run(reqs, full_prefill(model.num_layers))))
     with torch.inference_mode():
-        ref = median_ms(lambda: hf(ids, logits_to_keep=1), device)
-    return {"batch_size": BATCH, "context_tokens": SHORT, "tokens_each": ids.shape[1], "cacheblend_ms": blend,
-            "engine_full_ms": full, "hf_ms": ref, "hf_over_cacheblend": ref / blend, "hf_over_engine_full": ref / full}
+        ref = timer.ms(lambda: hf(ids, logits_to_keep=1))
+    return {"batch_size": sizes.batch, "context_tokens": sizes.short, "tokens_each": ids.shape[1],
+            "cacheblend_ms": blend, "engine_full_ms": full, "hf_ms": ref, "hf_over_cacheblend": ref / blend,
+            "hf_over_engine_full": ref / full}
 
 
-def engine_decode_s(model: Decoder, ids: torch.Tensor, streams: int, device: torch.device) -> float:
-    """Seconds for `streams` sequences to take NEW_TOKENS greedy tokens each over copies of one
-    prefilled 2K cache (the first token comes from the prefill's logits: NEW_TOKENS - 1 steps)."""
-    logits, base = model.prefill(ids, extra_capacity=NEW_TOKENS + 4)
+def engine_decode_s(model: Decoder, ids: torch.Tensor, streams: int, new_tokens: int, timer: Timer) -> float:
+    """Seconds for `streams` sequences to take `new_tokens` greedy tokens each over copies of one
+    prefilled cache (the first token comes from the prefill's logits: new_tokens - 1 steps)."""
+    logits, base = model.prefill(ids, extra_capacity=new_tokens + 4)
 
     def once() -> float:
         caches = [base.clone() for _ in range(streams)]  # copies made off the clock
@@ -230,34 +249,35 @@ def engine_decode_s(model: Decoder, ids: torch.Tensor, streams: int, device: tor
         def run():
             decoding = Decoding(model)
             for cache in caches:
-                decoding.start(logits, cache, NEW_TOKENS, eos_token_ids=())
+                decoding.start(logits, cache, new_tokens, eos_token_ids=())
             decoding.run()
-        seconds = timed(run, device)
+        seconds = timed(run, timer.device)
         for cache in caches:
             cache.release()
         return seconds
     once()
-    seconds = median([once() for _ in range(3)])
+    seconds = median([once() for _ in range(timer.repeats)])
     base.release()
     return seconds
 
 
-def hf_decode_s(hf, ids: torch.Tensor, streams: int, device: torch.device) -> float:
-    """transformers' generate of NEW_TOKENS less that of 1 token (its prefill and first token)."""
-    x = ids.to(device)[None].repeat(streams, 1)
+def hf_decode_s(hf, ids: torch.Tensor, streams: int, new_tokens: int, timer: Timer) -> float:
+    """transformers' generate of `new_tokens` less that of 1 token (its prefill and first token)."""
+    x = ids.to(timer.device)[None].repeat(streams, 1)
 
     def generate(n: int):
         return lambda: hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                    min_new_tokens=n, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        return (median_ms(generate(NEW_TOKENS), device) - median_ms(generate(1), device)) / 1e3
+        return timer.seconds(generate(new_tokens)) - timer.seconds(generate(1))
 
 
-def decode_row(model: Decoder, hf, streams: int, device: torch.device) -> dict:
-    ids = torch.randint(0, model.config.vocab_size, (SHORT,), generator=torch.Generator().manual_seed(11))
-    steps = streams * (NEW_TOKENS - 1)
-    ours, ref = steps / engine_decode_s(model, ids, streams, device), steps / hf_decode_s(hf, ids, streams, device)
-    return {"context_tokens": SHORT, "streams": streams, "new_tokens": NEW_TOKENS, "engine_tokens_per_s": ours,
+def decode_row(model: Decoder, hf, streams: int, sizes: Sizes, timer: Timer) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (sizes.short,), generator=torch.Generator().manual_seed(11))
+    n = sizes.new_tokens
+    steps = streams * (n - 1)
+    ours, ref = steps / engine_decode_s(model, ids, streams, n, timer), steps / hf_decode_s(hf, ids, streams, n, timer)
+    return {"context_tokens": sizes.short, "streams": streams, "new_tokens": n, "engine_tokens_per_s": ours,
             "hf_tokens_per_s": ref, "engine_over_hf": ours / ref}
 
 
@@ -278,18 +298,19 @@ def engine_rows(rows: list[dict], clock: Clock, args, model_dir: Path, device, d
         return
     model, hf = loaded["model"], loaded["hf"]
     runner = BatchRunner(model)
-    guarded(rows, clock, "logits", f"{SHORT}", lambda: logits_row(model, hf, device), reserve_s)
+    sizes = args.sizes
+    timer = Timer(device, sizes.repeats)
+    guarded(rows, clock, "logits", f"{sizes.short}", lambda: logits_row(model, hf, sizes.short, device), reserve_s)
     for context in args.contexts:
-        context_rows(rows, clock, reserve_s, model, hf, runner, context, device)
-    guarded(rows, clock, "batch", f"{BATCH}x{SHORT} cacheblend@0.15", lambda: batch_row(model, hf, runner, device),
-            reserve_s)
-    for streams in STREAMS:
-        guarded(rows, clock, "decode", f"{streams} stream(s) {SHORT}",
-                lambda: decode_row(model, hf, streams, device), reserve_s)
+        context_rows(rows, clock, reserve_s, model, hf, runner, context, timer)
+    guarded(rows, clock, "batch", f"{sizes.batch}x{sizes.short} cacheblend@0.15",
+            lambda: batch_row(model, hf, runner, sizes, timer), reserve_s)
+    for streams in sizes.streams:
+        guarded(rows, clock, "decode", f"{streams} stream(s) {sizes.short}",
+                lambda: decode_row(model, hf, streams, sizes, timer), reserve_s)
     del model, hf, runner, loaded
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the server gets the device to itself
+    accel.empty_cache(device)  # the server gets the device to itself
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -335,25 +356,28 @@ def display(row: dict) -> dict:
 def versions(device: torch.device) -> dict:
     import transformers
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+            **accel.describe(device)}
 
 
 def parse_args() -> argparse.Namespace:
-    cuda = torch.cuda.is_available()
+    cuda = accel.is_cuda_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="default: bfloat16 on cuda, else float32")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="default: the shape's (SIZES)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="default: the packaged smollm2-135m folder")
-    ap.add_argument("--doc-words", type=int, default=150, help="words per served document")
+    ap.add_argument("--doc-words", type=int, default=None, help="words per served document (default: the shape's)")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--max-minutes", type=float, default=8.0, help="rows that would start later are skipped")
     ap.add_argument("--json", action="store_true", help="print only the JSON payload")
     ap.add_argument("--out", default="docs/bench/gpu_check.json")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.sizes = SIZES[args.shape]
+    args.contexts = args.contexts or list(args.sizes.contexts)
+    args.doc_words = args.doc_words or args.sizes.doc_words
     args.tokenizer_dir = args.tokenizer_dir or default_tokenizer_dir()
     return args
 

@@ -26,6 +26,8 @@ import torch
 
 from cachesmith.model import DEFAULT_MODEL
 from cachesmith.model.assets import is_complete, models_root
+from cachesmith.model.device import synchronize
+from cachesmith.testing import sim_cuda
 
 INIT_STD = 0.02  # the Llama family's initializer range
 SHAPES = {  # the named model's sizes (vocabulary: the tokenizer's)
@@ -52,9 +54,15 @@ def llama_config(shape: str, tokenizer_dir: Path | None):
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 
 
+def generator_device(device: torch.device) -> torch.device:
+    """Where the weights' generator lives: the device, except on the simulated one, whose data is
+    the CPU's (a `cuda` generator needs a CUDA build of torch)."""
+    return torch.device("cpu") if sim_cuda.active() is not None else device
+
+
 def random_weights(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named weights drawn on the device in `dtype` (no CPU round trip: 8B takes a second)."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = torch.Generator(device=generator_device(device)).manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(INIT_STD)
@@ -90,7 +98,9 @@ def write_model(cfg, weights: dict[str, torch.Tensor], tokenizer_dir: Path | Non
 
     model_dir.mkdir(parents=True)
     cfg.save_pretrained(str(model_dir))
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes host bytes: copied here in one pass, not read from device storage by it
+    host = {name: w.cpu() for name, w in weights.items()}
+    save_file(host, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, model_dir / name)
@@ -101,8 +111,7 @@ def build_model(args, work: Path, device: torch.device, dtype: torch.dtype) -> t
     cfg = llama_config(args.shape, args.tokenizer_dir)
     start = time.perf_counter()
     weights = random_weights(cfg, device, dtype)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)  # the draws are queued on a GPU: build_s is their time, not their launch
     built = time.perf_counter()
     write_model(cfg, weights, args.tokenizer_dir, work / f"random-{args.shape}")
     num_bytes = sum(w.numel() * w.element_size() for w in weights.values())

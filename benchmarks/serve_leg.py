@@ -3,8 +3,9 @@ and a chat over loopback (stdlib client).
 
 In: the check's arguments (--device, --dtype, --doc-words, --tokenizer-dir), the model folder that
 `random_model.build_model` wrote, a scratch folder (the server's CACHESMITH_HOME, its store and
-serve.log go there) and the run's clock (`gpu_check.Clock`: how long to wait for the server and
-for each answer).
+serve.log go there) and the run's clock (`check_rows.Clock`: how long to wait for the server and
+for each answer). Where the check itself runs on the simulated CUDA device
+(`cachesmith.testing.sim_run`), the server is started under it too, so that `--device cuda` serves.
 Out: `serve_row`'s fields: the server's startup time, NUM_RAG (10) RAG requests (4-5 made-up
 documents drawn from a pool of 8, so documents recur in new orders) and one plain chat, each
 answer's status, client ms and `cachesmith` object; how many were answered with a plan, the plans
@@ -26,10 +27,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gpu_check import Clock
+from check_rows import Clock
+
+from cachesmith.testing import sim_cuda
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_RAG = 10
@@ -69,10 +70,18 @@ def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def server_python() -> list[str]:
+    """The command that runs `cachesmith.cli`: under the simulation when this process is (a plain
+    child would see no CUDA device), else directly."""
+    if sim_cuda.active() is not None:
+        return [sys.executable, "-m", "cachesmith.testing.sim_run", "cachesmith.cli"]
+    return [sys.executable, "-m", "cachesmith.cli"]
+
+
 def start_server(args, model_dir: Path, work: Path, deadline: float) -> tuple[subprocess.Popen, str, Path]:
     """`cachesmith serve` on a free loopback port, its home and store in `work`; waits for /health."""
     port, log = free_port(), work / "serve.log"
-    cmd = [sys.executable, "-m", "cachesmith.cli", "serve", "--model", str(model_dir), "--device", args.device,
+    cmd = [*server_python(), "serve", "--model", str(model_dir), "--device", args.device,
            "--dtype", args.dtype, "--port", str(port), "--served-name", "gpu-check", "--drain-timeout", "5",
            "--store-root", str(work / "kv")]
     env = {**os.environ, "CACHESMITH_HOME": str(work / "home"),  # its profile and kernels stay in the scratch
@@ -119,7 +128,7 @@ def ask(url: str, body: dict, timeout_s: float) -> dict:
 def serve_row(args, model_dir: Path, work: Path, clock: Clock) -> dict:
     missing = [p for p in SERVE_PACKAGES if importlib.util.find_spec(p) is None]
     if missing:
-        return {"skipped": f"not installed: {', '.join(missing)} (carry their wheels, see the Makefile)"}
+        return {"skipped": f"not installed: {', '.join(missing)} (make gpu-kit, then make gpu-check installs them)"}
     if args.tokenizer_dir is None:
         return {"skipped": "no tokenizer files (--tokenizer-dir)"}
     start = time.monotonic()

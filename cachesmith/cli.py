@@ -169,7 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
                                        **cli_store.store_bounds(args)),
                            args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
                            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-                           is_decode_overlapped=not args.serial_decode, is_chunk_shared=args.share_chunks,
+                           is_decode_overlapped=not args.serial_decode, is_decode_graphed=not args.no_cuda_graphs,
+                           is_chunk_shared=args.share_chunks,
                            max_store_tokens_per_request=args.max_store_tokens_per_request,
                            tenant_max_bytes=args.tenant_max_bytes)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -219,6 +220,9 @@ def _add_serve_parser(sub) -> None:
                             "in the x-cachesmith-ignored-fields response header)")
     serve.add_argument("--serial-decode", action="store_true",
                        help="decode between batches on the prefill thread instead of beside it")
+    serve.add_argument("--no-cuda-graphs", action="store_true",
+                       help="on --device cuda, run every decode step eagerly (default: greedy steps replay "
+                            "captured CUDA graphs)")
     serve.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
     serve.set_defaults(func=_serve)
 

@@ -70,6 +70,9 @@ class Decoder:
         self.is_native_attention = False  # decode rows attend through `model.native` (see `use_native`)
         self.native_rows = 0  # calls of up to this many rows multiply through `model.native`
         self.native_layer_table: native.LayerTable | None = None  # set where whole decode layers run natively
+        # on CUDA, plain-greedy decode steps replay captured CUDA graphs (`model.graph_decode`);
+        # False: every step eager (`serve --no-cuda-graphs`). No effect on the CPU.
+        self.is_decode_graphed = True
         self._tune_kernels()
 
     @property

@@ -134,7 +134,9 @@ class _TorchGraph:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self._graph):
+        # thread-local: the prefill and loader threads allocate and sync beside the decode thread
+        # while it captures, which the default (global) mode turns into errors in those threads
+        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
             out = fn()
         return out
 

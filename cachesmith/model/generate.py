@@ -18,6 +18,11 @@ the device and reads nothing back while it runs, and its tokens come to the host
 into a pinned buffer (`_TokenReader`). The inputs are rebuilt from the host (one copy) when
 sequences join or leave, or when a row was chosen on the host: sampled rows, penalties and
 log-probabilities still go through their own `Sampler`, one row at a time.
+
+On CUDA (unless turned off: `Decoder.is_decode_graphed`, `serve --no-cuda-graphs`), a step whose
+rows are all plain greedy and fit a batch bucket replays a captured CUDA graph instead
+(`model.graph_decode`): its caches then live in a static slab, and move back to slabs of their own
+before an eager step. The CPU path is the eager one, unchanged.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from cachesmith.errors import InputError
 from cachesmith.model import device as accel
 from cachesmith.model.decode import decode_step
 from cachesmith.model.decoder import Decoder
+from cachesmith.model.graph_decode import GraphDecoder
 from cachesmith.model.kv_cache import KVCache
 from cachesmith.model.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, greedy_ids
 
@@ -143,11 +149,15 @@ class _TokenReader:
 class Decoding:
     """The sequences being decoded together on one model."""
 
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, use_graphs: bool | None = None) -> None:
+        """`use_graphs`: plain-greedy steps on CUDA replay captured graphs (default: the model's
+        `is_decode_graphed`); inert on the CPU."""
         self.model = model
         self.active: list[Generation] = []
         self._inputs: _DeviceInputs | None = None  # the next step's, while they still hold
         self._reader = _TokenReader(model.device)
+        use_graphs = model.is_decode_graphed if use_graphs is None else use_graphs
+        self.graphs = GraphDecoder(model) if use_graphs and accel.is_cuda(model.device) else None
 
     def start(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int, **kwargs) -> Generation:
         """`start_generation` on this model, joined to the next step unless already done."""
@@ -165,6 +175,10 @@ class Decoding:
         if not self.active:
             return []
         gens = self.active
+        if self.graphs is not None:
+            if self.graphs.takes(gens):
+                return self._graph_step(gens)
+            self.graphs.release()  # eager steps read and grow the caches: back in their own slabs
         for gen in gens:
             prepare_cache(gen)
         inputs = self._inputs_of(gens)
@@ -177,6 +191,18 @@ class Decoding:
             else:  # logits[j]: [vocab], on the device; its sampler reads values back
                 gen.take(logits[j])
                 self._inputs = None  # the device holds no id for this row: the host's, next step
+        return self._settle(gens)
+
+    def _graph_step(self, gens: list[Generation]) -> list[Generation]:
+        """The step as a replay of a captured graph (every row plain greedy)."""
+        self._inputs = None  # the eager inputs no longer hold: the caches moved on
+        for gen, token in zip(gens, self.graphs.step(gens, self._reader.read)):
+            gen.sampler.note(token)
+            gen.keep(token)
+        return self._settle(gens)
+
+    def _settle(self, gens: list[Generation]) -> list[Generation]:
+        """Drop the finished sequences from the active ones, and return them."""
         self.active = [g for g in gens if not g.is_done]
         return [g for g in gens if g.is_done]
 

@@ -18,6 +18,10 @@ row's attention, 2 CPU threads, keys from memory: 1.6x faster at 1K keys and 1.9
 Staging keeps the token-major layout, whose chunk copies are plain block copies (a transposing copy
 into head-major ran 1.4x slower); every view (`keys[i]`, `view`, `rows`) reads `[T, Hkv, D]` in
 either layout.
+
+On CUDA, decoding may lend a cache its stores (`borrow`): a row of a CUDA graph's static slab
+(`model.graph_decode`), in the same head-major layout, so every reader keeps working. Borrowed
+stores go back to no pool; the lender moves the cache out (`own`) before lending them to another.
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ class KVCache:
                  is_head_major: bool = False) -> None:
         self.pool = pool
         self.is_head_major = is_head_major
+        self.is_borrowed = False  # the stores are lent (`borrow`): never handed to the pool
         shape = (num_layers, max(capacity, 1), num_kv_heads, head_dim)
         self._set_stores(*self._take_pair(shape, device, dtype))
         self.num_tokens = 0  # rows valid in every layer
@@ -121,7 +126,7 @@ class KVCache:
         return self.key_slab.shape[1]
 
     def _give(self, stores: tuple[torch.Tensor, ...]) -> None:
-        if self.pool is not None:
+        if self.pool is not None and not self.is_borrowed:  # a lent slab is its lender's
             for store in stores:
                 self.pool.give(store)
 
@@ -135,6 +140,7 @@ class KVCache:
         self.key_slab[:, :num_rows] = old[0][:, :num_rows]
         self.value_slab[:, :num_rows] = old[1][:, :num_rows]
         self._give(old_stores)  # only after the copy: another thread may take them at once
+        self.is_borrowed = False  # the new slabs are the pool's
 
     def _grow(self, min_capacity: int) -> None:
         # mid-write (a pass writes layer by layer before num_tokens moves): every row may hold data
@@ -146,6 +152,25 @@ class KVCache:
         capacity = max(self.capacity if capacity is None else capacity, self.num_tokens, 1)
         if not self.is_head_major or capacity > self.capacity:
             self._relayout(capacity, True, self.num_tokens)
+
+    def borrow(self, key_store: torch.Tensor, value_store: torch.Tensor) -> None:
+        """Move the valid rows into stores lent by the caller, head-major [L, Hkv, capacity, D] (e.g.
+        views of a CUDA graph's static slab): reads and writes go there from now on, and `release`
+        gives them to no pool. The caller moves the cache out (`own`) before lending them again."""
+        old, old_stores, n = (self.key_slab, self.value_slab), self._stores, self.num_tokens
+        self.is_head_major = True
+        self._set_stores(key_store, value_store)
+        self.key_slab[:, :n] = old[0][:, :n]
+        self.value_slab[:, :n] = old[1][:, :n]
+        self._give(old_stores)  # skipped if those were lent too
+        self.is_borrowed = True
+
+    def own(self, capacity: int | None = None) -> None:
+        """Move out of borrowed stores into slabs of the cache's own (from its pool), with room for
+        `capacity` rows (default: as many as now); nothing to do if the stores are its own."""
+        if self.is_borrowed and self.key_slab is not None:
+            self._relayout(max(self.capacity if capacity is None else capacity, self.num_tokens, 1),
+                           True, self.num_tokens)
 
     def reserve(self, num_rows: int) -> None:
         """Room for at least `num_rows` rows (grown as `write` grows it)."""

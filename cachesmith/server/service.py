@@ -56,6 +56,7 @@ class Service:
         self.config = config = config or ServiceConfig()
         self.pipeline = pipeline or RagPipeline(config.model, config.device, config.dtype,
                                                 store=ChunkStore(config.store))
+        self.pipeline.model.is_decode_graphed = config.is_decode_graphed
         self.profile_source = "given"
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)

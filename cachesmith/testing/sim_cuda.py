@@ -11,7 +11,7 @@ data), an error wherever a real GPU would raise, and counts of what a GPU would 
 - It raises (`SimCudaError`) where CUDA raises: `.numpy()` of a device tensor, an op mixing a CPU
   tensor (not a 0-dim scalar) with a device tensor, a device pointer handed to host code
   (`data_ptr`, what the native C kernels take), and a host sync or a copy from pageable host
-  memory while a graph is being captured.
+  memory while a graph is being captured (on the capturing thread).
 - It counts, per `count()` region and across threads: ops on device tensors, host syncs (`item`,
   `tolist`, `nonzero`, `bool`/`int`/`float`, `equal`, a boolean mask index, an event or device
   synchronize), copies each way, and findings: a `non_blocking` host -> device copy from memory
@@ -135,7 +135,7 @@ class SimCuda:
         self._lock = threading.Lock()
         self._regions: list[Counts] = []
         self._pinned: dict[int, weakref.ref] = {}  # id of a pinned base tensor -> it
-        self.is_capturing = False
+        self._capture = threading.local()  # per thread: CUDA captures in thread-local mode (`device`)
         self.num_recorded_streams = 0  # record_stream calls: device memory lent to a side stream
         self.total = Counts()
 
@@ -177,14 +177,19 @@ class SimCuda:
             with self._lock:  # by identity: nested regions may hold equal counts
                 self._regions = [r for r in self._regions if r is not counts]
 
+    @property
+    def is_capturing(self) -> bool:
+        """Whether this thread is capturing a graph (others, e.g. the prefill thread, go on as usual)."""
+        return getattr(self._capture, "is_on", False)
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
-        """Inside, a sync or a pageable copy raises, as during CUDA graph capture."""
-        self.is_capturing = True
+        """Inside, on this thread, a sync or a pageable copy raises, as during CUDA graph capture."""
+        self._capture.is_on = True
         try:
             yield
         finally:
-            self.is_capturing = False
+            self._capture.is_on = False
 
     # -- what is counted -------------------------------------------------------------------
     def _add(self, **kwargs) -> None:
@@ -341,8 +346,9 @@ def _sdpa_kernel(args: tuple, kwargs: dict) -> str:
 
 def _to(sim: SimCuda, func, args, kwargs, sims):
     src = args[0]
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-    copy = bool(kwargs.get("copy", False))
+    copy = bool(kwargs.get("copy", False))  # `_parse_to` takes no `copy` (transformers passes it)
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
+                                                                          if k != "copy"})
     if isinstance(src, SimTensor):
         if device is not None and device.type == "cpu":
             sim.d2h("to(cpu)")

@@ -25,10 +25,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(model: Decoder, params: list[SamplingParams], on_step=None) -> list[list[int]]:
+def _decode(model: Decoder, params: list[SamplingParams], on_step=None,
+            use_graphs: bool | None = None) -> list[list[int]]:
     """Tokens of sequences over prompts of `PROMPT_LENGTHS` (the last one joining at `JOIN_AT`),
     all run to `NUM_TOKENS` (no stop ids), except the second, which leaves halfway."""
-    decoding = Decoding(model)
+    decoding = Decoding(model, use_graphs)
     prompts = [_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS + (9,))]
     budgets = [NUM_TOKENS, NUM_TOKENS // 2, NUM_TOKENS, NUM_TOKENS]
     caches, gens = [], []
@@ -54,19 +55,21 @@ def _decode(model: Decoder, params: list[SamplingParams], on_step=None) -> list[
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_tokens_equal_the_cpu_ones(tiny_llama_dir, dtype):
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_greedy_tokens_equal_the_cpu_ones(tiny_llama_dir, dtype, use_graphs):
     path, _ = tiny_llama_dir
     params = [SamplingParams()] * 4
     on_cpu = _decode(Decoder(path, "cpu", dtype), params)
     with SimCuda():
-        on_sim = _decode(Decoder(path, "cuda", dtype), params)
+        on_sim = _decode(Decoder(path, "cuda", dtype), params, use_graphs=use_graphs)
     assert on_sim == on_cpu
     assert [len(t) for t in on_cpu] == [NUM_TOKENS, NUM_TOKENS // 2, NUM_TOKENS, NUM_TOKENS]
 
 
 def test_steady_steps_neither_sync_nor_copy_in(tiny_llama_dir, sim_cuda, monkeypatch):
-    """Each step's device part under the sim's capture rules (a sync or a host copy raises) and
-    counted; the whole step: one copy back and one wait, plus one rebuild where the rows changed."""
+    """The eager path (graphs off; graph steps: test_graph_decode.py): each step's device part under
+    the sim's capture rules (a sync or a host copy raises) and counted; the whole step: one copy
+    back and one wait, plus one rebuild where the rows changed."""
     model = Decoder(tiny_llama_dir[0], "cuda", "bfloat16")
     launches, steps = [], []
     launch = Decoding._launch
@@ -84,7 +87,7 @@ def test_steady_steps_neither_sync_nor_copy_in(tiny_llama_dir, sim_cuda, monkeyp
             decoding.step()
         steps.append((step, rows, c))
 
-    _decode(model, [SamplingParams()] * 4, on_step)
+    _decode(model, [SamplingParams()] * 4, on_step, use_graphs=False)
     assert len(launches) == len(steps) == JOIN_AT + NUM_TOKENS - 1  # until the joiner's last
     for c in launches:
         assert (c.syncs, c.h2d, c.d2h, c.findings) == (0, 0, 0, [])
