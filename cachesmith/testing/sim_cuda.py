@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,14 +33,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cachesmith.model import device as device_module
-
-CUDA0 = torch.device("cuda", 0)
-CPU = torch.device("cpu")
-
-
-class SimCudaError(RuntimeError):
-    """What a real CUDA device would have raised."""
-
+from cachesmith.testing import sim_tensor
+from cachesmith.testing.sim_backend import SimBackend
+from cachesmith.testing.sim_copies import SPECIAL, sdpa_kernel
+from cachesmith.testing.sim_tensor import CPU, SimCudaError, SimTensor, _is_cuda, _name, _unwrap
 
 @dataclass
 class Counts:
@@ -53,46 +49,6 @@ class Counts:
     attention: Counter = field(default_factory=Counter)  # SDPA calls by the kernel CUDA would run
     sync_sites: list[str] = field(default_factory=list)  # what synced (names), for messages
 
-    def __iadd__(self, other: "Counts") -> "Counts":
-        self.ops += other.ops
-        self.syncs += other.syncs
-        self.d2h += other.d2h
-        self.h2d += other.h2d
-        self.findings += other.findings
-        self.attention += other.attention
-        self.sync_sites += other.sync_sites
-        return self
-
-
-class SimTensor(torch.Tensor):
-    """A device tensor of the simulation: CPU data in `elem`, `cuda:0` everywhere it shows."""
-    elem: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, elem: torch.Tensor) -> "SimTensor":
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
-            dtype=elem.dtype, device=CUDA0, requires_grad=elem.requires_grad)
-        out.elem = elem
-        return out
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise SimCudaError(f"{func} reached the dispatcher with a simulated device tensor")
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _ACTIVE.handle(func, args, kwargs or {}) if _ACTIVE is not None else \
-            _raise_inactive(func)
-
-    def __repr__(self, *, tensor_contents=None) -> str:  # printing reads the values back
-        if _ACTIVE is not None:
-            _ACTIVE.sync("repr")
-        return f"SimTensor(cuda:0, {self.elem!r})"
-
-
-def _raise_inactive(func) -> None:
-    raise SimCudaError(f"{getattr(func, '__name__', func)} on a simulated device tensor outside the simulation")
 
 
 # property reads answered by the wrapper itself (its metadata is the device tensor's)
@@ -112,22 +68,6 @@ _HOST_SPECIAL = _COPIES_IN | {"pin_memory", "is_pinned", "to", "cuda", "copy_"} 
 _INDEXED = {"__getitem__", "__setitem__"}  # CPU index tensors are allowed (copied to the device)
 
 
-def _name(func) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    if name == "__get__":
-        owner = getattr(func, "__self__", None)
-        return f"get:{getattr(owner, '__name__', '?')}"
-    return name
-
-
-def _unwrap(x):
-    return x.elem if isinstance(x, SimTensor) else x
-
-
-def _is_cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda"
-
-
 class SimCuda:
     """The simulation, on while entered (`with SimCuda() as sim:`); `sim.count()` measures a region."""
 
@@ -141,10 +81,9 @@ class SimCuda:
 
     # -- on and off ------------------------------------------------------------------------
     def __enter__(self) -> "SimCuda":
-        global _ACTIVE
-        if _ACTIVE is not None:
+        if sim_tensor._active[0] is not None:
             raise SimCudaError("a simulated CUDA device is already on")
-        _ACTIVE = self
+        sim_tensor._active[0] = self
         self._previous_backend = device_module.use_backend(SimBackend(self))
         self._boot = threading.Thread._bootstrap_inner
         sim = self
@@ -159,11 +98,10 @@ class SimCuda:
         return self
 
     def __exit__(self, *exc) -> None:
-        global _ACTIVE
         self._mode.__exit__(*exc)
         threading.Thread._bootstrap_inner = self._boot
         device_module.use_backend(self._previous_backend)
-        _ACTIVE = None
+        sim_tensor._active[0] = None
 
     @contextmanager
     def count(self) -> Iterator[Counts]:
@@ -253,7 +191,7 @@ class SimCuda:
         sims = [t for t in flat if isinstance(t, SimTensor)]
         if name in _RAISES and sims:
             raise SimCudaError(f"{name}: {_RAISES[name]}")
-        special = _SPECIAL.get(name)
+        special = SPECIAL.get(name)
         if special is not None and (sims or name in _HOST_SPECIAL):
             out = special(self, func, args, kwargs, sims)
             if out is not NotImplemented:
@@ -276,7 +214,7 @@ class SimCuda:
         if name in _INDEXED and sims:
             self._index_copies(name, args)
         if name == "scaled_dot_product_attention":
-            self._add(kernel=_sdpa_kernel(args, kwargs))
+            self._add(kernel=sdpa_kernel(args, kwargs))
         if wants_device:
             kwargs = {**kwargs, "device": CPU}
         if wants_pinned:
@@ -329,97 +267,6 @@ class SimCuda:
                 self.h2d(value, False, "__setitem__ of host values")
 
 
-def _sdpa_kernel(args: tuple, kwargs: dict) -> str:
-    """Which kernel torch's CUDA SDPA picks for these inputs: the flash kernel takes no mask and
-    half precision; the memory-efficient one takes a mask but not `enable_gqa`; else math."""
-    q = args[0]
-    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-    is_gqa = bool(kwargs.get("enable_gqa", False)) and q.shape[-3] != args[1].shape[-3]
-    if mask is not None and is_gqa:
-        return "math"
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return "flash"
-    return "efficient" if not is_gqa else "math"
-
-
-# -- calls whose device semantics differ from running the op on the data ------------------------
-
-def _to(sim: SimCuda, func, args, kwargs, sims):
-    src = args[0]
-    copy = bool(kwargs.get("copy", False))  # `_parse_to` takes no `copy` (transformers passes it)
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
-                                                                          if k != "copy"})
-    if isinstance(src, SimTensor):
-        if device is not None and device.type == "cpu":
-            sim.d2h("to(cpu)")
-            return src.elem.to(dtype=dtype or src.dtype, copy=True)
-        if dtype is None or dtype == src.dtype:
-            return SimTensor(src.elem.clone()) if copy else src
-        sim._add(ops=1)
-        return SimTensor(src.elem.to(dtype))
-    if _is_cuda(device):
-        sim.h2d(src, non_blocking, "to(cuda)")
-        return SimTensor(src.to(dtype=dtype or src.dtype, copy=True))
-    return NotImplemented
-
-
-def _cuda(sim: SimCuda, func, args, kwargs, sims):
-    src = args[0]
-    if isinstance(src, SimTensor):
-        return src
-    sim.h2d(src, bool(kwargs.get("non_blocking", False)), "cuda()")
-    return SimTensor(src.clone())
-
-
-def _cpu(sim: SimCuda, func, args, kwargs, sims):
-    sim.d2h("cpu()")
-    return args[0].elem.clone()
-
-
-def _copy_(sim: SimCuda, func, args, kwargs, sims):
-    dst, src = args[0], args[1]
-    non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
-    if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and isinstance(src, torch.Tensor):
-        if src.dim() > 0 or src.numel() > 0:
-            sim.h2d(src, non_blocking, "copy_ into a device tensor")
-        dst.elem.copy_(src)
-        return dst
-    if isinstance(src, SimTensor) and not isinstance(dst, SimTensor):
-        sim.d2h("copy_ into a host tensor")
-        if not non_blocking or not sim.is_pinned(dst):
-            sim.sync("copy_ into a host tensor")
-        dst.copy_(src.elem)
-        return dst
-    return NotImplemented
-
-
-def _factory(sim: SimCuda, func, args, kwargs, sims):
-    """`torch.tensor` / `as_tensor` of host data onto the device is a host -> device copy."""
-    if not _is_cuda(kwargs.get("device")):
-        return NotImplemented
-    data = args[0] if args else kwargs.get("data")
-    if isinstance(data, SimTensor):
-        return NotImplemented
-    sim.h2d(data if isinstance(data, torch.Tensor) else None, False, f"torch.{_name(func)} onto the device")
-    out = func(*tree_map(_unwrap, args), **{**kwargs, "device": CPU})
-    return SimTensor(out if out is not data else out.clone())
-
-
-def _pin_memory(sim: SimCuda, func, args, kwargs, sims):
-    return NotImplemented if sims else sim.pin(args[0].clone())
-
-
-def _is_pinned(sim: SimCuda, func, args, kwargs, sims):
-    return False if sims else sim.is_pinned(args[0])
-
-
-_SPECIAL: dict[str, Callable] = {"to": _to, "cuda": _cuda, "cpu": _cpu, "copy_": _copy_, "tensor": _factory,
-                                 "as_tensor": _factory, "asarray": _factory, "pin_memory": _pin_memory,
-                                 "is_pinned": _is_pinned}
-
-_ACTIVE: SimCuda | None = None
-
-
 class _Mode(TorchFunctionMode):
     def __init__(self, sim: SimCuda) -> None:
         super().__init__()
@@ -429,111 +276,6 @@ class _Mode(TorchFunctionMode):
         return self.sim.handle(func, args, kwargs or {})
 
 
-# -- streams, events and graphs -----------------------------------------------------------------
-
-class SimStream:
-    def __init__(self, sim: SimCuda) -> None:
-        self.sim = sim
-
-    def wait_stream(self, other: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        self.sim.sync("stream.synchronize")
-
-
-class SimEvent:
-    def __init__(self, sim: SimCuda) -> None:
-        self.sim = sim
-        self.is_recorded = False
-
-    def record(self, stream: Any = None) -> None:
-        self.is_recorded = True
-
-    def synchronize(self) -> None:
-        self.sim.sync("event.synchronize")
-
-    def query(self) -> bool:
-        return True
-
-
-class SimGraph:
-    """A graph whose capture refuses what capture refuses (syncs, pageable copies) and whose replay
-    runs the captured callable again: its inputs and outputs must live in the same tensors."""
-
-    def __init__(self, sim: SimCuda) -> None:
-        self.sim = sim
-        self._fn: Callable[[], Any] | None = None
-        self.num_replays = 0
-
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        fn()  # the warm-up run
-        with self.sim.capturing():
-            out = fn()
-        self._fn = fn
-        return out
-
-    def replay(self) -> None:
-        with self.sim.capturing():  # a replay launches no host work: nothing may sync
-            self._fn()
-        self.num_replays += 1
-
-
-class SimBackend:
-    """`cachesmith.model.device`'s backend while the simulation is on."""
-
-    def __init__(self, sim: SimCuda) -> None:
-        self.sim = sim
-        self._current = SimStream(sim)
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_index(self) -> int:
-        return 0
-
-    def new_stream(self, device: torch.device) -> SimStream:
-        return SimStream(self.sim)
-
-    def current_stream(self, device: torch.device) -> SimStream:
-        return self._current
-
-    def stream(self, stream: Any):
-        return contextmanager(lambda: (yield))()
-
-    def new_event(self) -> SimEvent:
-        return SimEvent(self.sim)
-
-    def new_timing_event(self) -> device_module.HostTimingEvent:
-        return device_module.HostTimingEvent()  # work is done when issued: the host clock times it
-
-    def synchronize(self, device: torch.device) -> None:
-        self.sim.sync("synchronize")
-
-    def empty_cache(self) -> None:
-        return None
-
-    def name(self, device: torch.device) -> str:
-        return "simulated CUDA device (CPU data)"
-
-    def version(self) -> str | None:
-        return None
-
-    def memory_allocated(self, device: torch.device) -> int:
-        return 0
-
-    def new_graph(self) -> SimGraph:
-        return SimGraph(self.sim)
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        if not isinstance(tensor, SimTensor):
-            raise SimCudaError("record_stream of a host tensor: only device memory belongs to a stream")
-        self.sim.num_recorded_streams += 1
-
-
 def active() -> SimCuda | None:
     """The simulation that is on, if any."""
-    return _ACTIVE
+    return sim_tensor._active[0]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cachesmith.model import resolve_model
-from cachesmith.testing.sim_cuda import SimBackend, SimCuda
+from cachesmith.testing.sim_backend import SimBackend
+from cachesmith.testing.sim_cuda import SimCuda
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sim_cuda]  # the served requests use the packaged tokenizer
 

@@ -19,7 +19,8 @@ from cachesmith.model.generate import Decoding
 from cachesmith.model.kv_cache import KVCache, SlabPool
 from cachesmith.model.sampling import SamplingParams
 from cachesmith.server import ServiceConfig
-from cachesmith.testing.sim_cuda import SimCuda, SimGraph
+from cachesmith.testing.sim_backend import SimGraph
+from cachesmith.testing.sim_cuda import SimCuda
 
 pytestmark = pytest.mark.sim_cuda
 
