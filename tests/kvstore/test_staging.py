@@ -13,17 +13,6 @@ from cachesmith.model import Decoder, prefill_chunk
 from cachesmith.recompute import BatchRunner, RecomputeConfig, Signal
 from tests.kvstore.helpers import stored_requests
 
-@pytest.fixture(scope="module")
-def models(tiny_llama_dir):
-    loaded: dict[str, Decoder] = {}
-
-    def get(device: str) -> Decoder:
-        if device not in loaded:
-            loaded[device] = Decoder(tiny_llama_dir[0], device)
-        return loaded[device]
-    return get
-
-
 def _stored_chunk(model, store, num_tokens=150):
     ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(7))
     chunk = prefill_chunk(model, ids.tolist())
@@ -31,8 +20,8 @@ def _stored_chunk(model, store, num_tokens=150):
 
 
 @pytest.mark.parametrize("blocks", [None, [0, 2]], ids=["all", "blocks-0-2"])
-def test_staged_read_equals_the_direct_read(models, device, tmp_path, blocks):
-    model = models(device)
+def test_staged_read_equals_the_direct_read(loaded_models, device, tmp_path, blocks):
+    model = loaded_models(device)
     store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
     chunk, key = _stored_chunk(model, store)
     layer, shape = 1, chunk.keys.shape[1:]  # [T, Hkv, D]
@@ -66,8 +55,8 @@ class _opened:
         self.reader.close()
 
 
-def test_a_corrupt_block_never_reaches_the_destination(models, device, tmp_path):
-    model = models(device)
+def test_a_corrupt_block_never_reaches_the_destination(loaded_models, device, tmp_path):
+    model = loaded_models(device)
     store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path))
     chunk, key = _stored_chunk(model, store)
     path = store.tiers[0].path(key)
@@ -114,8 +103,8 @@ def test_staged_route_never_takes_a_host_view_of_the_cache(tiny_llama_dir, tmp_p
     assert any(p in slabs for p in viewed) is (not is_staged)
 
 
-def test_store_get_lands_on_the_models_device(models, device, tmp_path):
-    model = models(device)
+def test_store_get_lands_on_the_models_device(loaded_models, device, tmp_path):
+    model = loaded_models(device)
     store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
     chunk, key = _stored_chunk(model, store)
     got = store.get(key, model)
@@ -140,11 +129,11 @@ def _stage_onto_pooled_slabs(model, store, keyed, plan, capacity):
     return out
 
 
-def test_loader_threads_fill_pooled_slabs_made_under_inference_mode(models, device, tmp_path):
+def test_loader_threads_fill_pooled_slabs_made_under_inference_mode(loaded_models, device, tmp_path):
     """Loader threads copy into the cache outside the runner's inference mode unless they enter it
     themselves: torch refused ("Inplace update to inference tensor outside InferenceMode") once a
     pooled slab had been made under it. Walked on CPU's staged route and on the simulated device."""
-    model = models(device)
+    model = loaded_models(device)
     store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
     reqs, keyed = stored_requests(model, store, seeds=(3,))
     plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.3)

@@ -13,44 +13,16 @@ from cachesmith.model import Decoder
 from cachesmith.model.generate import Decoding
 from cachesmith.model.sampling import SamplingParams
 from cachesmith.testing.sim_cuda import SimCuda
+from tests.model.decoding_runs import JOIN_AT, NUM_TOKENS, run_with_join
 
 pytestmark = pytest.mark.sim_cuda
 
-PROMPT_LENGTHS = (5, 11, 17)
-NUM_TOKENS = 12
-JOIN_AT = 3  # a fourth sequence joins before this step
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _decode(model: Decoder, params: list[SamplingParams], on_step=None,
             use_graphs: bool | None = None) -> list[list[int]]:
-    """Tokens of sequences over prompts of `PROMPT_LENGTHS` (the last one joining at `JOIN_AT`),
-    all run to `NUM_TOKENS` (no stop ids), except the second, which leaves halfway."""
-    decoding = Decoding(model, use_graphs)
-    prompts = [_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS + (9,))]
-    budgets = [NUM_TOKENS, NUM_TOKENS // 2, NUM_TOKENS, NUM_TOKENS]
-    caches, gens = [], []
-
-    def start(j: int) -> None:
-        logits, cache = model.prefill(prompts[j])
-        caches.append(cache)
-        gens.append(decoding.start(logits, cache, budgets[j], params=params[j], eos_token_ids=[]))
-    for j in range(len(PROMPT_LENGTHS)):
-        start(j)
-    step = 0
-    while decoding.active:
-        if step == JOIN_AT:
-            start(len(PROMPT_LENGTHS))
-        if on_step is None:
-            decoding.step()
-        else:
-            on_step(step, decoding)
-        step += 1
-    for cache in caches:
-        cache.release()
+    """Tokens of the shared run (`decoding_runs.run_with_join`); the caches released after."""
+    gens, _ = run_with_join(Decoding(model, use_graphs), params, on_step)
+    for gen in gens:
+        gen.cache.release()
     return [g.token_ids for g in gens]
 
 

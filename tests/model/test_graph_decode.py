@@ -21,42 +21,17 @@ from cachesmith.model.sampling import SamplingParams
 from cachesmith.server import ServiceConfig
 from cachesmith.testing.sim_backend import SimGraph
 from cachesmith.testing.sim_cuda import SimCuda
+from tests.model.decoding_runs import BUDGETS, JOIN_AT, NUM_TOKENS, run_with_join
 
 pytestmark = pytest.mark.sim_cuda
-
-PROMPT_LENGTHS = (5, 11, 17)
-NUM_TOKENS = 12
-JOIN_AT = 3  # a fourth sequence joins before this step
-BUDGETS = [NUM_TOKENS, NUM_TOKENS // 2, NUM_TOKENS, NUM_TOKENS]  # the second leaves halfway
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _decode(decoding: Decoding, params: list[SamplingParams] | None = None, on_step=None,
             budgets: list[int] = BUDGETS) -> list[list[int]]:
-    """Tokens of sequences over prompts of `PROMPT_LENGTHS` (a fourth joining at `JOIN_AT`), each
-    run to its budget (no stop ids); the caches are read after decoding and then released."""
+    """Tokens of the shared run (`decoding_runs.run_with_join`); the caches are read after decoding
+    and then released."""
     model = decoding.model
-    params = params or [SamplingParams()] * 4
-    prompts = [_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS + (9,))]
-    gens = []
-
-    def start(j: int) -> None:
-        logits, cache = model.prefill(prompts[j])
-        gens.append(decoding.start(logits, cache, budgets[j], params=params[j], eos_token_ids=[]))
-    for j in range(len(PROMPT_LENGTHS)):
-        start(j)
-    step = 0
-    while decoding.active:
-        if step == JOIN_AT:
-            start(len(PROMPT_LENGTHS))
-        if on_step is None:
-            decoding.step()
-        else:
-            on_step(step, decoding)
-        step += 1
+    gens, prompts = run_with_join(decoding, params, on_step, budgets)
     for j, gen in enumerate(gens):  # every cache readable after decoding: its prompt and its tokens
         assert gen.cache.num_tokens == len(prompts[j]) + len(gen.token_ids) - 1
         KEYS.append(gen.cache.view(model.num_layers - 1)[0].float().cpu())

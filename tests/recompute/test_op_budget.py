@@ -54,8 +54,7 @@ def model(tmp_path_factory):
     return Decoder(path, "cpu", torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def requests(model):
+def requests_on(model: Decoder) -> dict[int, RecomputeRequest]:
     """num_chunks -> a request of that many stored-size chunks and a 32-token question."""
     g = torch.Generator().manual_seed(1)
 
@@ -63,6 +62,11 @@ def requests(model):
         return torch.randint(3, 128, (n,), generator=g).tolist()
     return {k: RecomputeRequest([prefill_chunk(model, ids(CHUNK_TOKENS)) for _ in range(k)], ids(32))
             for k in (5, 20)}
+
+
+@pytest.fixture(scope="module")
+def requests(model):
+    return requests_on(model)
 
 
 def _counted(runner: BatchRunner, request: RecomputeRequest, plan) -> _OpCounter:
@@ -125,12 +129,7 @@ def sim_model(model, sim_cuda):
 
 @pytest.fixture()
 def sim_requests(sim_model):
-    g = torch.Generator().manual_seed(1)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(3, 128, (n,), generator=g).tolist()
-    return {k: RecomputeRequest([prefill_chunk(sim_model, ids(CHUNK_TOKENS)) for _ in range(k)], ids(32))
-            for k in (5, 20)}
+    return requests_on(sim_model)
 
 
 @pytest.mark.sim_cuda
