@@ -132,15 +132,20 @@ class KVCache:
 
     def _relayout(self, capacity: int, is_head_major: bool, num_rows: int) -> None:
         """Move the first `num_rows` rows to new slabs of `capacity` rows in the given layout."""
-        old, old_stores = (self.key_slab, self.value_slab), self._stores
         self.is_head_major = is_head_major
-        L, _, num_kv_heads, head_dim = old[0].shape
-        shape = (L, capacity, num_kv_heads, head_dim)
-        self._set_stores(*self._take_pair(shape, old[0].device, old[0].dtype))
+        L, _, num_kv_heads, head_dim = self.key_slab.shape
+        stores = self._take_pair((L, capacity, num_kv_heads, head_dim), self.key_slab.device, self.key_slab.dtype)
+        self._move_to(stores, num_rows, is_borrowed=False)
+
+    def _move_to(self, stores: tuple[torch.Tensor, torch.Tensor], num_rows: int, is_borrowed: bool) -> None:
+        """The first `num_rows` rows into `stores` (laid out as `is_head_major` says), whose owner
+        is the pool unless `is_borrowed`; the old stores go back to the pool if they were its."""
+        old, old_stores = (self.key_slab, self.value_slab), self._stores
+        self._set_stores(*stores)
         self.key_slab[:, :num_rows] = old[0][:, :num_rows]
         self.value_slab[:, :num_rows] = old[1][:, :num_rows]
         self._give(old_stores)  # only after the copy: another thread may take them at once
-        self.is_borrowed = False  # the new slabs are the pool's
+        self.is_borrowed = is_borrowed
 
     def _grow(self, min_capacity: int) -> None:
         # mid-write (a pass writes layer by layer before num_tokens moves): every row may hold data
@@ -157,13 +162,8 @@ class KVCache:
         """Move the valid rows into stores lent by the caller, head-major [L, Hkv, capacity, D] (e.g.
         views of a CUDA graph's static slab): reads and writes go there from now on, and `release`
         gives them to no pool. The caller moves the cache out (`own`) before lending them again."""
-        old, old_stores, n = (self.key_slab, self.value_slab), self._stores, self.num_tokens
         self.is_head_major = True
-        self._set_stores(key_store, value_store)
-        self.key_slab[:, :n] = old[0][:, :n]
-        self.value_slab[:, :n] = old[1][:, :n]
-        self._give(old_stores)  # skipped if those were lent too
-        self.is_borrowed = True
+        self._move_to((key_store, value_store), self.num_tokens, is_borrowed=True)
 
     def own(self, capacity: int | None = None) -> None:
         """Move out of borrowed stores into slabs of the cache's own (from its pool), with room for
