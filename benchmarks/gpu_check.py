@@ -60,7 +60,6 @@ from serve_leg import NUM_RAG, serve_row  # noqa: E402
 from cachesmith.model import Decoder, Decoding  # noqa: E402
 from cachesmith.model import device as accel  # noqa: E402
 from cachesmith.recompute import BatchRunner, cacheblend, epic, full_prefill, full_reuse  # noqa: E402
-from cachesmith.testing import sim_cuda  # noqa: E402
 
 COSINE_BAR = 0.995
 METHODS = {"full_reuse": full_reuse(), "cacheblend@0.15": cacheblend(0.15), "cacheblend@0.3": cacheblend(0.3),
@@ -109,22 +108,7 @@ def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
-    return (tensor_by_tensor(model, device) if sim_cuda.active() is not None else model.to(device)).eval()
-
-
-def tensor_by_tensor(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`module.to(device)` one parameter and buffer at a time, tied ones kept tied: the simulated
-    device cannot run `nn.Module.to` (its shallow-copy check of the host parameter against the
-    device one raises as a device mix)."""
-    moved: dict[int, torch.Tensor] = {}
-    for mod in module.modules():
-        for table in (mod._parameters, mod._buffers):
-            for name, t in table.items():
-                if t is not None and id(t) not in moved:
-                    moved[id(t)] = t.detach().to(device)
-                if t is not None:
-                    table[name] = moved[id(t)]
-    return module
+    return model.to(device).eval()
 
 
 # -- rows --------------------------------------------------------------------------------------

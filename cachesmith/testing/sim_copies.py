@@ -98,6 +98,12 @@ def _is_pinned(sim, func, args, kwargs, sims):
     return False if sims else sim.is_pinned(args[0])
 
 
-SPECIAL: dict[str, Callable] = {"to": _to, "cuda": _cuda, "cpu": _cpu, "copy_": _copy_, "tensor": _factory,
+def _shallow_copy_type(sim, func, args, kwargs, sims):
+    """`nn.Module.to` asks whether it may swap a parameter's `.data` for the moved tensor; a device
+    tensor of the simulation never may, so the module takes the moved tensor itself."""
+    return False
+
+
+SPECIAL: dict[str, Callable] = {"_has_compatible_shallow_copy_type": _shallow_copy_type, "to": _to, "cuda": _cuda, "cpu": _cpu, "copy_": _copy_, "tensor": _factory,
                                  "as_tensor": _factory, "asarray": _factory, "pin_memory": _pin_memory,
                                  "is_pinned": _is_pinned}

@@ -31,6 +31,13 @@ def test_device_tensors_hold_the_cpu_values_and_report_cuda(sim_cuda):
     assert accel.is_cuda_available() and accel.normalize("cuda") == x.device
 
 
+def test_a_module_moves_to_the_device(sim_cuda):
+    layer = torch.nn.Linear(4, 3)
+    expected = layer(torch.ones(2, 4))
+    layer.to("cuda")
+    assert layer.weight.device.type == "cuda" and torch.equal(layer(torch.ones(2, 4, device="cuda")).cpu(), expected)
+
+
 @pytest.mark.parametrize("mistake, words", [
     (lambda x: x.numpy(), "numpy"),
     (lambda x: x + torch.ones(2, 3), "one device"),
