@@ -35,27 +35,28 @@ vLLM loads it with `--kv-transfer-config '{"kv_connector": "CachesmithConnector"
 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"model": "smollm2-135m"}}'`;
 extra config also takes `load_async`, `store_tiers`, `store_root` and `redis_url`, as `cachesmith
 serve` does, so both can share one redis store. The worker holds a second copy of the weights
-(cachesmith's decoder). Written for vLLM's CPU attention backend (`ops.cpu_attn_reshape_and_cache`);
-on another backend every build falls back to vLLM's prefill, with the reason logged.
+(cachesmith's decoder), loaded once where vLLM's caches live, in their dtype
+(`connector_worker`). The rows are written by vLLM's cache op of each layer's backend
+(FLASH_ATTN, FLASHINFER, TRITON_ATTN, CPU_ATTN) where the build has it, else by an index write
+(`paged_kv`). A quantized KV cache and parallel sizes above 1 are refused at start.
 """
 from __future__ import annotations
 
 import logging
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm import _custom_ops as ops
+import vllm._custom_ops as ops
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
 from cachesmith.integrations.connector_book import Load, LoadBook, StoreSettings
-from cachesmith.integrations.connector_builds import Built, Builds
-from cachesmith.integrations.prompt_kv import PARAMS_KEY, PromptPlan, build_prompt_kv
+from cachesmith.integrations.connector_builds import Builds
+from cachesmith.integrations.connector_worker import ConnectorWorker, check_parallel
+from cachesmith.integrations.paged_kv import PagedCache, VllmOps, check_kv_cache_dtype
 from cachesmith.integrations.vllm_stats import ConnectorPromMetrics, ConnectorStats
-from cachesmith.plan_one import one_planner
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -74,22 +75,24 @@ class CachesmithWorkerMetadata(KVConnectorWorkerMetadata):
         return CachesmithWorkerMetadata({**self.reports, **other.reports})
 
 
-def write_cpu_cache(layer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rows `key`/`value` [num_rows, num_kv_heads, head_dim] into vLLM's CPU paged cache of `layer`."""
-    if not hasattr(layer, "isa"):
-        raise NotImplementedError(f"attention backend of {type(layer).__name__}: the connector writes "
-                                  "vLLM's CPU attention cache only")
-    num_blocks, num_kv_heads, block_size, _ = layer.kv_cache.shape  # [B, Hkv, N, 2 * D]: K | V
-    key_cache, value_cache = layer.kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, slots, layer.isa)
+def vllm_ops() -> VllmOps:
+    """vLLM's cache-write ops that this build registered (a CPU build has no flash op)."""
+    cache_ops = getattr(torch.ops, "_C_cache_ops", None)
+    has_flash = cache_ops is not None and hasattr(cache_ops, "reshape_and_cache_flash")
+    return VllmOps(ops.reshape_and_cache_flash if has_flash else None,
+                   getattr(ops, "cpu_attn_reshape_and_cache", None))
 
 
-def build_counts(load: Load, report, num_rows: int) -> dict[str, int]:
-    """One build's counters for vLLM's stats (`vllm_stats.SERIES`)."""
-    outcome = "prompts_rebuilt" if load.num_rebuilds else "prompts_built"
-    return {outcome: 1, "chunks_stored": report.num_chunks_stored, "chunks_prefilled": report.num_chunks_prefilled,
-            "stored_tokens": report.num_stored_tokens, "recomputed_tokens": report.num_recomputed_tokens,
-            "written_tokens": num_rows}
+def paged_caches(kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> list[PagedCache]:
+    """The registered caches with what their attention layers (vLLM's forward context) say."""
+    caches = []
+    for name, kv_cache in kv_caches.items():
+        m, layer = _LAYER.search(name), layers.get(name)
+        if m is None or layer is None:
+            raise ValueError(f"CachesmithConnector: registered cache {name!r} is no decoder layer's attention")
+        caches.append(PagedCache(int(m.group(1)), layer.attn_backend.get_name(), kv_cache, layer.num_kv_heads,
+                                 layer.head_size, getattr(layer, "isa", "")))
+    return caches
 
 
 class CachesmithConnector(KVConnectorBase_V1):
@@ -102,22 +105,22 @@ class CachesmithConnector(KVConnectorBase_V1):
             log.warning("CachesmithConnector: kv_load_failure_policy is %r; a failed build fails its request "
                         "instead of falling back to vLLM's prefill ('recompute')",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.block_size = vllm_config.cache_config.block_size
-        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+        parallel = vllm_config.parallel_config
+        check_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self._static_layers = vllm_config.compilation_config.static_forward_context
         extra = self._kv_transfer_config.get_from_extra_config
-        self.model_name = extra("model", "smollm2-135m")
-        self.store = StoreSettings.from_extra(extra)
         load_async = extra("load_async", True)
         if not isinstance(load_async, bool):
             raise ValueError(f"CachesmithConnector: kv_connector_extra_config.load_async={load_async!r} must be "
                              "true (build off vLLM's step) or false (inside it)")
         self.book = LoadBook(load_async)  # scheduler side
-        self.builds = Builds(self._build, load_async)  # worker side
+        self.worker = ConnectorWorker(extra("model", "smollm2-135m"), StoreSettings.from_extra(extra),
+                                      vllm_config.cache_config.block_size, vllm_ops())
+        self.builds = Builds(self.worker.build, load_async)  # worker side
         self._outgoing: dict[str, dict] = {}  # worker: reports for the scheduler, sent after this step
         self._failed_blocks: set[int] = set()  # worker: blocks of failed builds, reported after this step
-        self._layers: dict[int, Any] = {}  # worker: decoder layer index -> vLLM's attention layer
         self._stats = ConnectorStats()
-        self._pipe = None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -148,43 +151,15 @@ class CachesmithConnector(KVConnectorBase_V1):
         return False, self.book.finished(request.request_id)
 
     # ---- worker side: cachesmith's KV of the prompt, written where vLLM's blocks hold those rows
-    def _pipeline(self):
-        if self._pipe is None:
-            from cachesmith.kvstore import ChunkStore
-            from cachesmith.pipeline import RagPipeline  # the worker's second copy of the weights
-
-            self._pipe = RagPipeline(self.model_name, dtype=self.dtype, store=ChunkStore(self.store.config()))
-        return self._pipe
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # at start-up, so that no request's clock pays for loading the weights and the planner's
-        # profile (calibrating a packaged profile to the machine takes seconds)
-        one_planner(self._pipeline())
-
-    def _build(self, load: Load, plan: PromptPlan | None) -> Built:
-        """Build and write one prompt's KV (on the builder thread when asynchronous)."""
-        slots = load.slots(self.block_size)
-        waited_s = max(0.0, time.time() - load.arrival_time)
-        kv = build_prompt_kv(self._pipeline(), load.token_ids, load.params, waited_s,
-                             namespace=load.namespace, plan=plan)
-        try:
-            n = load.num_rows
-            for i, layer in self._layers.items():
-                write_cpu_cache(layer, kv.cache.key_slab[i, :n], kv.cache.value_slab[i, :n], slots)
-        finally:
-            kv.cache.release()
-        params = kv.report.to_params()
-        params[PARAMS_KEY]["num_rebuilds"] = load.num_rebuilds
-        return Built(params, build_counts(load, kv.report, load.num_rows), kv.plan)
+        # at start-up: the decoder is loaded where the caches live, in their dtype, and each
+        # layer's writer chosen (`connector_worker.ConnectorWorker.register`)
+        self.worker.register(paged_caches(kv_caches, self._static_layers))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         loads = getattr(self._get_connector_metadata(), "loads", ())
-        if not loads:
-            return
-        if not self._layers:  # the model's attention layers, fixed for the worker's life
-            self._layers = {int(m.group(1)): layer for name, layer in forward_context.no_compile_layers.items()
-                            if getattr(layer, "kv_cache", None) is not None and (m := _LAYER.search(name))}
-        self.builds.start(loads)
+        if loads:
+            self.builds.start(loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: nothing is sent, the asynchronous loads that ended). vLLM calls this first of the

@@ -129,6 +129,19 @@ class Decoder:
     def num_layers(self) -> int:
         return self.config.num_layers
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The checkpoint's tensors as loaded (device and dtype of the model; a tied head once),
+        without the packed or native copies some kernels keep beside them."""
+        out = [self.embed_weight, self.norm.weight]
+        if self.head_weight is not self.embed_weight:
+            out.append(self.head_weight)
+        for layer in self.layers:
+            out += [layer.input_norm.weight, layer.post_norm.weight, layer.o_proj.weight,
+                    layer.gate_up_proj.weight, layer.down_proj.weight, layer.qkv_weight]
+            out += [norm.weight for norm in (layer.q_norm, layer.k_norm) if norm is not None]
+            out += [] if layer.qkv_bias is None else [layer.qkv_bias]
+        return out
+
     # -- pieces -------------------------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] -> hidden [num_tokens, hidden]."""

@@ -5,6 +5,7 @@ dtype (the model's identity, which keys stored chunk KV, is `model.identity`'s).
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,31 +30,44 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
+class _Checkpoint:
+    """The checkpoint's tensors by name (without the "model." prefix), read one at a time when taken:
+    a model loaded onto a GPU never holds a host copy of all its weights at once."""
+
+    def __init__(self, model_dir: Path, stack: ExitStack) -> None:
+        self.model_dir = model_dir
+        self._handles: dict[str, tuple[object, str]] = {}  # name -> (open file, its key there)
+        for path in weight_files(model_dir):
+            try:
+                fh = stack.enter_context(safe_open(str(path), framework="pt"))
+                self._handles.update((name.removeprefix("model."), (fh, name)) for name in fh.keys())
+            except Exception as exc:  # safetensors raises its own error types for truncated files
+                raise ModelAssetError(f"{path} is corrupt or truncated: {exc}") from exc
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._handles
+
+    def take(self, name: str) -> torch.Tensor:
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                for name in fh.keys():
-                    tensors[name.removeprefix("model.")] = fh.get_tensor(name)
-        except Exception as exc:  # safetensors raises its own error types for truncated files
-            raise ModelAssetError(f"{path} is corrupt or truncated: {exc}") from exc
-    return tensors
-
-
-def _take(tensors: dict[str, torch.Tensor], name: str, model_dir: Path) -> torch.Tensor:
-    try:
-        return tensors.pop(name)
-    except KeyError:
-        raise ModelAssetError(f"{model_dir}: weight {name!r} is missing") from None
+            fh, key = self._handles.pop(name)
+        except KeyError:
+            raise ModelAssetError(f"{self.model_dir}: weight {name!r} is missing") from None
+        try:
+            return fh.get_tensor(key)
+        except Exception as exc:
+            raise ModelAssetError(f"{self.model_dir}: weight {name!r} is corrupt or truncated: {exc}") from exc
 
 
 def load_weights(model_dir: Path, config: ModelConfig, device: torch.device,
                  dtype: torch.dtype) -> ModelWeights:
-    raw = _read_all(model_dir)
+    with ExitStack() as stack:
+        return _load(_Checkpoint(model_dir, stack), config, model_dir, device, dtype)
 
+
+def _load(raw: _Checkpoint, config: ModelConfig, model_dir: Path, device: torch.device,
+          dtype: torch.dtype) -> ModelWeights:
     def take(name: str) -> torch.Tensor:
-        return _take(raw, name, model_dir).to(device=device, dtype=dtype)
+        return raw.take(name).to(device=device, dtype=dtype)
 
     layers = []
     for i in range(config.num_layers):
