@@ -11,11 +11,13 @@ vLLM (0.32) hands each layer's cache as one logical view [num_blocks, num_kv_hea
 head, token, content] that the view's strides carry). The backends read that view two ways:
 - FLASH_ATTN, FLASHINFER, TRITON_ATTN: K is the first head_dim of the last axis, V the second
   (`kv_cache.transpose(1, 2).split(head_size, -1)`: [num_blocks, block_size, num_kv_heads, head_dim]);
-- CPU_ATTN: each (block, head) page is 2 * block_size rows of head_dim, K rows then V rows
-  (`kv_cache.view(B, H, 2 * N, D).chunk(2, dim=2)`).
-A writer uses vLLM's cache op where the build has it (`reshape_and_cache_flash` in CUDA builds,
-`cpu_attn_reshape_and_cache` in CPU builds); else one index write per K and V by slot, which
-honours any stride order. The block size is the cache's own (vLLM may split a scheduler block into
+- CPU_ATTN: each (block, head) page is split in a K half and a V half
+  (`kv_cache.view(B, H, 2 * N, D).chunk(2, dim=2)`), laid out inside by the kernels of the CPU's
+  instruction set (with `vec16`, K is stored transposed, [D, N]).
+A flash cache is written by vLLM's `reshape_and_cache_flash` where the build has it (CUDA builds),
+else by one index write per K and V by slot, which honours any stride order. A CPU cache is
+written by vLLM's `cpu_attn_reshape_and_cache` only (every CPU build has it): its layout inside a
+page is the kernels' own. The block size is the cache's own (vLLM may split a scheduler block into
 kernel blocks: slot // block_size still names the kernel block). Quantized caches (fp8, int8,
 nvfp4) are refused: the rows are in the model's dtype and nothing here converts them.
 """
@@ -28,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 FLASH_LAYOUT = "flash"  # K | V along the last axis of [B, H, N, 2D]
-CPU_LAYOUT = "cpu"  # each (block, head) page holds N K rows, then N V rows
+CPU_LAYOUT = "cpu"  # each (block, head) page: a K half, then a V half, each in the kernels' layout
 BACKEND_LAYOUTS = {"FLASH_ATTN": FLASH_LAYOUT, "FLASHINFER": FLASH_LAYOUT, "TRITON_ATTN": FLASH_LAYOUT,
                    "CPU_ATTN": CPU_LAYOUT}
 UNQUANTIZED_KV = ("auto", "float16", "bfloat16", "float32", "half", "float")  # vLLM's kv_cache_dtype names
@@ -76,12 +78,15 @@ class PagedCache:
         if self.kv_cache.dim() != 4 or (self.kv_cache.shape[1], self.kv_cache.shape[3]) != expected:
             raise ValueError(f"{where}: cache of shape {tuple(self.kv_cache.shape)}, expected [num_blocks, "
                              f"{self.num_kv_heads}, block_size, {2 * self.head_dim}] ({self.backend})")
+        if self.backend == "CPU_ATTN" and not self.isa:
+            raise ValueError(f"{where}: the CPU backend named no kernel set (layer.isa) for its cache")
         if not self.kv_cache.dtype.is_floating_point or self.kv_cache.element_size() < 2:
             raise ValueError(f"{where}: cache dtype {self.kv_cache.dtype} is quantized; the connector writes "
                              "the model's dtype (launch vLLM with --kv-cache-dtype auto)")
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) as the backend reads them: flash [B, N, H, D] each; CPU [B, H, N, D] each."""
+        """(K, V) as the backend's cache op takes them: flash [B, N, H, D] each; CPU two halves
+        [B, H, N, D] of each page (what a row of the CPU halves holds is the kernels' affair)."""
         kv = self.kv_cache
         if self.layout == FLASH_LAYOUT:
             return kv.transpose(1, 2).split(self.head_dim, dim=-1)
@@ -90,19 +95,15 @@ class PagedCache:
 
 
 def index_write(cache: PagedCache) -> Writer:
-    """One index write per K and V by slot: any stride order, any device, no vLLM op needed."""
+    """One index write per K and V by slot: any stride order, any device, no vLLM op needed (flash
+    layouts only)."""
     key_view, value_view = cache.views()
-    is_flash = cache.layout == FLASH_LAYOUT
 
     def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         # key, value: [num_rows, num_kv_heads, head_dim]; slots: [num_rows]
         blocks, offsets = slots // cache.block_size, slots % cache.block_size
-        if is_flash:
-            key_view[blocks, offsets] = key
-            value_view[blocks, offsets] = value
-        else:  # [B, H, N, D] indexed at (block, :, offset): rows come out [num_rows, H, D]
-            key_view[blocks, :, offsets] = key
-            value_view[blocks, :, offsets] = value
+        key_view[blocks, offsets] = key
+        value_view[blocks, offsets] = value
     return write
 
 
@@ -131,6 +132,10 @@ def writer_for(cache: PagedCache, ops: VllmOps) -> tuple[str, Writer]:
     if op is not None:
         name = "reshape_and_cache_flash" if cache.layout == FLASH_LAYOUT else "cpu_attn_reshape_and_cache"
         return name, op
+    if cache.layout == CPU_LAYOUT:
+        raise ValueError(f"CachesmithConnector: layer {cache.layer_index}: a CPU_ATTN cache is written by vLLM's "
+                         "cpu_attn_reshape_and_cache only (its kernels lay a page out per instruction set), "
+                         "which this vLLM build lacks")
     return "index write by slot", index_write(cache)
 
 

@@ -5,20 +5,20 @@ against vLLM's own enum.
 
 `allocate` makes, like vLLM's `create_kv_cache_views`, one flat buffer viewed as a 5D logical
 [layer, block, head, token, content] tensor whose strides follow the layout's physical order, and
-hands one 4D view per layer. The readers never use those views: they compute each element's offset
-in the flat buffer from the layout's physical order, then read K and V as the backend's kernels do
-(flash backends: content = K | V; CPU: each (block, head) page is N K rows, then N V rows).
+hands one 4D view per layer. The reader never uses those views: it computes each element's offset
+in the flat buffer from the layout's physical order, then reads K and V as the flash backends'
+kernels do (content = K | V). A CPU cache's pages are laid out by vLLM's CPU kernels per
+instruction set; only vLLM's op writes them, and `make test-vllm` checks its answers.
 """
 from __future__ import annotations
 
 import torch
 
-from cachesmith.integrations.paged_kv import CPU_LAYOUT, PagedCache
+from cachesmith.integrations.paged_kv import PagedCache
 
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
            "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
-BACKENDS = {"FLASH_ATTN": tuple(LAYOUTS), "FLASHINFER": tuple(LAYOUTS), "TRITON_ATTN": tuple(LAYOUTS),
-            "CPU_ATTN": ("LBHNC",)}  # the CPU backend's only supported layout
+FLASH_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # each takes every layout
 
 
 def strides(order: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
@@ -51,10 +51,9 @@ class Pool:
         return [PagedCache(i, backend, view, num_kv_heads, self.head_dim, isa="vec")
                 for i, view in enumerate(self.views())]
 
-    def read(self, layout_kind: str, layer: int, block_table: list[int], num_rows: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, block_table: list[int], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [num_rows, num_kv_heads, head_dim] of a sequence's first rows, gathered by its block
-        table as the backend's attention reads them, from the flat buffer's offsets."""
+        table as a flash backend's attention reads them, from the flat buffer's offsets."""
         _, _, num_heads, block_size, _ = self.shape
         s_layer, s_block, s_head, s_token, s_content = self.strides
         t = torch.arange(num_rows)[:, None, None]  # [rows, 1, 1]
@@ -62,12 +61,7 @@ class Pool:
         d = torch.arange(self.head_dim)[None, None, :]  # [1, 1, D]
         blocks = torch.tensor(block_table)[t // block_size]
         page = layer * s_layer + blocks * s_block + h * s_head  # where (block, head) starts
-        if layout_kind == CPU_LAYOUT:  # the page is [2N, D] in memory: N K rows, then N V rows
-            assert self.order == LAYOUTS["LBHNC"]
-            key_at = page + (t % block_size) * self.head_dim + d
-            value_at = page + (block_size + t % block_size) * self.head_dim + d
-        else:  # content = K (head_dim) | V (head_dim)
-            key_at = page + (t % block_size) * s_token + d * s_content
-            value_at = key_at + self.head_dim * s_content
+        key_at = page + (t % block_size) * s_token + d * s_content  # content = K (head_dim) | V (head_dim)
+        value_at = key_at + self.head_dim * s_content
         flat = self.flat.cpu()
         return flat[key_at], flat[value_at]

@@ -62,7 +62,7 @@ def worker_run(tiny_dir, tmp_path, device: str, method: str, layout="LBNHC", dty
 
 def read_back(pool: Pool, load: Load, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [L, num_rows, Hkv, D] as FlashAttention reads the request's blocks."""
-    reads = [pool.read("flash", i, load.block_ids, load.num_rows) for i in range(num_layers)]
+    reads = [pool.read(i, load.block_ids, load.num_rows) for i in range(num_layers)]
     return torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
 
 

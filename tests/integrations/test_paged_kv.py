@@ -1,8 +1,8 @@
 """The connector's writes into vLLM's paged caches (`integrations.paged_kv`), without vLLM: for every
-backend and every physical layout it can hold, rows of known K/V written at scattered slots are
-read back, by the block table, from the flat buffer's offsets as that backend reads them
-(`paged_layouts`); a writer with K and V swapped or block and offset transposed is caught; a cache
-the connector cannot write is refused by name."""
+flash backend and every physical layout vLLM can give it, rows of known K/V written at scattered
+slots are read back, by the block table, from the flat buffer's offsets as that backend reads them
+(`paged_layouts`); a writer with K and V swapped or block and offset transposed is caught; a CPU
+cache goes to vLLM's op; a cache the connector cannot write is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 
 from cachesmith.integrations.connector_book import Load
 from cachesmith.integrations.connector_worker import check_parallel
-from cachesmith.integrations.paged_kv import (FLASH_LAYOUT, PagedCache, VllmOps, check_kv_cache_dtype,
-                                              describe_writers, index_write, writer_for)
+from cachesmith.integrations.paged_kv import (PagedCache, VllmOps, check_kv_cache_dtype, describe_writers,
+                                              index_write, writer_for)
 from cachesmith.integrations.prompt_kv import ConnectorParams
-from tests.integrations.paged_layouts import BACKENDS, Pool
+from tests.integrations.paged_layouts import FLASH_BACKENDS, LAYOUTS, Pool
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_DIM, NUM_ROWS = 2, 24, 3, 16, 8, 37
 BLOCK_IDS = [13, 3, 9]  # scattered, out of order, each < BLOCK_SIZE (so a transposed write stays in bounds)
@@ -31,7 +31,7 @@ def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cases():
-    return [(backend, layout) for backend, layouts in BACKENDS.items() for layout in layouts]
+    return [(backend, layout) for backend in FLASH_BACKENDS for layout in LAYOUTS]
 
 
 def written(backend: str, layout: str, make_writer, device="cpu") -> tuple[Pool, list]:
@@ -46,11 +46,10 @@ def written(backend: str, layout: str, make_writer, device="cpu") -> tuple[Pool,
     return pool, expected
 
 
-def found(pool: Pool, backend: str, expected, block_table=BLOCK_IDS) -> bool:
+def found(pool: Pool, expected, block_table=BLOCK_IDS) -> bool:
     """Does the backend's read of the sequence find exactly the rows written, and nothing else?"""
-    kind = PagedCache(0, backend, pool.views()[0], NUM_HEADS, HEAD_DIM).layout
     for layer, (k, v) in enumerate(expected):
-        keys, values = pool.read(kind, layer, block_table, NUM_ROWS)
+        keys, values = pool.read(layer, block_table, NUM_ROWS)
         if not (torch.equal(keys, k) and torch.equal(values, v)):
             return False
     # nothing beside them: every written element is nonzero, every other one still zero
@@ -60,10 +59,10 @@ def found(pool: Pool, backend: str, expected, block_table=BLOCK_IDS) -> bool:
 @pytest.mark.parametrize(("backend", "layout"), cases())
 def test_each_backend_reads_back_the_rows_written_at_scattered_slots(backend, layout, device):
     pool, expected = written(backend, layout, lambda c: writer_for(c, VllmOps())[1], device)
-    assert found(pool, backend, expected)
+    assert found(pool, expected)
 
 
-@pytest.mark.parametrize("layout", BACKENDS["FLASH_ATTN"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_kernel_blocks_smaller_than_the_schedulers_hold_the_same_slots(layout):
     # vLLM may split a 32-token scheduler block into two 16-token kernel blocks, 2b and 2b + 1
     kernel_table = [2 * b + i for b in [5, 1] for i in (0, 1)]
@@ -71,7 +70,7 @@ def test_kernel_blocks_smaller_than_the_schedulers_hold_the_same_slots(layout):
     slots = load([5, 1]).slots(2 * BLOCK_SIZE)
     for cache in pool.caches("FLASH_ATTN", NUM_HEADS):
         index_write(cache)(*rows(cache.layer_index), slots)
-    assert found(pool, "FLASH_ATTN", [rows(i) for i in range(NUM_LAYERS)], kernel_table)
+    assert found(pool, [rows(i) for i in range(NUM_LAYERS)], kernel_table)
 
 
 def swapped(cache: PagedCache):
@@ -84,19 +83,16 @@ def transposed(cache: PagedCache):
 
     def write(k, v, slots):
         blocks, offsets = slots // cache.block_size, slots % cache.block_size
-        if cache.layout == FLASH_LAYOUT:
-            key_view[offsets, blocks], value_view[offsets, blocks] = k, v
-        else:
-            key_view[offsets, :, blocks], value_view[offsets, :, blocks] = k, v
+        key_view[offsets, blocks], value_view[offsets, blocks] = k, v
     return write
 
 
 @pytest.mark.parametrize("broken", [swapped, transposed])
 @pytest.mark.parametrize(("backend", "layout"), [("FLASH_ATTN", "LBNHC"), ("FLASHINFER", "BHLNC"),
-                                                 ("TRITON_ATTN", "LBHNC"), ("CPU_ATTN", "LBHNC")])
+                                                 ("TRITON_ATTN", "LBHNC"), ("FLASH_ATTN", "BLHNC")])
 def test_a_writer_with_k_and_v_swapped_or_block_and_offset_transposed_is_caught(backend, layout, broken):
     pool, expected = written(backend, layout, broken)
-    assert not found(pool, backend, expected)
+    assert not found(pool, expected)
 
 
 def test_caches_the_connector_cannot_write_are_refused_by_name():
@@ -129,6 +125,8 @@ def test_vllms_op_is_used_where_the_build_has_one():
     name, write = writer_for(cpu, ops)
     write(*rows(0), load().slots(BLOCK_SIZE))
     assert name == "cpu_attn_reshape_and_cache" and len(calls) == 1 and calls[0][-1] == "vec"
+    with pytest.raises(ValueError, match="a CPU_ATTN cache is written by vLLM's cpu_attn_reshape_and_cache only"):
+        writer_for(cpu, VllmOps())
     # a flash cache on the CPU: vLLM's flash op is a CUDA kernel, so the index write runs
     flash = Pool("LBHNC", 1, 4, NUM_HEADS, BLOCK_SIZE, HEAD_DIM).caches("FLASH_ATTN", NUM_HEADS)[0]
     assert writer_for(flash, VllmOps(reshape_and_cache_flash=print))[0] == "index write by slot"
