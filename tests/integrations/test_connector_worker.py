@@ -55,7 +55,7 @@ def worker_run(tiny_dir, tmp_path, device: str, method: str, layout="LBNHC", dty
     cfg_pipe = tiny_pipeline(tiny_dir, tmp_path / "ref")
     cfg = cfg_pipe.model.config
     pool = Pool(layout, cfg.num_layers, NUM_BLOCKS, cfg.num_kv_heads, BLOCK_SIZE, cfg.head_dim, dtype, device)
-    worker.register(pool.caches("FLASH_ATTN", cfg.num_kv_heads))
+    worker.registration = worker.register(pool.caches("FLASH_ATTN", cfg.num_kv_heads))
     load = prompt_load(cfg_pipe, method)
     return worker, pool, load, worker.build(load, None)
 
@@ -108,7 +108,11 @@ def test_on_the_simulated_device_the_build_lives_there_and_equals_the_cpus(tiny_
 def test_the_decoder_takes_the_caches_dtype(tiny_dir, tmp_path):
     worker, pool, load, _ = worker_run(tiny_dir, tmp_path, "cpu", "full_reuse", layout="BHLNC",
                                        dtype=torch.bfloat16)
-    assert worker.pipe.model.dtype == torch.bfloat16
+    assert worker.pipe.model.dtype == torch.bfloat16 and worker.registration.dtype == "bfloat16"
+    assert worker.registration.lines()[1] == "CachesmithConnector: writers: layers 0-3: index write by slot (FLASH_ATTN)"
+    # 4 layers of 64-wide norms, 128 x 64 QKV, 64 x 64 out, 256 x 64 gate+up, 64 x 128 down; a tied head
+    num_params = 49152 * 64 + 64 + 4 * (2 * 64 + 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+    assert worker.registration.weights_gb == pytest.approx(2 * num_params / 1e9)
     keys, _ = read_back(pool, load, worker.pipe.model.num_layers)
     assert keys.dtype == torch.bfloat16 and bool(keys.abs().sum(dim=(-1, -2)).gt(0).all())  # every row written
 
@@ -126,3 +130,13 @@ def test_caches_that_do_not_fit_the_model_are_refused_by_name(tiny_dir, tmp_path
     with pytest.raises(RuntimeError, match="a build before vLLM registered its KV caches"):
         ConnectorWorker(str(tiny_dir), StoreSettings(("memory",)), BLOCK_SIZE).build(None, None)
     assert accel.is_cuda("cuda:0")  # (the device module names a CUDA device on any machine)
+
+
+def test_no_room_for_the_weights_says_which_flag_to_lower(tiny_dir, monkeypatch):
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr("cachesmith.pipeline.RagPipeline", no_room)
+    caches = Pool("LBHNC", 4, 4, 2, BLOCK_SIZE, 16).caches("FLASH_ATTN", 2)
+    with pytest.raises(MemoryError, match="no room on cpu for .* in float32 beside vLLM's KV cache; lower "
+                                          "--gpu-memory-utilization"):
+        ConnectorWorker(str(tiny_dir), StoreSettings(("memory",)), BLOCK_SIZE).register(caches)

@@ -17,7 +17,6 @@ packaged model in float32. Runs only under `make test-vllm`.
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from tests.redis_server import free_port
 from tests.server.test_serve_process import wait_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from vllm_server import VllmError, VllmServer  # noqa: E402
+from vllm_server import VllmError, VllmServer, plugin_args  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 NUM_REQUESTS, NUM_TOKENS = 20, 32
@@ -46,16 +45,10 @@ QUESTIONS = ("Which of these articles is the longest?", "Name one place mentione
 METHODS = ("full_prefill", "full_reuse", "cacheblend@0.15")
 
 
-def connector(**extra) -> str:
-    return json.dumps({"kv_connector": "CachesmithConnector", "kv_role": "kv_both",
-                       "kv_connector_module_path": "cachesmith.integrations.vllm_connector",
-                       "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"model": DEFAULT_MODEL, **extra}})
-
-
 def vllm_server(*args: str, max_model_len: int = 8192, **extra) -> VllmServer:
+    """The plugin's launch as docs/vllm.md gives it (`plugin_args`), with `extra` config."""
     return VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, max_model_len=max_model_len,
-                      extra_args=("--no-enable-prefix-caching", "--kv-transfer-config", connector(**extra), *args))
+                      extra_args=(*plugin_args(DEFAULT_MODEL, **extra), *args))
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +218,8 @@ def test_preempted_requests_are_rebuilt_into_their_new_blocks(pipe, tmp_path, lo
 
 def test_the_plugin_refuses_vllms_prefix_cache():
     # its blocks would be registered as the exact KV of their tokens for every later request
-    server = VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, extra_args=("--kv-transfer-config", connector()))
+    without = plugin_args(DEFAULT_MODEL)[1:]  # no --no-enable-prefix-caching
+    server = VllmServer(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, extra_args=without)
     with pytest.raises(VllmError, match="exited"):
         with server:
             pass
