@@ -167,7 +167,8 @@ def test_a_redis_store_shared_with_cachesmith_serve_and_the_fallbacks(pipe, redi
     assert hits_after - hits >= 3 and misses_after == misses  # d2's chunks read from redis, none computed
     assert generous["num_recomputed_tokens"] == context and generous["budget_ms"] > 1000
     assert tight["num_recomputed_tokens"] == 0 and tight["budget_ms"] < generous["budget_ms"]
-    assert "slo_ms=-5" in refused[1]["error"] and refused[0] == alone  # vLLM alone answered it
+    assert refused[1]["error"] == "cachesmith.slo_ms=-5: must be a positive number and at most 3600000"  # docs/vllm.md
+    assert refused[0] == alone  # vLLM alone answered it
     assert failed[1]["fallback"] == "vllm_prefill" and "no store tier took its KV" in failed[1]["error"]
     assert failed[0] == alone  # vLLM prefilled it: its own answer, not a wrong one
     assert prompts == {"built": 4, "rebuilt": 0, "fallback": 1}
