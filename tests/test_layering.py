@@ -2,16 +2,19 @@
 
 In: the source of every module under `cachesmith/`. Every import counts wherever it is written: at
 module level, inside a function (lazy), under `if TYPE_CHECKING:`, relative (`from . import x`),
-`from cachesmith import x`, and `importlib.import_module("cachesmith...")` with a literal name.
-Out: two checks over the module graph those imports make. Each module belongs to one layer of
-`LAYERS` (lowest first) and imports only from its own layer or lower ones; and the graph has no
-cycle (no strongly connected component of two modules or more). There is no allow-list: a lower
-layer that needs work done above it takes it as an argument (a callable, a protocol).
+`from cachesmith import x`, and `importlib.import_module(...)`, `import_module(...)` (however
+imported) and `__import__(...)` with a literal name; a dynamic import whose name is not a literal
+is refused (the checker could not see its edge). Out: three checks over the module graph those
+imports make. Each module belongs to one layer of `LAYERS` (lowest first) and imports only from
+its own layer or lower ones; the graph has no cycle (no strongly connected component of two
+modules or more); and nothing the serving engine reaches, transitively, is offline code. There is
+no allow-list: a lower layer that needs work done above it takes it as an argument (a callable, a
+protocol).
 
 An import names a module: `from pkg import name` names `pkg.name` where that is a module, else
-`pkg` (a package's `__init__`). Python also runs each parent package's `__init__` first; those
-implicit imports are not edges, or every import inside a package would be a cycle with its own
-`__init__`.
+`pkg` (a package's `__init__`). Python also runs the `__init__` of each package above the module
+it imports first: those count as edges too, except the importer's own enclosing packages, which
+are running already (else every import inside a package would be a cycle with its own `__init__`).
 """
 from __future__ import annotations
 
@@ -57,6 +60,29 @@ def module_files(root: Path, package: str) -> dict[str, Path]:
     return found
 
 
+def _dynamic_args(tree: ast.AST) -> Iterator[tuple[int, ast.expr]]:
+    """(line, name argument) of each dynamic import call: `importlib.import_module(x)`, and
+    `import_module(x)` or `__import__(x)` under any name `from importlib import` bound them to."""
+    names = {"import_module", "__import__"} | {
+        alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "importlib"
+        for alias in node.names if alias.name == "import_module" and alias.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+                    isinstance(func, ast.Name) and func.id in names):
+                yield node.lineno, node.args[0]
+
+
+def _is_literal(arg: ast.expr) -> bool:
+    return isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+
+
+def non_literal_imports(tree: ast.AST) -> list[int]:
+    """Lines of dynamic imports whose name is not a literal string."""
+    return [line for line, arg in _dynamic_args(tree) if not _is_literal(arg)]
+
+
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
     """(the module named, the names taken from it) of every import in `tree`, wherever it is."""
     for node in ast.walk(tree):
@@ -69,10 +95,7 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> Iterator[tu
                 base = base.rpartition(".")[0]
             source = node.module if not node.level else ".".join(p for p in (base, node.module) if p)
             yield source, tuple(alias.name for alias in node.names)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
-            yield node.args[0].value, ()
+    yield from ((arg.value, ()) for _, arg in _dynamic_args(tree) if _is_literal(arg))
 
 
 def _resolve(name: str, modules: Mapping[str, Path]) -> str | None:
@@ -94,8 +117,35 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
                 continue
             targets = [f"{source}.{n}" if f"{source}.{n}" in modules else source for n in names] or [source]
             resolved = {_resolve(t, modules) for t in targets}
+            resolved |= {p for t in resolved if t for p in _parents(t) if p in modules and p not in _parents(module)}
             edges.update(t for t in resolved if t and t != module)  # no self-edge (`from . import name`)
     return graph
+
+
+def _parents(module: str) -> set[str]:
+    """The packages enclosing `module` (their `__init__`s run before it)."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def reachable(graph: Mapping[str, set[str]], starts: list[str]) -> dict[str, str]:
+    """Every module reachable from `starts` -> the module that first imported it on the way."""
+    via, todo = {s: "" for s in starts}, list(starts)
+    while todo:
+        module = todo.pop()
+        for target in sorted(graph.get(module, ())):
+            if target not in via:
+                via[target] = module
+                todo.append(target)
+    return via
+
+
+def chain(via: Mapping[str, str], module: str) -> str:
+    """`start -> ... -> module` through `reachable`'s map."""
+    hops = [module]
+    while via[hops[-1]]:
+        hops.append(via[hops[-1]])
+    return " -> ".join(reversed(hops))
 
 
 def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
@@ -176,10 +226,23 @@ def test_no_import_cycles():
     assert cycles(GRAPH) == []
 
 
-def test_the_serving_engine_imports_no_offline_code():
+OFFLINE = ("profiler", "bench", "workloads", "instance")
+
+
+def offline_reached(graph: Mapping[str, set[str]], starts: list[str]) -> list[str]:
+    via = reachable(graph, starts)
+    return [chain(via, m) for m in sorted(via) if unit(m) in OFFLINE]
+
+
+def test_the_serving_engine_reaches_no_offline_code():
     serving = [m for m in GRAPH if unit(m) in ("executor", "engine", "engine_loop", "shadow_work")]
-    offline = [f"{m} imports {t}" for m in serving for t in GRAPH[m] if unit(t) in ("profiler", "workloads", "instance")]
-    assert len(serving) == 4 and offline == []
+    assert len(serving) == 4 and offline_reached(GRAPH, serving) == []
+
+
+def test_no_dynamic_import_hides_its_name():
+    found = [f"{path}:{line}" for path in PACKAGE.rglob("*.py")
+             for line in non_literal_imports(ast.parse(path.read_text(encoding="utf-8")))]
+    assert found == []
 
 
 def test_no_served_request_is_a_workload_instance():
@@ -213,8 +276,42 @@ def test_the_checker_sees_lazy_type_checking_relative_and_package_imports(tmp_pa
         "from . import high\nimport importlib\nfrom pkg import low\n"
         "def later():\n    return importlib.import_module('pkg.low.base')\n")
     graph = import_graph(root, "pkg")
+    # high imports pkg.low.base, so pkg.low's __init__ runs first: an edge of its own
     assert graph == {"pkg": set(), "pkg.low": {"pkg.low.base"}, "pkg.low.base": {"pkg.high"},
-                     "pkg.high": {"pkg.low.base"}, "pkg.top": {"pkg.high", "pkg.low", "pkg.low.base"}}
-    assert cycles(graph) == [["pkg.high", "pkg.low.base"]]
+                     "pkg.high": {"pkg.low", "pkg.low.base"}, "pkg.top": {"pkg.high", "pkg.low", "pkg.low.base"}}
+    assert cycles(graph) == [["pkg.high", "pkg.low", "pkg.low.base"]]
     layers = (("low",), ("high",), ("top", "pkg"))
     assert upward_imports(graph, layers) == [("pkg.low.base", "pkg.high")]
+
+
+def test_the_checker_sees_every_spelling_of_a_dynamic_import(tmp_path):
+    root = tmp_path / "pkg"
+    root.mkdir()
+    for name in ("__init__", "a", "b", "c"):
+        (root / f"{name}.py").write_text("")
+    (root / "top.py").write_text(
+        "from importlib import import_module as load\nimport importlib\n"
+        "def f(name):\n    load('pkg.a')\n    __import__('pkg.b')\n    importlib.import_module('pkg.c')\n"
+        "    return importlib.import_module(name)\n")
+    assert import_graph(root, "pkg")["pkg.top"] == {"pkg.a", "pkg.b", "pkg.c"}
+    assert non_literal_imports(ast.parse((root / "top.py").read_text())) == [7]
+
+
+def test_the_checker_follows_a_package_init_and_a_chain_to_offline_code(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "engine").mkdir(parents=True)
+    (root / "profiler").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "run.py").write_text("from pkg.util import helper\n")
+    (root / "util.py").write_text("from pkg.store.keys import key\n")  # runs pkg/store/__init__.py first
+    (root / "store").mkdir()
+    (root / "store" / "__init__.py").write_text("from pkg.profiler.measure import measure\n")
+    (root / "store" / "keys.py").write_text("")
+    (root / "profiler" / "__init__.py").write_text("")
+    (root / "profiler" / "measure.py").write_text("")
+    graph = import_graph(root, "pkg")
+    assert graph["pkg.engine.run"] == {"pkg.util"}  # no direct offline edge ...
+    assert offline_reached(graph, ["pkg.engine.run"]) == [  # ... but one through store's __init__
+        "pkg.engine.run -> pkg.util -> pkg.store -> pkg.profiler",
+        "pkg.engine.run -> pkg.util -> pkg.store -> pkg.profiler.measure"]
