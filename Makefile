@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml $(LOCK)
 
 setup: $(STAMP)
 
-# The redis tier's tests run a real redis-server (Debian package); install it when missing.
+# The redis tier's tests run a real redis-server, and the README's examples curl (Debian packages);
+# install them when missing.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
-	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+	@command -v redis-server >/dev/null 2>&1 && command -v curl >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server curl >/dev/null; \
+	  else echo "redis-server or curl is missing: sudo apt-get install redis-server curl" >&2; exit 1; fi; }
 
 demo: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m

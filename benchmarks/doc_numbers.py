@@ -107,6 +107,10 @@ QUOTES: tuple[Quote, ...] = (
           ("rows", {"server": "cachesmith cacheblend@0.15", **SHUFFLED_2K}, "ttft_s"), ".2f"),
     Quote("docs/measurements.md", "vLLM with the plugin {}x vLLM alone", PLUGIN, ("ratio_shuffled", "cacheblend@0.15", "2048"),
           ".2f"),
+    Quote("docs/measurements.md", "fixed, and {}x with the", PLUGIN, ("ratio_shuffled", "cachesmith", "2048"), ".2f"),
+    Quote("docs/measurements.md", "quality needs it ({}x", PLUGIN, ("ratio_shuffled", "cachesmith", "1024"), ".2f"),
+    Quote("docs/measurements.md", "at 1K, {}x at 4K", PLUGIN, ("ratio_shuffled", "cachesmith", "4096"), ".2f"),
+    Quote("docs/vllm.md", "66-68% coverage ({}x: the planner", PLUGIN, ("ratio_shuffled", "cachesmith", "2048"), ".2f"),
     # docs/results.md: the simulator's setup and its validation
     Quote("docs/results.md", "profile rescaled by this machine's speed factor {},", MACHINE, ("speed_factor",), ".2f"),
     Quote("docs/results.md", "kv_dev/1/0 {}x,", MACHINE, ("machine", "paces", "kv_dev/1/0"), ".2f"),

@@ -17,10 +17,16 @@ def _workload_card(args: argparse.Namespace) -> int:
     pipe = RagPipeline(args.model, args.device, args.dtype, store=ChunkStore(StoreConfig(tiers=("memory",))))
     card = measure_card(pipe, args.task, args.variant, args.num_instances, args.seed, _knobs(args.knob),
                         corpus=_corpus(args.corpus))
-    md, js = write_card(card, args.out_dir)
+    md, js = write_card(card, args.out_dir or cards_dir())
     print(card.to_json() if args.json else card.to_markdown())
     print(f"wrote {md} and {js}", file=sys.stderr)
     return 0
+
+
+def cards_dir() -> Path:
+    from cachesmith.model.assets import cachesmith_home
+
+    return cachesmith_home() / "cards"
 
 
 def _knobs(pairs: list[str]) -> dict[str, int]:
@@ -86,7 +92,9 @@ def add_parser(sub, add_model_args) -> None:
     card.add_argument("--seed", type=int, default=0)
     card.add_argument("--knob", action="append", help="NAME=INT difficulty knob (repeatable)")
     card.add_argument("--corpus", type=Path, default=None, help="JSONL passages (default: Wikipedia extracts)")
-    card.add_argument("--out-dir", type=Path, default=Path("docs/cards"))
+    card.add_argument("--out-dir", type=Path, default=None,
+                      help="where the card's .md and .json go (default: $CACHESMITH_HOME/cards; the "
+                           "repository's committed cards live in docs/cards)")
     card.add_argument("--json", action="store_true", help="print the JSON card instead of markdown")
     card.set_defaults(func=_workload_card)
     export = wsub.add_parser("export", help="write instances as a workload JSONL file")

@@ -2,8 +2,9 @@
 engine) -> first token -> decode, on a live or replay clock.
 
 In: `Request`s (submitted as they arrive, or a whole trace to `run`). Out: one `RequestResult` per
-request: refused ones carry an error naming the field and the limit (bad SLO, no chunks, a context
-larger than the KV capacity or the model's positions) and the rest of the run goes on. At each
+request: refused ones carry an error naming the field and the limit (no stored prompt, a context
+larger than the KV capacity or the model's positions) and the rest of the run goes on; a bad SLO or
+`max_new_tokens` never gets here (a `Request` refuses it when built). At each
 batch boundary the scheduler picks the batch and budget from token counts and deadlines; the
 executor runs it and reports the measured TTFT, which the replay clock adds to its time. With the
 simulator's runtime (`cachesmith.bench.simulate`) the same loop runs on TTFTs from the cost model and
@@ -109,7 +110,8 @@ class Engine:
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, request: Request) -> Admitted:
-        """Validate, count tokens and make sure every chunk's KV is stored (a miss is prefilled here)."""
+        """Check the limits of a request whose caller keyed and stored its prompt (the engine stores
+        nothing: `RagPipeline.stored_prompt` and the server do)."""
         return self.executor.admit(request, self.config.scheduler.kv_capacity_tokens)
 
     def submit(self, request: Request | Admitted) -> RequestResult | None:

@@ -3,7 +3,8 @@
 In: a `ScheduleDecision` and the `Admitted` requests it names (their stored chunk keys and token
 counts). Out: a `BatchExecution` from `prefill`: the measured batch TTFT (staging, transfer waits,
 layer 0, the plan decided after it, the recompute, the first tokens), transfer stall, the plan and
-per request its first-token logits and assembled KV; then `decode` turns those into greedy answers
+per request its first-token logits and assembled KV; then `decode` turns those into answers (greedy
+or sampled, as each request's `SamplingParams` say)
 (after the clock stopped, and on another thread when serving live), reporting each token to an
 optional `on_token(request_id, index, token_id)` hook as it is produced.
 "planned" batches ask the planner for (S, w, p, r) after layer 0, from the layer-0 QCI entropies,

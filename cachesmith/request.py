@@ -7,8 +7,8 @@ scored against. Whoever holds the texts (the server, a benchmark, `RagPipeline.s
 tokenizes and keys them once; the engine never sees a text. Out: `RequestResult` (first token
 time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the error
 that kept it from running), and on the live loop each token's time. Times are on the engine's
-clock, in seconds. The rules every request obeys are checked here, once: `check_slo` and
-`check_fits`.
+clock, in seconds. The rules every request obeys live here (`check_slo`, `check_fits`); callers
+with a field of their own (the server's `slo_ms`, the connector's) call them with its name.
 """
 from __future__ import annotations
 

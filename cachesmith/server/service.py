@@ -2,8 +2,9 @@
 
 In: `CompletionSpec`s (documents as texts or ids of stored chunks, a question, an SLO) and chunk
 management calls. Out: `Future[RequestResult]`s, with tokens streamed to an optional callback, and
-`ChunkRecord`s. Owns the pipeline, the live engine behind its `EngineLoop`, and the pins that keep
-a chunk an in-flight request needs from being deleted under it. A request holds a place in the
+`ChunkRecord`s. Owns the pipeline and the live engine behind its `EngineLoop`; a request's chunks
+are pinned in the chunk catalog (`chunks.ChunkCatalog`) while it is in flight, so none is deleted
+under it. A request holds a place in the
 loop's queue (`reserve`) from its acceptance, before any costly work for it, so a burst past
 `max_queue` is refused at once; its arrival time is taken then too, so tokenizing its documents and
 storing their chunk KV (prefilled on a miss) count in its TTFT, as they would for a client.

@@ -21,7 +21,7 @@ import vllm_server  # noqa: E402
 
 def launches(path: Path) -> list[list[str]]:
     """Each `vllm serve` command in the file's sh blocks, split as the shell splits it."""
-    blocks = re.findall(r"```sh\n(.*?)```", (REPO / path).read_text(), re.S)
+    blocks = re.findall(r"```sh[^\n]*\n(.*?)```", (REPO / path).read_text(), re.S)
     return [shlex.split(b.replace("\\\n", " ")) for b in blocks if "vllm serve" in b]
 
 
