@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def ask(args: argparse.Namespace) -> int:
     from cachesmith.pipeline import RagPipeline
-    from cachesmith.plan_one import DEFAULT_SLO_S, OnePlanner
+    from cachesmith.plan_one import OnePlanner
+    from cachesmith.request import DEFAULT_SLO_S
 
     docs = []
     for path in args.doc:

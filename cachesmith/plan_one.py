@@ -17,23 +17,21 @@ given. Callers that hold a pipeline but no planner take the one kept for it (`on
 """
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cachesmith.errors import InputError
 from cachesmith.methods import parse_method
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import Answer, RagPipeline
+from cachesmith.request import DEFAULT_SLO_S, check_slo
 from cachesmith.planner import Planner, PlannerConfig, PlanRequest, Profile
 from cachesmith.profiler.packaged import serving_profile
 from cachesmith.recompute import RecomputeConfig
 from cachesmith.scheduler import QueuedRequest, SloAwareScheduler
 
-DEFAULT_SLO_S = 5.0  # TTFT budget of a planned answer: the server's default (ServiceConfig.default_slo_s)
 # plain `cachesmith`'s planner: signal chosen per request by the robust rule, the served mix's
 # demand (a request of the Python API names no task)
 PLANNER_CONFIG = parse_method("cachesmith").planner_config(PlannerConfig())
@@ -65,8 +63,7 @@ class OnePlanner:
 
     def plan(self, parts: PromptParts, slo_s: float) -> OnePlan:
         """The plan of the request `parts` alone under `slo_s` seconds of TTFT."""
-        if isinstance(slo_s, bool) or not isinstance(slo_s, (int, float)) or not (math.isfinite(slo_s) and slo_s > 0):
-            raise InputError(f"slo_s={slo_s!r} must be a positive, finite number of seconds")
+        check_slo(slo_s, "slo_s")
         prefix, context, suffix = len(parts.prefix_ids), sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids)
         queued = QueuedRequest(0, 0.0, float(slo_s), context, suffix, prefix)
         # a fresh scheduler each time: no queue and no arrival history shape a lone request's budget

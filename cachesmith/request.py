@@ -21,6 +21,10 @@ from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.scoring import Expected
 
 
+DEFAULT_SLO_S = 5.0  # a request's TTFT SLO when its caller names none (server, connector, `ask`)
+MAX_SLO_S = 3600.0  # the longest SLO a served request may ask for
+
+
 def check_slo(value: float, field: str = "slo_s", max_slo_s: float = math.inf, min_slo_s: float = 0.0,
               scale: float = 1.0) -> None:
     """An SLO is a positive, finite number of seconds, at least `min_slo_s` (when set) and at most

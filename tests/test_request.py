@@ -90,3 +90,17 @@ def test_a_request_of_texts_runs_through_the_engine_like_the_pipeline(pipe):
         assert res.error is None and res.answer == ref.text
         assert res.task == "custom" and res.is_passed is None  # no gold: not gated
         assert res.num_recomputed == res.num_context_tokens == ref.num_context_tokens
+
+
+def test_the_slo_defaults_have_one_home():
+    """The server, the vLLM connector and `ask` take the SLO default and ceiling from `request`."""
+    from cachesmith.integrations.prompt_kv import ConnectorParams
+    from cachesmith.request import DEFAULT_SLO_S, MAX_SLO_S
+    from cachesmith.server.specs import ServiceConfig
+
+    config = ServiceConfig()
+    assert (config.default_slo_s, config.max_slo_s) == (DEFAULT_SLO_S, MAX_SLO_S)
+    assert ConnectorParams(0, (1,)).slo_ms == DEFAULT_SLO_S * 1000.0
+    with pytest.raises(InputError, match=f"cachesmith.slo_ms={MAX_SLO_S * 1000 + 1}: must be a positive number and "
+                                         f"at most {MAX_SLO_S * 1000:.10g}"):
+        ConnectorParams.parse({"num_prefix_tokens": 0, "chunk_token_counts": [1], "slo_ms": MAX_SLO_S * 1000 + 1}, 3)

@@ -24,13 +24,12 @@ from cachesmith.methods import parse_method
 from cachesmith.model.kv_cache import KVCache
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import RagPipeline
-from cachesmith.plan_one import DEFAULT_SLO_S, one_planner
+from cachesmith.plan_one import one_planner
 from cachesmith.recompute import RecomputeConfig
-from cachesmith.request import Request, check_slo
+from cachesmith.request import DEFAULT_SLO_S, MAX_SLO_S, Request, check_slo
 
 PARAMS_KEY = "cachesmith"  # the key of our parameters inside a request's kv_transfer_params
 PLANNED = "cachesmith"
-MAX_SLO_MS = 3_600_000.0
 MIN_BUDGET_S = 1e-3  # a request already past its SLO is planned for the least time (full reuse)
 _FIELDS = ("num_prefix_tokens", "chunk_token_counts", "method", "slo_ms")
 
@@ -78,7 +77,7 @@ class ConnectorParams:
                 raise InputError(f"{PARAMS_KEY}.method={self.method!r}: '{PLANNED}' (planned under slo_ms) "
                                  f"or a fixed method: {exc}") from None
         slo = self.slo_ms
-        check_slo(slo, f"{PARAMS_KEY}.slo_ms", MAX_SLO_MS / 1000.0, scale=1e3)
+        check_slo(slo, f"{PARAMS_KEY}.slo_ms", MAX_SLO_S, scale=1e3)
         framed = self.num_prefix_tokens + sum(self.chunk_token_counts)
         if framed > num_prompt_tokens - 1:  # the question keeps at least the prompt's last token
             raise InputError(f"{PARAMS_KEY}: num_prefix_tokens + sum(chunk_token_counts) = {framed} must leave "

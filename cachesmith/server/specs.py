@@ -12,6 +12,7 @@ from cachesmith.engine import EngineConfig
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import StoreConfig
 from cachesmith.model.sampling import GREEDY, SamplingParams
+from cachesmith.request import DEFAULT_SLO_S, MAX_SLO_S
 from cachesmith.server.tenancy import Caller
 
 DEFAULT_MAX_STORE_TOKENS = 32_768  # tokens one request may add to the store
@@ -44,8 +45,8 @@ class ServiceConfig:
     profile_path: Path | None = None  # default: measured here, else the packaged one (calibrated)
     served_name: str | None = None  # the model id clients name (default: `model`)
     max_queue: int = 64
-    default_slo_s: float = 5.0
-    max_slo_s: float = 3600.0
+    default_slo_s: float = DEFAULT_SLO_S
+    max_slo_s: float = MAX_SLO_S
     min_slo_s: float = 1e-3  # below 1 ms no batch can run
     default_max_tokens: int = 64
     max_tokens_limit: int = 512
