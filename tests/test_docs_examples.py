@@ -13,6 +13,7 @@ A block without a kind fails the test, so a new example cannot escape.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import subprocess
@@ -62,11 +63,10 @@ def test_flags_of_examples_that_cannot_run_here_are_the_clis(path):
     commands = [argv for _, kind, body in blocks(path) if kind == "flags" for argv in cachesmith_lines(body)]
     assert commands
     for argv in commands:
-        words = list(__import__("itertools").takewhile(lambda w: re.fullmatch(r"[a-z]+", w), argv[1:]))
-        flags = [w.split("=")[0] for w in argv if w.startswith("--")]
-        flags += re.findall(r"\[(--[a-z-]+)", " ".join(argv))
+        words = list(itertools.takewhile(lambda w: re.fullmatch(r"[a-z]+", w), argv[1:]))
+        flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", " ".join(argv))  # `[--flag X]` too
         known = help_text(words)
-        assert [f for f in flags if f.strip("[]") not in known] == [], " ".join(argv)
+        assert [f for f in flags if f not in known] == [], " ".join(argv)
 
 
 def run_block(lang: str, body: str, url: str, cwd: Path) -> str:

@@ -96,7 +96,11 @@ class PagedCache:
 
 def index_write(cache: PagedCache) -> Writer:
     """One index write per K and V by slot: any stride order, any device, no vLLM op needed (flash
-    layouts only)."""
+    layouts only: a CPU page's inside is its kernels')."""
+    if cache.layout == CPU_LAYOUT:
+        raise ValueError(f"CachesmithConnector: layer {cache.layer_index}: a CPU_ATTN cache is written by vLLM's "
+                         "cpu_attn_reshape_and_cache only (its kernels lay a page out per instruction set), "
+                         "which this vLLM build lacks")
     key_view, value_view = cache.views()
 
     def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -132,10 +136,6 @@ def writer_for(cache: PagedCache, ops: VllmOps) -> tuple[str, Writer]:
     if op is not None:
         name = "reshape_and_cache_flash" if cache.layout == FLASH_LAYOUT else "cpu_attn_reshape_and_cache"
         return name, op
-    if cache.layout == CPU_LAYOUT:
-        raise ValueError(f"CachesmithConnector: layer {cache.layer_index}: a CPU_ATTN cache is written by vLLM's "
-                         "cpu_attn_reshape_and_cache only (its kernels lay a page out per instruction set), "
-                         "which this vLLM build lacks")
     return "index write by slot", index_write(cache)
 
 

@@ -14,7 +14,6 @@ from cachesmith.integrations import connector_worker
 from cachesmith.integrations.connector_book import Load, StoreSettings
 from cachesmith.integrations.connector_worker import ConnectorWorker
 from cachesmith.integrations.prompt_kv import ConnectorParams, build_prompt_kv
-from cachesmith.model import device as accel
 from cachesmith.plan_one import use_profile
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.integrations.paged_layouts import Pool
@@ -129,7 +128,6 @@ def test_caches_that_do_not_fit_the_model_are_refused_by_name(tiny_dir, tmp_path
         worker.register([mixed[0], half[1]])
     with pytest.raises(RuntimeError, match="a build before vLLM registered its KV caches"):
         ConnectorWorker(str(tiny_dir), StoreSettings(("memory",)), BLOCK_SIZE).build(None, None)
-    assert accel.is_cuda("cuda:0")  # (the device module names a CUDA device on any machine)
 
 
 def test_no_room_for_the_weights_says_which_flag_to_lower(tiny_dir, monkeypatch):
