@@ -146,11 +146,11 @@ def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, timer: Tim
 def stage_store(model: Decoder, req) -> tuple:
     """The request's chunks put in a memory-tier store (sized to hold them), the transfer engine
     over it and the keyed request: what serving stages a batch from."""
-    from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferEngine
+    from cachesmith.kvstore import ChunkStore, StoreConfig, TransferEngine, put_prompt
 
     num_bytes = sum(c.keys.numel() + c.values.numel() for c in req.chunks) * req.chunks[0].keys.element_size()
     store = ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=2 * num_bytes + (64 << 20)))
-    keyed = KeyedRequest([store.put(c) for c in req.chunks], list(req.suffix_ids))
+    keyed = put_prompt(store, req.chunks, req.suffix_ids)
     return store, TransferEngine(store, model), keyed, num_bytes
 
 

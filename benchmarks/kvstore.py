@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, median, print_table, random_request, timed  # noqa: E402
 
-from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine, put_prompt  # noqa: E402
 from cachesmith.kvstore.reader import EntryReader  # noqa: E402
 from cachesmith.kvstore.tiers import FileSource  # noqa: E402
 from cachesmith.model import Decoder, Tokenizer, prefill_chunk, resolve_model  # noqa: E402
@@ -93,7 +93,7 @@ def run_read(model: Decoder, root: Path, num_entries: int, tokens: int) -> dict:
 def run_stall(model: Decoder, tok: Tokenizer, root: Path, caps: list[float], repeats: int) -> list[dict]:
     store = ChunkStore(StoreConfig(tiers=("disk",), root=root))
     req, _ = random_request(model, tok.rag_prompt_parts(["x"], "q").prefix_ids, 2048, random.Random(1))
-    keyed = KeyedRequest([store.put(c) for c in req.chunks], req.suffix_ids, store.put(req.prefix))
+    keyed = put_prompt(store, req.chunks, req.suffix_ids, req.prefix)
     plan = preset("cacheblend", 0.15, model.num_layers)
     runner, rows = BatchRunner(model), []
     for cap in caps:

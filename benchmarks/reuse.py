@@ -28,7 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
 
-from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferEngine  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt, StoreConfig, TransferEngine  # noqa: E402
 from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.recompute import BatchRunner, preset  # noqa: E402
 from cachesmith.recompute.sequence import build_sequence  # noqa: E402
@@ -42,16 +42,17 @@ def _requests(model: Decoder, store: ChunkStore, context: int, batch: int, seed:
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     chunks = [[rng.randrange(vocab) for _ in range(context // NUM_CHUNKS)] for _ in range(NUM_CHUNKS)]
-    keys = [store.ensure(model, c)[0] for c in chunks]
+    entries = [StoredEntry(store.ensure(model, c)[0], len(c)) for c in chunks]
     out = []
     for _ in range(batch):
         order = rng.sample(range(NUM_CHUNKS), NUM_CHUNKS)
-        out.append(KeyedRequest([keys[i] for i in order], [rng.randrange(vocab) for _ in range(NUM_SUFFIX)]))
-    flat = [t for c in chunks for t in c] + out[0].suffix_ids
+        suffix = tuple(rng.randrange(vocab) for _ in range(NUM_SUFFIX))
+        out.append(StoredPrompt(tuple(entries[i] for i in order), suffix))
+    flat = [t for c in chunks for t in c] + list(out[0].suffix_ids)
     return out, flat
 
 
-def _reuse(model: Decoder, engine: TransferEngine, runner: BatchRunner, requests: list[KeyedRequest]):
+def _reuse(model: Decoder, engine: TransferEngine, runner: BatchRunner, requests: list[StoredPrompt]):
     plan = preset("full_reuse", 0.0, model.num_layers)
 
     def run():
@@ -97,7 +98,7 @@ def _limit(model: Decoder, caches, suffixes, context: int, repeats: int) -> floa
     return median([timed(run) for _ in range(repeats)])
 
 
-def _fixed(model: Decoder, engine: TransferEngine, requests: list[KeyedRequest], repeats: int) -> float:
+def _fixed(model: Decoder, engine: TransferEngine, requests: list[StoredPrompt], repeats: int) -> float:
     """Per-batch fixed cost: opening every entry, giving each request its cache, assembling the
     sequences, closing; with a plan that loads nothing."""
     plan = preset("full_prefill", 0.0, model.num_layers)

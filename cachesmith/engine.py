@@ -1,10 +1,12 @@
 """The serving loop (paper §5): queue -> scheduler -> planner -> runner (+ transfer
 engine) -> first token -> decode, on a live or replay clock.
 
-In: `Request`s (submitted as they arrive, or a whole trace to `run`). Out: one `RequestResult` per
-request: refused ones carry an error naming the field and the limit (no stored prompt, a context
-larger than the KV capacity or the model's positions) and the rest of the run goes on; a bad SLO or
-`max_new_tokens` never gets here (a `Request` refuses it when built). At each
+In: `Request`s (submitted as they arrive, or a whole trace to `run`), carried whole to the executor;
+the scheduler sees each through its tensor-free `QueuedRequest`. Out: one `RequestResult` per
+request: refused ones carry an error naming the engine's limit they break (no stored prompt, a
+context larger than the KV capacity) and the rest of the run goes on. The rules of every request
+(its SLO, `max_new_tokens`, the model's positions) were checked where it entered
+(`cachesmith.request`): the engine trusts a typed `Request`. At each
 batch boundary the scheduler picks the batch and budget from token counts and deadlines; the
 executor runs it and reports the measured TTFT, which the replay clock adds to its time. With the
 simulator's runtime (`cachesmith.bench.simulate`) the same loop runs on TTFTs from the cost model and
@@ -21,14 +23,14 @@ from tqdm import tqdm
 
 from cachesmith.clock import Clock, make_clock
 from cachesmith.errors import ConfigError, InputError
-from cachesmith.executor import Admitted, BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
+from cachesmith.executor import BatchExecution, BatchExecutor, Executor, RequestOutput, TokenHook
 from cachesmith.gates import make_gate
 from cachesmith.methods import make_scheduler, parse_method
 from cachesmith.model import Decoding, Generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlannerConfig, Profile
 from cachesmith.request import Request, RequestResult
-from cachesmith.scheduler import ScheduleDecision, SchedulerConfig
+from cachesmith.scheduler import QueuedRequest, ScheduleDecision, SchedulerConfig
 from cachesmith.shadow_work import ShadowCalibrator, ShadowConfig, ShadowFactory
 
 
@@ -57,7 +59,7 @@ class EngineConfig:
 class PrefilledBatch:
     """A batch past its first tokens, waiting to be decoded (the live loop decodes on another thread)."""
     decision: ScheduleDecision
-    batch: list[Admitted]
+    batch: list[Request]
     run: BatchExecution
     first_token_s: float  # clock time of the batch's first tokens
     batch_id: int
@@ -92,7 +94,7 @@ class Engine:
         self.gate = make_gate(config.gate)
         self.references: dict[int, str] = {}  # full-prefill answers, for the fidelity gate
         self.stats = EngineStats()
-        self._queue: dict[int, Admitted] = {}
+        self._queue: dict[int, tuple[Request, QueuedRequest]] = {}  # by id: the request, the scheduler's view
         # planned requests whose verdict may still come from outside (`feedback`): the plan each ran
         self._awaiting_verdict: OrderedDict[int, tuple[str, int, int, float]] = OrderedDict()
         self._verdicts: deque[tuple[tuple, bool]] = deque()  # (plan ran, passed) from any thread
@@ -109,29 +111,36 @@ class Engine:
         return config.shadow_work(pipeline, self.planner, config.shadow)
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, request: Request) -> Admitted:
-        """Check the limits of a request whose caller keyed and stored its prompt (the engine stores
-        nothing: `RagPipeline.stored_prompt` and the server do)."""
+    def admit(self, request: Request) -> QueuedRequest:
+        """The scheduler's view of a request whose caller keyed and stored its prompt (the engine
+        stores nothing: `RagPipeline.stored_prompt` and the server do), or an `InputError` naming
+        the engine limit it breaks."""
         return self.executor.admit(request, self.config.scheduler.kv_capacity_tokens)
 
-    def submit(self, request: Request | Admitted) -> RequestResult | None:
-        """Queue a request; a refused one comes back at once as a result with its error."""
+    def enqueue(self, request: Request, view: QueuedRequest) -> RequestResult | None:
+        """Queue an admitted request (`view`: its `admit`); one whose id is queued already comes
+        back at once, refused."""
+        if request.request_id in self._queue:
+            return RequestResult.refused(request, f"request {request.request_id}: duplicate id")
+        self._queue[request.request_id] = (request, view)
+        return None
+
+    def submit(self, request: Request) -> RequestResult | None:
+        """Admit and queue a request; a refused one comes back at once as a result with its error."""
         try:
-            admitted = request if isinstance(request, Admitted) else self.admit(request)
+            view = self.admit(request)
         except InputError as exc:
             return RequestResult.refused(request, str(exc))
-        if admitted.request.request_id in self._queue:
-            return RequestResult.refused(admitted.request, f"request {admitted.request.request_id}: duplicate id")
-        self._queue[admitted.request.request_id] = admitted
-        return None
+        return self.enqueue(request, view)
 
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def cancel(self, request_id: int) -> Admitted | None:
+    def cancel(self, request_id: int) -> Request | None:
         """Take a request off the queue if it has not been batched yet (else None)."""
-        return self._queue.pop(request_id, None)
+        queued = self._queue.pop(request_id, None)
+        return None if queued is None else queued[0]
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestResult]:
@@ -139,21 +148,21 @@ class Engine:
         decided = self.next_decision()
         return [] if decided is None else self.run_batch(*decided)
 
-    def next_decision(self) -> tuple[ScheduleDecision, list[Admitted]] | None:
+    def next_decision(self) -> tuple[ScheduleDecision, list[Request]] | None:
         """Schedule the next batch and take its requests off the queue (the part of a step that
         must not overlap a submit: `EngineLoop` holds its lock around this only)."""
         self._apply_verdicts()
-        decision = self.scheduler.next_batch([a.queued for a in self._queue.values()], self.clock.now())
+        decision = self.scheduler.next_batch([view for _, view in self._queue.values()], self.clock.now())
         if decision is None:
             return None
         self.clock.advance(decision.decision_s)
-        return decision, [self._queue.pop(i) for i in decision.request_ids]
+        return decision, [self._queue.pop(i)[0] for i in decision.request_ids]
 
-    def run_batch(self, decision: ScheduleDecision, batch: list[Admitted]) -> list[RequestResult]:
+    def run_batch(self, decision: ScheduleDecision, batch: list[Request]) -> list[RequestResult]:
         """Execute a decided batch, advance the clock by its TTFT, gate and return the results."""
         return self.finish_batch(self.prefill_batch(decision, batch))
 
-    def prefill_batch(self, decision: ScheduleDecision, batch: list[Admitted]) -> "PrefilledBatch":
+    def prefill_batch(self, decision: ScheduleDecision, batch: list[Request]) -> "PrefilledBatch":
         """Run a decided batch up to its first tokens; the clock advances by the batch's TTFT."""
         start = self.clock.now()
         run = self.executor.prefill(decision, batch)
@@ -170,7 +179,7 @@ class Engine:
     def finish_batch(self, pre: "PrefilledBatch", on_token: TokenHook | None = None) -> list[RequestResult]:
         """Decode (off the TTFT clock), gate, and make the results of a prefilled batch."""
         outputs = self.executor.decode(pre.batch, pre.run, on_token)
-        return [self.result(pre, adm, out) for adm, out in zip(pre.batch, outputs)]
+        return [self.result(pre, req, out) for req, out in zip(pre.batch, outputs)]
 
     def new_decoding(self) -> Decoding:
         """An empty set of sequences decoded together on this engine's model (the live loop's)."""
@@ -185,17 +194,16 @@ class Engine:
                    token_times_s: tuple[float, ...] = ()) -> RequestResult:
         """The result of the batch's `index`-th request once its generation ended (its cache goes
         back to the pool), or its generation's error."""
-        adm = pre.batch[index]
+        req = pre.batch[index]
         if gen.error is not None:
             pre.run.outs[index].cache.release()
-            return RequestResult.failed(adm.request, gen.error)
-        return self.result(pre, adm, self.executor.output(adm, pre.run, index, gen), token_times_s)
+            return RequestResult.failed(req, gen.error)
+        return self.result(pre, req, self.executor.output(req, pre.run, index, gen), token_times_s)
 
-    def result(self, pre: "PrefilledBatch", adm: Admitted, out: RequestOutput,
+    def result(self, pre: "PrefilledBatch", req: Request, out: RequestOutput,
                token_times_s: tuple[float, ...] = ()) -> RequestResult:
         """One request's result from its decoded output (gated); `token_times_s`: when each of its
         tokens was produced, where the caller timed them (the live loop)."""
-        req = adm.request
         passed = self._gate(req, out.answer) if out.is_passed is None else out.is_passed  # sim: its own
         self._hear_verdict(req.request_id, pre.run.plan, out, passed)
         if self.shadow is not None:
@@ -258,28 +266,28 @@ class Engine:
     def run(self, requests: Sequence[Request], show_progress: bool = False) -> list[RequestResult]:
         """Serve a trace: each request joins the queue at its arrival time on this engine's clock
         (replay: virtual; live: real seconds from now). Results in request order."""
-        admitted: list[Admitted] = []
+        admitted: list[tuple[Request, QueuedRequest]] = []
         results: dict[int, RequestResult] = {}
         for r in tqdm(requests, desc="admit", unit="req", disable=not show_progress, leave=False):
             try:
-                admitted.append(self.admit(r))
+                admitted.append((r, self.admit(r)))
             except InputError as exc:
                 results[r.request_id] = RequestResult.refused(r, str(exc))
-        admitted.sort(key=lambda a: a.request.arrival_s)
+        admitted.sort(key=lambda a: a[0].arrival_s)
         bar = tqdm(total=len(requests), desc=self.method.name, unit="req", disable=not show_progress,
                    initial=len(results))
         i = 0
         while i < len(admitted) or self._queue:
             now = self.clock.now()
-            while i < len(admitted) and admitted[i].request.arrival_s <= now:
-                refused = self.submit(admitted[i])
+            while i < len(admitted) and admitted[i][0].arrival_s <= now:
+                refused = self.enqueue(*admitted[i])
                 if refused is not None:
                     results[refused.request_id] = refused
                 i += 1
             if not self._queue:
                 if self.shadow is not None:  # idle: shadow work that ends before the next arrival
-                    self.shadow.run_idle(self.clock, admitted[i].request.arrival_s)
-                self.clock.wait_until(admitted[i].request.arrival_s)
+                    self.shadow.run_idle(self.clock, admitted[i][0].arrival_s)
+                self.clock.wait_until(admitted[i][0].arrival_s)
                 continue
             for res in self.step():
                 results[res.request_id] = res

@@ -1,7 +1,7 @@
 """The engine on the live clock behind a thread-safe front: what a server talks to.
 
-In: `submit(prompt, slo_s, on_token)` from any thread (a `StoredPrompt`, keyed and stored by its
-caller). Out: a `Future` resolving to the request's `RequestResult` (refused ones at once, with
+In: `submit(request, on_token)` from any thread: a `Request` whose prompt its caller keyed and
+stored, built in its queue place (`reserve().request(...)`). Out: a `RequestFuture` resolving to the request's `RequestResult` (refused ones at once, with
 their error), and `on_token(index, token_id)` calls as tokens are produced: the first token as soon
 as its batch's prefill ends, the rest while decoding. The prefill thread runs batch after batch
 while the queue is not empty and hands each finished batch's sequences to a decode thread
@@ -34,8 +34,10 @@ from concurrent.futures import Future
 from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.model import Generation
+from cachesmith.kvstore import StoredPrompt
 from cachesmith.model.sampling import GREEDY, SamplingParams
-from cachesmith.request import Request, RequestResult, StoredPrompt
+from cachesmith.request import Request, RequestResult
+from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
 
 log = logging.getLogger(__name__)
@@ -52,17 +54,31 @@ class EngineClosed(CachesmithError):
     """The loop is shutting down and takes no new requests."""
 
 
+class RequestFuture(Future):
+    """The future result of one submitted request, which `EngineLoop.cancel` takes by its id."""
+
+    def __init__(self, request_id: int) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+
 class Slot:
     """One place in the queue, held by a request from its acceptance until it is queued or refused.
     `release` gives it back; only the first call counts, so every path may call it (try/finally)."""
 
-    def __init__(self, loop: "EngineLoop", arrival_s: float) -> None:
+    def __init__(self, loop: "EngineLoop", request_id: int, arrival_s: float) -> None:
+        self.request_id = request_id  # the id of the request this place is for
         self.arrival_s = arrival_s  # when the request was accepted: its TTFT starts here
         self.is_released = False
         self._loop = loop
 
+    def request(self, prompt: StoredPrompt, slo_s: float, max_new_tokens: int = 16,
+                sampling: SamplingParams = GREEDY, expected: Expected = Expected()) -> Request:
+        """The request this place is for: its id, its arrival (when the place was taken)."""
+        return Request(self.request_id, prompt, slo_s, max_new_tokens, self.arrival_s, sampling, expected)
+
     def release(self) -> None:
-        self._loop._release(self)
+        self._loop._give_back(self)
 
 
 class EngineLoop:
@@ -135,45 +151,50 @@ class EngineLoop:
             if depth >= self.max_queue:
                 raise QueueFull(depth, self.max_queue, self.retry_after_s())
             self._num_admitting += 1
-            return Slot(self, self.engine.clock.now())
+            return Slot(self, next(self._ids), self.engine.clock.now())
 
-    def _release(self, slot: Slot, admitted=None, future: Future | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> None:
-        """Give `slot` back (once), queueing `admitted` in the same step, so the depth never dips."""
+    def _give_back(self, slot: Slot) -> bool:
+        """Caller may hold the condition. Give `slot` back, once: False if it was already."""
         with self._cond:
             if slot.is_released:
-                return
+                return False
             slot.is_released = True
             self._num_admitting -= 1
-            if admitted is not None:
-                self._futures[admitted.request.request_id] = future
-                if on_token is not None:
-                    self._sinks[admitted.request.request_id] = on_token
-                self.engine.submit(admitted)
             self._cond.notify_all()
+            return True
 
-    def submit(self, prompt: StoredPrompt, slo_s: float, on_token: Callable[[int, int], None] | None = None, *,
-               max_new_tokens: int = 16, expected: Expected = Expected(), arrival_s: float | None = None,
-               sampling: SamplingParams = GREEDY, slot: Slot | None = None) -> Future:
-        """Queue a request of `prompt`; `arrival_s` (default: when its slot was taken) starts its
-        TTFT. `slot`: a place taken by `reserve` (default: one taken now); it is given back here,
-        whatever happens. Raises `InputError` for a request that breaks a rule of every request
-        (its SLO, `max_new_tokens`); one that breaks the engine's limits resolves refused."""
+    def _enqueue(self, slot: Slot, request: Request, view: QueuedRequest, future: RequestFuture,
+                 on_token: Callable[[int, int], None] | None) -> None:
+        """Queue an admitted request and give its slot back in one step, so the depth never dips."""
+        with self._cond:
+            if not self._give_back(slot):
+                raise RuntimeError(f"request {request.request_id}: its queue place was given back before it was queued")
+            refused = self.engine.enqueue(request, view)
+            if refused is not None:  # its id is queued already
+                future.set_result(refused)
+                return
+            self._futures[request.request_id] = future
+            if on_token is not None:
+                self._sinks[request.request_id] = on_token
+
+    def submit(self, request: Request, on_token: Callable[[int, int], None] | None = None,
+               slot: Slot | None = None) -> RequestFuture:
+        """Queue `request` (its arrival starts its TTFT). `slot`: the place taken by `reserve` for
+        it (default: one taken now); it is given back here, whatever happens. A request that
+        breaks the engine's limits (`Engine.admit`) resolves refused."""
         slot = slot or self.reserve()
         try:
-            with self._cond:
-                arrival = slot.arrival_s if arrival_s is None else arrival_s
-                request = Request(next(self._ids), prompt, slo_s, max_new_tokens, arrival, sampling, expected)
-            future: Future = Future()
-            future.request_id = request.request_id  # what `cancel` takes
-            admitted = self._admit(request, future)
-            self._release(slot, admitted, future, on_token)
+            future = RequestFuture(request.request_id)
+            view = self._admit(request, future)
+            if view is not None:
+                self._enqueue(slot, request, view, future, on_token)
         finally:
-            slot.release()  # a no-op after the release above; the one release on any exception
+            slot.release()  # a no-op once queued; the one release on a refusal or an exception
         return future
 
-    def _admit(self, request: Request, future: Future):
-        """The admitted request, or None with `future` resolved: refused (`InputError`) or failed."""
+    def _admit(self, request: Request, future: Future) -> QueuedRequest | None:
+        """The scheduler's view of the request, or None with `future` resolved: refused
+        (`InputError`) or failed."""
         try:
             with self._admit_lock:
                 return self.engine.admit(request)
@@ -233,8 +254,7 @@ class EngineLoop:
             gens = self.engine.start_decoding(prefilled, self._emit)
         except Exception as exc:  # a bad batch must not take the server down with it
             log.exception("batch %s failed", decision.request_ids)
-            self._resolve([RequestResult.failed(a.request, f"internal error while serving: {exc}")
-                           for a in batch])
+            self._resolve([RequestResult.failed(r, f"internal error while serving: {exc}") for r in batch])
             with self._cond:
                 self._is_prefilling = False
                 self._num_in_batch = 0
@@ -260,10 +280,10 @@ class EngineLoop:
         """Drop a request still waiting in the queue (a client that went away): its future resolves
         with a "cancelled" result. False if it is already running or done."""
         with self._cond:
-            admitted = self.engine.cancel(request_id)
-            if admitted is None:
+            request = self.engine.cancel(request_id)
+            if request is None:
                 return False
-        self._resolve([RequestResult.refused(admitted.request, "cancelled before it was scheduled", "cancelled")])
+        self._resolve([RequestResult.refused(request, "cancelled before it was scheduled", "cancelled")])
         return True
 
     def _decode_loop(self) -> None:
@@ -307,7 +327,7 @@ class EngineLoop:
         results = []
         for gen in gens:
             prefilled, index = gen.tag
-            times = tuple(self._token_times.pop(prefilled.batch[index].request.request_id, ()))
+            times = tuple(self._token_times.pop(prefilled.batch[index].request_id, ()))
             results.append(self.engine.finish_one(prefilled, index, gen, times))
         return results
 

@@ -1,6 +1,6 @@
 """Runs one scheduled batch on the model: the runtime side of the serving loop (paper §5.3).
 
-In: a `ScheduleDecision` and the `Admitted` requests it names (their stored chunk keys and token
+In: a `ScheduleDecision` and the `Request`s it names (their stored prompts: chunk keys and token
 counts). Out: a `BatchExecution` from `prefill`: the measured batch TTFT (staging, transfer waits,
 layer 0, the plan decided after it, the recompute, the first tokens), transfer stall, the plan and
 per request its first-token logits and assembled KV; then `decode` turns those into answers (greedy
@@ -23,14 +23,13 @@ from typing import Protocol
 import numpy as np
 
 from cachesmith.errors import InputError
-from cachesmith.kvstore import KeyedRequest
 from cachesmith.model import Decoding, Generation
 from cachesmith.model.generate import start_generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
 from cachesmith.recompute import HookChain, RecomputeConfig, RecomputeOutput, Signal
-from cachesmith.request import Request, check_fits
+from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scheduler.types import batch_shape
 
@@ -39,24 +38,16 @@ PROVISIONAL = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
 TAIL_WINDOW = 8  # recent batches whose tail (last layer to first tokens) the monitor reserves
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """A request ready to run: its limits checked, its entries' keys in the transfer engine's form."""
-    request: Request
-    keyed: KeyedRequest | None  # None in the simulator: no KV is stored or read
-    queued: QueuedRequest
-    chunk_tokens: tuple[int, ...] = ()  # each context chunk's token count, in prompt order
-
-
-def check_request(request: Request, prefix: int, context: int, suffix: int, max_positions: int,
-                  kv_capacity_tokens: int) -> QueuedRequest:
-    """The queue's view of a request, or an `InputError` naming the limit it breaks."""
-    rid, total = request.request_id, prefix + context + suffix
-    check_fits(total, request.max_new_tokens, max_positions, f"request {rid}")
-    if total > kv_capacity_tokens:
-        raise InputError(f"request {rid}: context of {total} tokens exceeds the KV capacity of "
+def queued_view(request: Request, prefix: int, context: int, suffix: int,
+                kv_capacity_tokens: int | None = None) -> QueuedRequest:
+    """The scheduler's view of a request of these token counts; with `kv_capacity_tokens`, an
+    `InputError` if it cannot run even alone (the engine's own limit: the rules of every request
+    were checked where it entered, `cachesmith.request`)."""
+    total = prefix + context + suffix
+    if kv_capacity_tokens is not None and total > kv_capacity_tokens:
+        raise InputError(f"request {request.request_id}: context of {total} tokens exceeds the KV capacity of "
                          f"{kv_capacity_tokens} tokens (scheduler.kv_capacity_tokens) even alone")
-    return QueuedRequest(rid, request.arrival_s, request.slo_s, context, suffix, prefix)
+    return QueuedRequest(request.request_id, request.arrival_s, request.slo_s, context, suffix, prefix)
 
 
 TokenHook = Callable[[int, int, int], None]  # (request id, token index, token id)
@@ -99,11 +90,11 @@ class BatchExecution:
 class Executor(Protocol):
     """Runs batches for the `Engine`: the model's `BatchExecutor` or the simulator's."""
 
-    def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted: ...
+    def admit(self, request: Request, kv_capacity_tokens: int) -> QueuedRequest: ...
 
-    def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution: ...
+    def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution: ...
 
-    def decode(self, batch: list[Admitted], run: BatchExecution,
+    def decode(self, batch: list[Request], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]: ...
 
 
@@ -114,18 +105,20 @@ class BatchExecutor:
         # runtime monitor keeps the largest of them clear of the deadline
         self.tails_s: deque[float] = deque(maxlen=TAIL_WINDOW)
 
-    def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
-        """Check the limits of a request whose caller keyed and stored its prompt; it runs with the
-        keys it gave."""
-        prompt = request.prompt
-        if prompt is None:
+    def admit(self, request: Request, kv_capacity_tokens: int) -> QueuedRequest:
+        """The scheduler's view of a request whose caller keyed and stored its prompt (it runs with
+        the keys it gave), or an `InputError` naming the engine limit it breaks."""
+        if request.prompt is None:
             raise InputError(f"request {request.request_id}: no stored prompt (build it with "
                              f"RagPipeline.request or RagPipeline.stored_prompt)")
-        queued = check_request(request, prompt.num_prefix_tokens, sum(prompt.chunk_num_tokens),
-                               len(prompt.suffix_ids), self.pipeline.model.config.max_positions, kv_capacity_tokens)
-        return Admitted(request, prompt.keyed(request.max_new_tokens), queued, prompt.chunk_num_tokens)
+        return self.view(request, kv_capacity_tokens)
 
-    def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
+    @staticmethod
+    def view(request: Request, kv_capacity_tokens: int | None = None) -> QueuedRequest:
+        p = request.prompt
+        return queued_view(request, p.num_prefix_tokens, p.num_context_tokens, len(p.suffix_ids), kv_capacity_tokens)
+
+    def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part)."""
         if decision.mode != "planned":
             plan = replace(decision.static_plan, coverage=decision.coverage)
@@ -140,16 +133,17 @@ class BatchExecutor:
             self.tails_s.append(max(0.0, seconds - monitor.walk_s))
         if monitor.pace is not None:  # pace is relative to the corrected schedule
             self.planner.observe(plan.signal, monitor.time_scale * monitor.pace, plan.probe,
-                                 batch_shape([a.queued for a in batch]).num_tokens)
+                                 batch_shape([self.view(r) for r in batch]).num_tokens)
         return BatchExecution(outs, list(plan.coverages), seconds, stall, plan.recompute_config().label(), plan,
                               monitor.num_replans)
 
-    def _timed_run(self, batch: list[Admitted], plan: RecomputeConfig, replanner=None):
+    def _timed_run(self, batch: list[Request], plan: RecomputeConfig, replanner=None):
         """(outputs, seconds from staging to the first tokens, transfer stall seconds)."""
         guard = self.pipeline.batch_guard
         with guard() if guard is not None else nullcontext():  # a benchmark's wait, off the clock
             start = time.perf_counter()
-            with self.pipeline.transfer.stage([a.keyed for a in batch], plan) as staged:
+            with self.pipeline.transfer.stage([r.prompt for r in batch], plan,
+                                              [r.max_new_tokens for r in batch]) as staged:
                 hooks = HookChain(staged)
                 replan = None if replanner is None else (lambda h: replanner(h, staged, hooks, start))
                 outs = self.pipeline.runner.run(staged.requests, plan, hooks, replan=replan)
@@ -157,15 +151,16 @@ class BatchExecutor:
                     out.first_token  # reading the argmax synchronizes with the device
                 return outs, time.perf_counter() - start, staged.stall_s
 
-    def _replanner(self, decision: ScheduleDecision, batch: list[Admitted], decided: dict):
+    def _replanner(self, decision: ScheduleDecision, batch: list[Request], decided: dict):
         """The runner's `replan` after layer 0: plan from the real entropies under the decision's
         budget, stage what the plan reads, and join the runtime monitor to the layer hooks."""
         planner = self.planner
-        shape = batch_shape([a.queued for a in batch])
+        views = [self.view(r) for r in batch]
+        shape = batch_shape(views)
 
         def replan(entropies, staged, hooks: HookChain, start: float):
-            reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens, e,
-                                a.request.task) for a, e in zip(batch, entropies)]
+            reqs = [PlanRequest(q.context_tokens, q.suffix_tokens, q.prefix_tokens, e, r.task)
+                    for q, r, e in zip(views, batch, entropies)]
             plan = planner.plan(reqs, decision.budget_s)
             config = plan.recompute_config()
             staged.set_plan(config)
@@ -179,7 +174,7 @@ class BatchExecutor:
 
         return replan
 
-    def decode(self, batch: list[Admitted], run: BatchExecution,
+    def decode(self, batch: list[Request], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:
         """Answers from the prefilled batch, its requests decoded together (off the TTFT clock)."""
         decoding = Decoding(self.pipeline.model)
@@ -187,30 +182,29 @@ class BatchExecutor:
         for gen in gens:
             decoding.add(gen)
         decoding.run()
-        return [self.output(adm, run, i, gen) for i, (adm, gen) in enumerate(zip(batch, gens))]
+        return [self.output(req, run, i, gen) for i, (req, gen) in enumerate(zip(batch, gens))]
 
-    def start_decoding(self, batch: list[Admitted], run: BatchExecution,
+    def start_decoding(self, batch: list[Request], run: BatchExecution,
                        on_token: TokenHook | None = None) -> list[Generation]:
         """Each request's first token chosen now (it may be sampled); the rest come from a
         `Decoding`'s steps. A generation's `tag` is its request's index in the batch."""
         gens = []
-        for i, (adm, out) in enumerate(zip(batch, run.outs)):
-            rid = adm.request.request_id
+        for i, (req, out) in enumerate(zip(batch, run.outs)):
+            rid = req.request_id
             hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
             gens.append(start_generation(self.pipeline.model, out.logits, out.cache,
-                                         adm.request.max_new_tokens, adm.request.sampling, hook, i))
+                                         req.max_new_tokens, req.sampling, hook, i))
         return gens
 
-    def output(self, adm: Admitted, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:
+    def output(self, req: Request, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:
         """A finished generation's answer; its cache's slabs go back to the pool for the next batch."""
-        out, q = run.outs[index], adm.queued
+        out, p = run.outs[index], req.prompt
         out.cache.release()
-        asked = adm.request.sampling.num_logprobs is not None
+        asked = req.sampling.num_logprobs is not None
         return RequestOutput(self.pipeline.tokenizer.decode(gen.token_ids).strip(), float(run.coverages[index]),
                              out.num_context, int(out.selected.numel()), out.qci_entropy,
-                             q.prefix_tokens + q.context_tokens + q.suffix_tokens, len(gen.token_ids),
-                             num_cached_prefix=q.prefix_tokens,
-                             reused_by_chunk=reused_by_chunk(adm.chunk_tokens, out.selected),
+                             p.num_tokens, len(gen.token_ids), num_cached_prefix=p.num_prefix_tokens,
+                             reused_by_chunk=reused_by_chunk(p.chunk_num_tokens, out.selected),
                              logprobs=list(gen.logprobs) if asked else None, token_ids=tuple(gen.token_ids))
 
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from cachesmith.errors import InputError
-from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import device as accel
 from cachesmith.model import ChunkKV, Decoder, Tokenizer, greedy_decode, resolve_model
 from cachesmith.model.chunk import extend_chunk
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.recompute import BatchRunner, RecomputeConfig
-from cachesmith.request import Request, StoredPrompt, check_fits
+from cachesmith.request import Request, check_fits, check_max_tokens, check_slo
 from cachesmith.scoring import Expected
 
 
@@ -100,14 +100,13 @@ class RagPipeline:
     def stored_prompt(self, parts: PromptParts, namespace: str = "") -> StoredPrompt:
         """The prompt's entries keyed once in `namespace` and stored (a miss is prefilled here): what
         a `Request` carries to the engine."""
-        ensured = [self.store.ensure_held(self.model, ids, namespace) for ids in parts.chunk_ids]
-        prefix = self.store.ensure_held(self.model, parts.prefix_ids, namespace)[0] if parts.prefix_ids else None
-        sources = [(key, tuple(ids), namespace) for (key, _), ids in zip(ensured, parts.chunk_ids)]
-        if prefix is not None:
-            sources.append((prefix, tuple(parts.prefix_ids), namespace))
-        return StoredPrompt(prefix, len(parts.prefix_ids), tuple(key for key, _ in ensured),
-                            tuple(len(ids) for ids in parts.chunk_ids), tuple(parts.suffix_ids),
-                            tuple(not computed for _, computed in ensured), tuple(sources))
+        def entry(ids: Sequence[int]) -> StoredEntry:
+            key, is_new = self.store.ensure_held(self.model, ids, namespace)
+            return StoredEntry(key, len(ids), tuple(ids), namespace, not is_new)
+
+        chunks = tuple(entry(ids) for ids in parts.chunk_ids)
+        prefix = entry(parts.prefix_ids) if parts.prefix_ids else None
+        return StoredPrompt(chunks, tuple(parts.suffix_ids), prefix)
 
     def request(self, request_id: int, documents: Sequence[str], question: str, slo_s: float, *,
                 arrival_s: float = 0.0, max_new_tokens: int = 32, system: str = "", answer_prefix: str = "",
@@ -120,6 +119,8 @@ class RagPipeline:
             raise InputError(f"request {request_id}: documents must be a sequence of non-empty texts")
         if not question.strip():
             raise InputError(f"request {request_id}: question must be non-empty")
+        check_slo(slo_s, f"request {request_id}: slo_s")
+        check_max_tokens(max_new_tokens, f"request {request_id}: max_new_tokens")
         parts = self.prompt(documents, question, answer_prefix, system or None)
         check_fits(len(parts.token_ids), max_new_tokens, self.model.config.max_positions, f"request {request_id}")
         return Request(request_id, self.stored_prompt(parts), slo_s, max_new_tokens, arrival_s, sampling, expected)
@@ -134,11 +135,11 @@ class RagPipeline:
         return self.answer_parts(self.prompt(documents, question, answer_prefix, system), plan, max_new_tokens)
 
     def answer_parts(self, parts: PromptParts, plan: RecomputeConfig, max_new_tokens: int = 32) -> Answer:
-        request = self.stored_prompt(parts).keyed(max_new_tokens)  # misses are prefilled here, off the clock
+        prompt = self.stored_prompt(parts)  # misses are prefilled here, off the clock
         accel.synchronize(self.model.device)
         with self.batch_guard() if self.batch_guard is not None else nullcontext():
             start = time.perf_counter()
-            with self.transfer.stage([request], plan) as batch:
+            with self.transfer.stage([prompt], plan, [max_new_tokens]) as batch:
                 out = self.runner.run(batch.requests, plan, batch)[0]
                 out.first_token  # reading the argmax synchronizes with the device
                 ttft = time.perf_counter() - start

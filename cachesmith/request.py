@@ -7,8 +7,12 @@ scored against. Whoever holds the texts (the server, a benchmark, `RagPipeline.s
 tokenizes and keys them once; the engine never sees a text. Out: `RequestResult` (first token
 time, the answer, whether it met its SLO and passed its quality gate, how it was run, or the error
 that kept it from running), and on the live loop each token's time. Times are on the engine's
-clock, in seconds. The rules every request obeys live here (`check_slo`, `check_fits`); callers
-with a field of their own (the server's `slo_ms`, the connector's) call them with its name.
+clock, in seconds.
+
+The rules every request obeys live here (`check_slo`, `check_max_tokens`, `check_fits`), and each
+is checked once, where a value enters: the server's front (naming the client's fields, before any
+costly work), `RagPipeline.request` for a Python caller, the connector's planner. A `Request` is
+typed and trusted: the engine checks only its own limits (a stored prompt, the KV capacity).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from cachesmith.errors import InputError
-from cachesmith.kvstore import KeyedRequest
+from cachesmith.kvstore import StoredPrompt
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.scoring import Expected
 
@@ -38,6 +42,15 @@ def check_slo(value: float, field: str = "slo_s", max_slo_s: float = math.inf, m
         raise InputError(f"{field}={value!r}: must be a positive number{low}{high}")
 
 
+def check_max_tokens(value: int, field: str = "max_new_tokens", limit: int | None = None) -> None:
+    """A token budget is an integer of at least 1 (and at most `limit`, when set); the error names
+    the field."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not (is_int and 1 <= value and (limit is None or value <= limit)):
+        bound = "an integer >= 1" if limit is None else f"an integer between 1 and {limit}"
+        raise InputError(f"{field}={value!r}: must be {bound}")
+
+
 def check_fits(num_prompt_tokens: int, max_new_tokens: int, max_positions: int, field: str,
                budget_field: str = "max_new_tokens") -> None:
     """A prompt and the tokens it may generate fit in the model's positions; the error names the
@@ -48,41 +61,10 @@ def check_fits(num_prompt_tokens: int, max_new_tokens: int, max_positions: int, 
 
 
 @dataclass(frozen=True)
-class StoredPrompt:
-    """A prompt whose KV is stored already, each entry keyed once (in its caller's store
-    namespace): the prefix's entry, each chunk's entry with its token count, and the suffix's
-    token ids (always computed). The engine runs it as given, never re-deriving keys."""
-    prefix_key: str | None
-    num_prefix_tokens: int
-    chunk_keys: tuple[str, ...]
-    chunk_num_tokens: tuple[int, ...]
-    suffix_ids: tuple[int, ...]
-    was_stored: tuple[bool, ...] = ()  # per chunk: False = prefilled for this request
-    # (key, token ids, namespace) of the entries the caller stored: what rebuilds one evicted before staging
-    sources: tuple[tuple[str, tuple[int, ...], str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.chunk_keys) != len(self.chunk_num_tokens):
-            raise ValueError(f"{len(self.chunk_keys)} chunk keys but {len(self.chunk_num_tokens)} token counts")
-        if (self.prefix_key is None) != (self.num_prefix_tokens == 0):
-            raise ValueError("a prefix key needs its token count, and a count its key")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefix_tokens + sum(self.chunk_num_tokens) + len(self.suffix_ids)
-
-    def keyed(self, max_new_tokens: int) -> KeyedRequest:
-        """What the transfer engine stages: the keys, the suffix, room for `max_new_tokens`, and
-        how to rebuild an entry evicted before staging."""
-        return KeyedRequest(list(self.chunk_keys), list(self.suffix_ids), self.prefix_key,
-                            extra_capacity=max_new_tokens, was_stored=self.was_stored,
-                            rebuild={key: (ids, namespace) for key, ids, namespace in self.sources})
-
-
-@dataclass(frozen=True)
 class Request:
-    """One request to the engine. `prompt` None: a simulated request (the simulator's executor reads
-    its token counts from its measured outcome; the model's executor refuses it)."""
+    """One request to the engine, the one type it carries from submission to the executor. `prompt`
+    None: a simulated request (the simulator's executor reads its token counts from its measured
+    outcome; the model's executor refuses it)."""
     request_id: int
     prompt: StoredPrompt | None
     slo_s: float
@@ -90,12 +72,6 @@ class Request:
     arrival_s: float = 0.0
     sampling: SamplingParams = GREEDY  # how its tokens are chosen
     expected: Expected = Expected()  # the task (the planner's curves, the gate's metric) and gold
-
-    def __post_init__(self) -> None:
-        check_slo(self.slo_s, f"request {self.request_id}: slo_s")
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InputError(f"request {self.request_id}: max_new_tokens={n!r} must be an integer >= 1")
 
     @property
     def task(self) -> str:

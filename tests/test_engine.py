@@ -83,12 +83,13 @@ def test_requests_past_saving_run_at_full_reuse(pipe, profile):
     assert results[0].mode == "planned" and results[0].is_on_time
 
 
-def test_a_bad_slo_is_refused_where_the_request_is_made(pipe):
+def test_a_bad_slo_or_a_prompt_past_the_model_is_refused_where_the_request_is_made(pipe):
     for slo, shown in ((0.0, "0.0"), (-2.0, "-2.0"), (float("nan"), "nan"), (True, "True")):
         with pytest.raises(InputError, match=f"request 3: slo_s={shown}: must be a positive number"):
             request(pipe, 3, instance(0), slo)
-    with pytest.raises(InputError, match="max_new_tokens=0"):
-        Request(3, None, 5.0, max_new_tokens=0)
+    big = instance(9, num_docs=12, words_per_doc=120)
+    with pytest.raises(InputError, match="request 3: the prompt's .* exceed the model's"):
+        request(pipe, 3, big, 5.0)
 
 
 def test_a_request_past_a_limit_gets_its_own_error_and_the_run_goes_on(pipe, profile):
@@ -98,12 +99,6 @@ def test_a_request_past_a_limit_gets_its_own_error_and_the_run_goes_on(pipe, pro
     assert "KV capacity of 600 tokens" in results[0].error
     assert results[1].error is None and results[1].answer is not None and results[1].first_token_s is not None
     assert "request 5: no stored prompt" in results[2].error
-
-
-def test_oversize_context_names_the_model_limit(pipe, profile):
-    huge = instance(3, num_docs=8, words_per_doc=200)
-    res = engine(pipe, profile).run([request(pipe, 0, huge, 5.0)])[0]
-    assert "exceed the model's 1024 positions" in res.error
 
 
 def test_unknown_method_and_clock_are_named():

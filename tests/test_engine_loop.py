@@ -12,7 +12,8 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.instance import WorkloadInstance
-from cachesmith.model.sampling import SamplingParams
+from cachesmith.model.sampling import GREEDY, SamplingParams
+from cachesmith.request import Request, check_fits, check_slo
 from cachesmith.profiler.shadow import shadow_calibrator
 from cachesmith.scoring import Expected
 from cachesmith.shadow_work import ShadowConfig
@@ -23,11 +24,21 @@ from tests.planner.synthetic_profile import make_profile
 pytestmark = pytest.mark.real_model  # borrows the packaged model's tokenizer
 
 
-def submit(loop: EngineLoop, inst: WorkloadInstance, slo_s: float, **kw):
-    """Queue an instance as a server queues a completion: its prompt keyed and stored first."""
+def submit(loop: EngineLoop, inst: WorkloadInstance, slo_s: float, on_token=None, slot=None,
+           sampling: SamplingParams = GREEDY):
+    """Queue an instance as a server queues a completion, in its queue place: its rules checked,
+    its prompt keyed and stored, then the whole `Request` submitted."""
     pipe = loop.engine.pipeline
-    prompt = pipe.stored_prompt(instance_prompt(pipe, inst))
-    return loop.submit(prompt, slo_s, max_new_tokens=inst.max_new_tokens, expected=Expected.of(inst), **kw)
+    slot = slot or loop.reserve()
+    try:
+        parts = instance_prompt(pipe, inst)
+        check_slo(slo_s)
+        check_fits(len(parts.token_ids), inst.max_new_tokens, pipe.model.config.max_positions, "documents")
+        request = slot.request(pipe.stored_prompt(parts), slo_s, inst.max_new_tokens, sampling, Expected.of(inst))
+    except BaseException:
+        slot.release()
+        raise
+    return loop.submit(request, on_token, slot)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +76,12 @@ def test_refusals_queue_limit_and_drain_on_close(pipe):
     loop = EngineLoop(engine, max_queue=2)
     with pytest.raises(InputError, match="slo_s=-1.0"):
         submit(loop, instance(1), -1.0)
-    assert loop.queue_depth == 0  # its place was given back
-    big = replace(instance(2), documents=instance(2).documents * 8)  # past the model: refused, not raised
-    assert "exceed the model's 1024 positions" in submit(loop, big, 30.0).result(timeout=5).error
+    big = replace(instance(2), documents=instance(2).documents * 8)
+    with pytest.raises(InputError, match="exceed the model's 1024 positions"):
+        submit(loop, big, 30.0)
+    assert loop.queue_depth == 0  # their places were given back
+    unstored = loop.submit(Request(999, None, 30.0))  # past the engine's own limits: refused, not raised
+    assert "request 999: no stored prompt" in unstored.result(timeout=5).error and loop.queue_depth == 0
     gate = threading.Event()
     original = engine.prefill_batch
 

@@ -10,7 +10,8 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import InputError
 from cachesmith.model.sampling import GREEDY
 from cachesmith.recompute import full_prefill
-from cachesmith.request import Request, StoredPrompt, check_fits, check_slo
+from cachesmith.kvstore import StoredEntry, StoredPrompt
+from cachesmith.request import Request, check_fits, check_max_tokens, check_slo
 from cachesmith.scoring import Expected
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile
@@ -41,16 +42,33 @@ def test_the_positions_rule_counts_the_tokens_to_generate():
         check_fits(1001, 24, 1024, "documents")
 
 
-def test_a_request_is_valid_by_construction():
-    prompt = StoredPrompt(None, 0, ("a" * 64,), (5,), (1, 2))
+def test_the_token_budget_rule_names_the_field_and_its_limit():
+    check_max_tokens(1)
+    check_max_tokens(512, "max_tokens", 512)
+    for bad in (0, -3, 1.5, True, "4"):
+        with pytest.raises(InputError, match="max_new_tokens=.*must be an integer >= 1"):
+            check_max_tokens(bad)
+    with pytest.raises(InputError, match="max_tokens=513: must be an integer between 1 and 512"):
+        check_max_tokens(513, "max_tokens", 512)
+
+
+def test_a_request_counts_its_prompt_from_its_stored_entries():
+    prompt = StoredPrompt((StoredEntry("a" * 64, 5), StoredEntry("b" * 64, 4, (9,) * 4, "ns", False)), (1, 2),
+                          StoredEntry("c" * 64, 3))
     req = Request(7, prompt, 2.0, 3, 1.5)
-    assert (req.task, req.expected.gold, req.sampling, prompt.num_tokens) == ("custom", (), GREEDY, 7)
+    assert (req.task, req.expected.gold, req.sampling) == ("custom", (), GREEDY)
+    assert (prompt.num_tokens, prompt.num_prefix_tokens, prompt.num_context_tokens) == (14, 3, 9)
+    assert prompt.chunk_keys == ("a" * 64, "b" * 64) and prompt.chunk_num_tokens == (5, 4)
+    assert prompt.was_stored == (True, False) and prompt.prefix_key == "c" * 64
+    assert [name for name, _ in prompt.entries()] == ["prefix", "chunks[0]", "chunks[1]"]
+
+
+@pytest.mark.real_model
+def test_the_pipelines_request_checks_each_rule_where_the_values_enter(pipe):
     with pytest.raises(InputError, match="request 7: slo_s=-1.0"):
-        Request(7, prompt, -1.0)
+        pipe.request(7, ["text"], "q", -1.0)
     with pytest.raises(InputError, match="request 7: max_new_tokens=0"):
-        Request(7, prompt, 1.0, 0)
-    with pytest.raises(ValueError, match="1 chunk keys but 2 token counts"):
-        StoredPrompt(None, 0, ("a" * 64,), (5, 6), (1,))
+        pipe.request(7, ["text"], "q", 1.0, max_new_tokens=0)
 
 
 @pytest.mark.real_model  # the tiny model borrows the packaged model's tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.methods import default_methods, parse_method
 from cachesmith.pipeline import RagPipeline
-from cachesmith.request import Request
+from cachesmith.request import Request, check_fits, check_slo
 from cachesmith.scoring import Expected
 from cachesmith.instance import WorkloadInstance, load_workload_file
 from cachesmith.workloads.tasks import generate
@@ -121,7 +121,12 @@ def build_requests(pipe: RagPipeline, config: BenchConfig, insts: list[WorkloadI
 def instance_request(pipe: RagPipeline, request_id: int, inst: WorkloadInstance, slo_s: float,
                      arrival_s: float = 0.0) -> Request:
     """The engine `Request` of one workload instance: its prompt tokenized, keyed and stored (a miss
-    is prefilled), its answer length, and its task and gold for the gate. Raises `InputError` (a
-    chunk id the store does not hold, a document past the model's positions)."""
-    return Request(request_id, pipe.stored_prompt(instance_prompt(pipe, inst)), slo_s, inst.max_new_tokens,
-                   arrival_s, expected=Expected.of(inst))
+    is prefilled), its answer length, and its task and gold for the gate: a benchmark's requests
+    enter here, so each rule of every request is checked here, before anything is stored. Raises
+    `InputError` (its SLO, a prompt past the model's positions; an instance checks its own answer
+    length)."""
+    check_slo(slo_s, f"request {request_id}: slo_s")
+    parts = instance_prompt(pipe, inst)
+    check_fits(len(parts.token_ids), inst.max_new_tokens, pipe.model.config.max_positions, f"request {request_id}")
+    return Request(request_id, pipe.stored_prompt(parts), slo_s, inst.max_new_tokens, arrival_s,
+                   expected=Expected.of(inst))

@@ -2,7 +2,7 @@
 takes the cost model's TTFT (transfer over the simulated link included) on this machine's measured
 pace, and each request's gate verdict is read from the outcome tables under the plan it ran.
 
-In: a `ScheduleDecision` and the `Admitted` requests it names, each the simulated request of an
+In: a `ScheduleDecision` and the `Request`s it names, each the simulated request of an
 `Outcome` (token counts, QCI entropy, verdicts): `request` makes one and notes its outcome. The
 machine is the profile's costs at each plan family's pace plus the reuse time per placed cached
 row (`bench.pace.MachinePace`). Out:
@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cachesmith.errors import ConfigError
-from cachesmith.executor import Admitted, BatchExecution, RequestOutput, TokenHook, check_request
+from cachesmith.executor import BatchExecution, RequestOutput, TokenHook, queued_view
 from cachesmith.planner import BatchPlan, BatchShape, CostModel, Planner, PlanRequest
 from cachesmith.planner.cost_model import Step
 from cachesmith.planner.monitor import RuntimeMonitor
 from cachesmith.recompute import RecomputeConfig
 from cachesmith.recompute.hooks import LayerInfo
-from cachesmith.request import Request
-from cachesmith.scheduler import ScheduleDecision
+from cachesmith.request import Request, check_fits, check_slo
+from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scoring import Expected
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.outcomes import Outcome, OutcomeTable
@@ -78,7 +78,10 @@ class SimExecutor:
 
     def request(self, request_id: int, outcome: Outcome, slo_s: float, arrival_s: float = 0.0) -> Request:
         """The simulated request of `outcome`: no stored prompt (its token counts are the
-        outcome's), gated by the outcome's verdicts."""
+        outcome's), gated by the outcome's verdicts. A simulated request enters here: its SLO and
+        positions are checked here, once (`InputError`)."""
+        check_slo(slo_s, f"request {request_id}: slo_s")
+        check_fits(outcome.num_tokens, outcome.max_new_tokens, self.table.max_positions, f"request {request_id}")
         self.outcomes[request_id] = outcome
         return Request(request_id, None, slo_s, outcome.max_new_tokens, arrival_s, expected=Expected(outcome.task))
 
@@ -92,14 +95,15 @@ class SimExecutor:
             self._machines[key] = (paced, paced.with_bandwidth(INFINITE_GBPS))
         return self._machines[key]
 
-    def admit(self, request: Request, kv_capacity_tokens: int) -> Admitted:
+    def admit(self, request: Request, kv_capacity_tokens: int | None = None) -> QueuedRequest:
+        """The scheduler's view of a simulated request: its outcome's token counts (measured on the
+        model, so within its positions), or an `InputError` past the KV capacity."""
         o = self.outcomes[request.request_id]
-        queued = check_request(request, o.prefix_tokens, o.context_tokens, o.suffix_tokens,
-                               self.table.max_positions, kv_capacity_tokens)
-        return Admitted(request, None, queued)
+        return queued_view(request, o.prefix_tokens, o.context_tokens, o.suffix_tokens, kv_capacity_tokens)
 
-    def prefill(self, decision: ScheduleDecision, batch: list[Admitted]) -> BatchExecution:
-        shape = batch_shape([a.queued for a in batch])
+    def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
+        views = [self.admit(r) for r in batch]
+        shape = batch_shape(views)
         slowdown = next(self._slowdowns)
         if decision.mode != "planned":
             config = replace(decision.static_plan, coverage=decision.coverage)
@@ -107,16 +111,16 @@ class SimExecutor:
             seconds, stall = (slowdown * t for t in self._ttft(shape, config, np.array([coverages])))
             final, plan, replans = coverages, None, 0
         else:
-            reqs = [PlanRequest(a.queued.context_tokens, a.queued.suffix_tokens, a.queued.prefix_tokens,
-                                self.outcomes[a.request.request_id].entropy, a.request.task) for a in batch]
+            reqs = [PlanRequest(q.context_tokens, q.suffix_tokens, q.prefix_tokens,
+                                self.outcomes[r.request_id].entropy, r.task) for q, r in zip(views, batch)]
             plan = self.planner.plan(reqs, decision.budget_s)
             if self.decision_s is not None:
                 plan = replace(plan, decision_s=self.decision_s)
             config, coverages = plan.recompute_config(), list(plan.coverages)
             seconds, stall, final, replans = self._monitored(plan, shape, decision.limit_s, slowdown)
         signal, w, p = config.signal.value, config.warmup, config.probe
-        verdicts = [self.table.passes(self.outcomes[a.request.request_id], signal, w, p, c)
-                    for a, c in zip(batch, final)]
+        verdicts = [self.table.passes(self.outcomes[r.request_id], signal, w, p, c)
+                    for r, c in zip(batch, final)]
         return BatchExecution([], coverages, seconds, stall, config.label(), plan, replans, verdicts,
                               [float(c) for c in final])
 
@@ -166,14 +170,14 @@ class SimExecutor:
             out.append(np.diff(ends[:, 0], prepend=0.0))
         return steps, slowdown * np.array(out)
 
-    def decode(self, batch: list[Admitted], run: BatchExecution,
+    def decode(self, batch: list[Request], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:
         """No tokens: each request's planned coverage, recomputed count (at the coverage it ended
         with) and verdict."""
         out = []
         final = run.final_coverages or run.coverages
-        for a, cov, end, verdict in zip(batch, run.coverages, final, run.verdicts):
-            o = self.outcomes[a.request.request_id]
+        for r, cov, end, verdict in zip(batch, run.coverages, final, run.verdicts):
+            o = self.outcomes[r.request_id]
             out.append(RequestOutput("", float(cov), o.context_tokens, int(round(end * o.context_tokens)),
                                      o.entropy, o.num_tokens, 0, verdict))
         return out

@@ -142,7 +142,7 @@ def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorPa
     plan = plan or plan_prompt(pipe, parts, params, waited_s)
     request = prompt_request(pipe, parts, params, namespace)
     was_stored = request.prompt.was_stored
-    with pipe.transfer.stage([request.prompt.keyed(request.max_new_tokens)], plan.config) as batch:
+    with pipe.transfer.stage([request.prompt], plan.config, [request.max_new_tokens]) as batch:
         out = pipe.runner.run(batch.requests, plan.config, batch)[0]
     report = LoadReport(len(was_stored), sum(was_stored), was_stored.count(False),
                         sum(len(ids) for ids, hit in zip(parts.chunk_ids, was_stored) if hit),

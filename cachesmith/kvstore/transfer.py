@@ -1,6 +1,7 @@
 """The transfer engine: loads stored chunk KV into staging buffers, layer by layer, ahead of the runner.
 
-In: keyed requests (prefix key, chunk keys, suffix ids) and the batch's `(S, w, p, r)` plan.
+In: `StoredPrompt`s (prefix and chunk keys, suffix ids), each with room to reserve for its decode,
+and the batch's `(S, w, p, r)` plan.
 Out: `RecomputeRequest`s whose prefix and chunk tensors are views of the request's own KV cache (the
 one decoding will use): stored rows land there, pre-RoPE, and the runner rotates them in place. On
 CPU they land directly; on a device through pinned host buffers and a side stream
@@ -26,6 +27,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +36,7 @@ import torch
 from cachesmith.errors import ConfigError
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry
 from cachesmith.kvstore.link import Link
+from cachesmith.kvstore.prompt import StoredEntry, StoredPrompt
 from cachesmith.kvstore.reader import EntryReader
 from cachesmith.kvstore.staging import LayerLoad, StagingPath
 from cachesmith.kvstore.store import ChunkStore
@@ -58,19 +61,6 @@ class TransferConfig:
             raise ConfigError(f"num_workers={self.num_workers} must be in [1, 32]")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError(f"ema_alpha={self.ema_alpha} must be in (0, 1]")
-
-
-@dataclass
-class KeyedRequest:
-    chunk_keys: list[str]
-    suffix_ids: list[int]
-    prefix_key: str | None = None
-    coverage: float | None = None
-    extra_capacity: int = 0
-    was_stored: tuple[bool, ...] = ()  # per chunk, as its caller stored it: False = prefilled for this request
-    # key -> (token ids, namespace) of entries its caller stored: one that every tier evicted before
-    # staging (memory LRU, a disk quota, redis away) is prefilled again there instead of failing the batch
-    rebuild: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,8 +114,11 @@ class TransferEngine:
                 prev = self.stats.effective_gbps
                 self.stats.effective_gbps = gbps if prev is None else (1 - a) * prev + a * gbps
 
-    def stage(self, requests: list[KeyedRequest], plan: RecomputeConfig) -> "BatchTransfer":
-        return BatchTransfer(self, requests, plan)
+    def stage(self, prompts: Sequence[StoredPrompt], plan: RecomputeConfig,
+              extra_capacity: Sequence[int] = ()) -> "BatchTransfer":
+        """Stage `prompts` for `plan`, each request's cache with room for `extra_capacity[i]` more
+        rows (its decode; default none)."""
+        return BatchTransfer(self, prompts, plan, extra_capacity)
 
     def submit(self, layer: int, batch: "BatchTransfer", request: int, rows: np.ndarray) -> None:
         """Queue one load in deadline order; the workers start on first use and live on."""
@@ -198,7 +191,8 @@ class _Staged:
 
 
 class BatchTransfer(RunnerHooks):
-    def __init__(self, engine: TransferEngine, requests: list[KeyedRequest], plan: RecomputeConfig) -> None:
+    def __init__(self, engine: TransferEngine, prompts: Sequence[StoredPrompt], plan: RecomputeConfig,
+                 extra_capacity: Sequence[int] = ()) -> None:
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_layers
         self._cond = threading.Condition()
@@ -211,7 +205,8 @@ class BatchTransfer(RunnerHooks):
         self._max_layer = -1  # the deepest layer the runner has reached
         self.staged: list[_Staged] = []
         try:
-            self.requests = [self._stage_request(i, r) for i, r in enumerate(requests)]
+            extra = list(extra_capacity) or [0] * len(prompts)
+            self.requests = [self._stage_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, extra, strict=True))]
         except BaseException:
             self._close_readers()
             raise
@@ -230,38 +225,35 @@ class BatchTransfer(RunnerHooks):
                 self._need(layer, i, want)
 
     # -- staging -----------------------------------------------------------------------------
-    def _open(self, key: str, field_name: str, rebuild: dict[str, tuple[tuple[int, ...], str]]) -> EntryReader:
+    def _open(self, entry: StoredEntry, field_name: str) -> EntryReader:
         store = self.engine.store
-        reader = store.open(key, self.model)
-        if reader is None and key in rebuild:
-            token_ids, namespace = rebuild[key]
+        reader = store.open(entry.key, self.model)
+        if reader is None and entry.token_ids is not None:
             log.warning("%s: chunk %s left every store tier after its request was admitted; prefilled again",
-                        field_name, key[:12])
-            store.ensure(self.model, token_ids, namespace, key)
+                        field_name, entry.key[:12])
+            store.ensure(self.model, entry.token_ids, entry.namespace, entry.key)
             self.engine.stats.num_recomputed += 1
-            reader = store.open(key, self.model)
+            reader = store.open(entry.key, self.model)
         if reader is None:
-            raise CorruptEntry(f"{field_name}: chunk {key[:12]} is not in the store (or was corrupt)")
+            raise CorruptEntry(f"{field_name}: chunk {entry.key[:12]} is not in the store (or was corrupt)")
         return reader
 
-    def _open_all(self, index: int, req: KeyedRequest) -> list[tuple[bool, EntryReader]]:
-        keys = ([("prefix", req.prefix_key)] if req.prefix_key else []) + \
-            [(f"chunks[{j}]", k) for j, k in enumerate(req.chunk_keys)]
+    def _open_all(self, index: int, prompt: StoredPrompt) -> list[tuple[bool, EntryReader]]:
         readers: list[tuple[bool, EntryReader]] = []
         try:
-            for name, key in keys:
-                readers.append((name == "prefix", self._open(key, f"requests[{index}].{name}", req.rebuild)))
+            for name, entry in prompt.entries():
+                readers.append((name == "prefix", self._open(entry, f"requests[{index}].{name}")))
         except BaseException:
             for _, r in readers:
                 r.close()
             raise
         return readers
 
-    def _stage_request(self, index: int, req: KeyedRequest) -> RecomputeRequest:
+    def _stage_request(self, index: int, prompt: StoredPrompt, extra_capacity: int) -> RecomputeRequest:
         """Open every entry, then give the request its cache: each entry's rows are a view of it."""
-        readers = self._open_all(index, req)
+        readers = self._open_all(index, prompt)
         num_cached = sum(r.header.num_tokens for _, r in readers)
-        cache = self.model.new_cache(num_cached + len(req.suffix_ids) + req.extra_capacity)
+        cache = self.model.new_cache(num_cached + len(prompt.suffix_ids) + extra_capacity)
         segs, start = [], 0
         for is_prefix, reader in readers:
             h = reader.header
@@ -272,8 +264,7 @@ class BatchTransfer(RunnerHooks):
         self.staged.append(_Staged(cache, segs, np.zeros((self.num_layers, num_cached), dtype=bool), num_prefix))
         chunks = [s.chunk for s in segs if not s.is_prefix]
         prefix = segs[0].chunk if num_prefix else None
-        return RecomputeRequest(chunks, list(req.suffix_ids), prefix, req.coverage, req.extra_capacity,
-                                cache=cache)
+        return RecomputeRequest(chunks, list(prompt.suffix_ids), prefix, None, extra_capacity, cache=cache)
 
     # -- issuing -----------------------------------------------------------------------------
     def _need(self, layer: int, request: int, want: np.ndarray) -> None:

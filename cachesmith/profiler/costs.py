@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cachesmith.jsonl import load_keyed
-from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferConfig, TransferEngine
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt, StoreConfig, TransferConfig, TransferEngine
 from cachesmith.model import Decoder
 from cachesmith.planner.cost_model import (NUM_FEATURES, BatchShape, CostModel, execution_steps, overhead_features,
                                            step_features)
@@ -47,6 +47,7 @@ PROFILE_PLANS = PRESET_PLANS + PLANNER_PLANS
 CHUNK_TOKENS = (96, 512)  # pool chunk sizes, like retrieved passages
 PREFIX_TOKENS = 24  # the shared cached prefix (the real prompts' system part is 23-26 tokens)
 SUFFIX_TOKENS = (16, 48)
+DECODE_ROWS = 8  # cache rows each timed request reserves past its prompt, as a served one does for decoding
 
 
 @dataclass(frozen=True)
@@ -152,33 +153,33 @@ class TimingBench:
     def close(self) -> None:
         self.transfer.close()
 
-    def requests(self, contexts: Iterable[int], seed: int) -> tuple[list[KeyedRequest], BatchShape]:
+    def requests(self, contexts: Iterable[int], seed: int) -> tuple[list[StoredPrompt], BatchShape]:
         """Requests of about `contexts` chunk tokens each: pool chunks drawn without replacement
         within a batch (while the pool lasts), a prefix and a random suffix each."""
         rng, vocab = random.Random(seed), self.model.config.vocab_size
         order = rng.sample(range(len(self.pool)), len(self.pool))
         reqs, ctx, sfx = [], [], []
         for target in contexts:
-            keys, n = [], 0
+            chunks, n = [], 0
             while n < target:
                 if not order:
                     order = rng.sample(range(len(self.pool)), len(self.pool))
                 key, size = self.pool[order.pop()]
-                keys.append(key)
+                chunks.append(StoredEntry(key, size))
                 n += size
-            suffix = [rng.randrange(vocab) for _ in range(rng.randint(*SUFFIX_TOKENS))]
-            reqs.append(KeyedRequest(keys, suffix, self.prefix_key, extra_capacity=8))
+            suffix = tuple(rng.randrange(vocab) for _ in range(rng.randint(*SUFFIX_TOKENS)))
+            reqs.append(StoredPrompt(tuple(chunks), suffix, StoredEntry(self.prefix_key, PREFIX_TOKENS)))
             ctx.append(n)
             sfx.append(len(suffix))
         return reqs, BatchShape(tuple(ctx), tuple(sfx), (PREFIX_TOKENS,) * len(ctx))
 
     def time_run(self, contexts: Iterable[int], spec: tuple, seed: int) -> RunTiming:
         """One batch timed as `BatchExecutor._timed_run` times it, with the layer passes recorded."""
-        keyed, shape = self.requests(contexts, seed)
+        prompts, shape = self.requests(contexts, seed)
         plan = plan_config(spec, self.model.num_layers)
         rec = LayerStatsRecorder(self.model.device)
         start = time.perf_counter()
-        with self.transfer.stage(keyed, plan) as staged:
+        with self.transfer.stage(prompts, plan, [DECODE_ROWS] * len(prompts)) as staged:
             outs = self.runner.run(staged.requests, plan, HookChain(staged, rec))
             for out in outs:
                 out.first_token  # reading the argmax synchronizes with the device

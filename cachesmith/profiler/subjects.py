@@ -16,7 +16,8 @@ from cachesmith.instance import WorkloadInstance
 from cachesmith.model import ChunkKV
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import RecomputeRequest
-from cachesmith.request import Request, StoredPrompt
+from cachesmith.kvstore import StoredEntry
+from cachesmith.request import Request
 from cachesmith.scoring import Scored
 from cachesmith.workloads.card import instance_digest
 from cachesmith.workloads.prompts import instance_prompt
@@ -49,19 +50,19 @@ def recompute_request(pipe: RagPipeline, subject: Subject, max_new_tokens: int) 
     prompt = subject.prompt
     if prompt is None:
         raise InputError(f"request {subject.request_id}: a simulated request has no prompt to measure")
-    chunks = [_entry(pipe, prompt, key) for key in prompt.chunk_keys]
-    prefix = _entry(pipe, prompt, prompt.prefix_key) if prompt.prefix_key else None
+    chunks = [_entry(pipe, entry) for entry in prompt.chunks]
+    prefix = _entry(pipe, prompt.prefix) if prompt.prefix is not None else None
     return RecomputeRequest(chunks, list(prompt.suffix_ids), prefix, extra_capacity=max_new_tokens)
 
 
-def _entry(pipe: RagPipeline, prompt: StoredPrompt, key: str) -> ChunkKV:
+def _entry(pipe: RagPipeline, entry: StoredEntry) -> ChunkKV:
     """A served entry by its key; one evicted since is prefilled again where its caller stored it."""
+    key = entry.key
     chunk = pipe.store.get(key, pipe.model)
     if chunk is None:
-        source = next((s for s in prompt.sources if s[0] == key), None)
-        if source is None:
+        if entry.token_ids is None:
             raise InputError(f"entry {key[:12]} is no longer stored and was not stored by this request")
-        pipe.store.ensure(pipe.model, source[1], source[2], key)
+        pipe.store.ensure(pipe.model, entry.token_ids, entry.namespace, key)
         chunk = pipe.store.get(key, pipe.model)
         if chunk is None:
             raise InputError(f"entry {key[:12]} could not be stored again")

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from cachesmith.errors import InputError
 from cachesmith.planner import BatchShape
 from cachesmith.recompute import RecomputeConfig
-from cachesmith.request import check_slo
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,6 @@ class QueuedRequest:
     prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
-        check_slo(self.slo_s, f"request {self.request_id}: slo_s")
         if self.context_tokens < 0:  # 0: a plain chat, no documents
             raise InputError(f"request {self.request_id}: context_tokens={self.context_tokens} must be >= 0")
         if self.suffix_tokens < 1:

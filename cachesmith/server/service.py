@@ -1,13 +1,16 @@
 """The serving front: what the HTTP server (and any Python caller) talks to.
 
 In: `CompletionSpec`s (documents as texts or ids of stored chunks, a question, an SLO) and chunk
-management calls. Out: `Future[RequestResult]`s, with tokens streamed to an optional callback, and
-`ChunkRecord`s. Owns the pipeline and the live engine behind its `EngineLoop`; a request's chunks
-are pinned in the chunk catalog (`chunks.ChunkCatalog`) while it is in flight, so none is deleted
-under it. A request holds a place in the
-loop's queue (`reserve`) from its acceptance, before any costly work for it, so a burst past
-`max_queue` is refused at once; its arrival time is taken then too, so tokenizing its documents and
-storing their chunk KV (prefilled on a miss) count in its TTFT, as they would for a client.
+management calls. Out: `RequestFuture`s (resolving to `RequestResult`s), with tokens streamed to
+an optional callback, and `ChunkRecord`s. Here a spec becomes the engine's one `Request`: its SLO
+and `max_tokens` checked against the server's limits and its prompt against the model's positions
+(once each, naming the client's fields, before any costly work), then its prompt tokenized once,
+each entry keyed once and stored, and the whole `Request` handed to the `EngineLoop`. A request's
+chunks are pinned in the chunk catalog (`chunks.ChunkCatalog`) while it is in flight, so none is
+deleted under it. A request holds a place in the loop's queue (`reserve`) from its acceptance, so
+a burst past `max_queue` is refused at once; its arrival time is taken then too, so tokenizing its
+documents and storing their chunk KV (prefilled on a miss) count in its TTFT, as they would for a
+client.
 """
 from __future__ import annotations
 
@@ -16,20 +19,19 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine
-from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, Slot
+from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture, Slot
 from cachesmith.errors import InputError
-from cachesmith.kvstore import ChunkStore
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt
 from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.profiler.packaged import serving_profile
 from cachesmith.profiler.shadow import shadow_calibrator
-from cachesmith.request import RequestResult, StoredPrompt, check_fits, check_slo
+from cachesmith.request import RequestResult, check_fits, check_max_tokens, check_slo
 from cachesmith.scoring import Expected
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
@@ -91,7 +93,7 @@ class Service:
             raise
 
     def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None,
-               slot: Slot | None = None) -> Future:
+               slot: Slot | None = None) -> RequestFuture:
         """Queue one request, in `slot` (default: one reserved now; given back here whatever
         happens). Raises `InputError` (bad spec), `UnknownChunk`, `StoreQuotaExceeded`, `QueueFull`
         or `EngineClosed`; an error found while admitting (context too long) resolves the future
@@ -101,8 +103,8 @@ class Service:
         try:
             max_tokens, slo_s = self._limits(spec)
             prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned)
-            future = self.loop.submit(prompt, slo_s, on_token, max_new_tokens=max_tokens,
-                                      expected=Expected(spec.task, spec.gold), sampling=spec.sampling, slot=slot)
+            request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
+            future = self.loop.submit(request, on_token, slot)
         except BaseException as exc:
             self.chunks.unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError)):
@@ -114,7 +116,7 @@ class Service:
         future.add_done_callback(lambda f: self._finished(f, spec, pinned, num_prefix_stored, fresh))
         return future
 
-    def name_completion(self, completion_id: str, future: Future) -> None:
+    def name_completion(self, completion_id: str, future: RequestFuture) -> None:
         """The id a client sees for a submitted request, so it can send a verdict later."""
         with self._completions_lock:
             self._completions[completion_id] = future.request_id
@@ -132,7 +134,7 @@ class Service:
         self.num_feedback["passed" if passed else "failed"] += 1
         return self.engine.feedback(request_id, passed)
 
-    def cancel(self, future: Future) -> bool:
+    def cancel(self, future: RequestFuture) -> bool:
         """Drop a submitted request that is still queued (its client went away); False if it is
         already running (it then finishes and its answer is discarded)."""
         return self.loop.cancel(future.request_id)
@@ -145,8 +147,7 @@ class Service:
         if not isinstance(spec.question, str) or not (spec.question.strip() or spec.documents):
             raise InputError("question: must be a non-empty string")
         max_tokens = cfg.default_max_tokens if spec.max_tokens is None else spec.max_tokens
-        if not 1 <= max_tokens <= cfg.max_tokens_limit:
-            raise InputError(f"max_tokens={max_tokens}: must be between 1 and {cfg.max_tokens_limit}")
+        check_max_tokens(max_tokens, "max_tokens", cfg.max_tokens_limit)
         slo_s = cfg.default_slo_s if spec.slo_s is None else spec.slo_s
         check_slo(slo_s * 1e3, "slo_ms", cfg.max_slo_s, cfg.min_slo_s, scale=1e3)
         return max_tokens, slo_s
@@ -165,12 +166,11 @@ class Service:
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
         keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, {e.key for e in missing}, pinned)
         num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
-        sources = [(e.key, tuple(ids), e.namespace) for e, ids in zip(entries, frame.document_ids) if e is not None]
-        if prefix is not None:
-            sources.append((prefix.key, tuple(frame.prefix_ids), prefix.namespace))
-        prompt = StoredPrompt(prefix and prefix.key, len(frame.prefix_ids), tuple(keys), frame.num_document_tokens,
-                              tuple(frame.suffix_ids), tuple(not f for f in fresh), tuple(sources))
-        return prompt, num_prefix_stored
+        chunks = tuple(StoredEntry(key, n, None if e is None else tuple(ids), "" if e is None else e.namespace, not f)
+                       for key, n, ids, e, f in zip(keys, frame.num_document_tokens, frame.document_ids, entries, fresh))
+        stored_prefix = None if prefix is None else \
+            StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
+        return StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix), num_prefix_stored
 
     def _tokenize(self, spec: CompletionSpec, max_tokens: int, spaces: Namespaces) -> _Frame:
         """Token ids of the prompt's frame and its text documents (None for stored ones), checked
@@ -237,7 +237,7 @@ class Service:
         with self.loop.admission():
             return self.pipeline.ensure_prefix(prefix_ids, earlier, spaces.own, prefix.key)[1]
 
-    def _finished(self, future: Future, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
+    def _finished(self, future: RequestFuture, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
                   fresh: tuple[bool, ...]) -> None:
         self.chunks.unpin(pinned)
         result = future.result()

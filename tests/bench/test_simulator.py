@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from cachesmith.engine import Engine, EngineConfig
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.planner import BatchShape, CostModel
 from cachesmith.recompute import parse_label, preset
+from cachesmith.scheduler import SchedulerConfig
 from cachesmith.scheduler.types import batch_shape
 from cachesmith.bench.sim_executor import SimExecutor
 from cachesmith.bench.grid import GridConfig, Run, run_grid, runs
@@ -62,12 +64,17 @@ def test_a_slow_link_stalls_full_reuse_and_the_stall_is_reported():
     assert engine.stats.stall_s > 0.5 * engine.stats.busy_s
 
 
-def test_oversized_requests_are_refused_by_name_and_the_run_goes_on():
+def test_a_simulated_request_is_refused_by_name_where_it_is_made():
     profile, t = make_profile(), table(4)
-    big = outcome(99, context=9000)
     engine = sim_engine("cachesmith", profile, t)
-    results = engine.run([engine.executor.request(0, big, 5.0), engine.executor.request(1, t.outcomes[1], 5.0)])
-    assert "exceed the model's 8192 positions" in results[0].error and results[1].error is None
+    with pytest.raises(InputError, match="request 0: the prompt's .* exceed the model's 8192 positions"):
+        engine.executor.request(0, outcome(99, context=9000), 5.0)
+    with pytest.raises(InputError, match="request 1: slo_s=0.0"):
+        engine.executor.request(1, t.outcomes[1], 0.0)
+    engine.config = replace(engine.config, scheduler=SchedulerConfig(kv_capacity_tokens=2000))
+    big = engine.executor.request(2, outcome(98, context=3000), 5.0)  # past the engine's own limit: refused
+    results = engine.run([big, engine.executor.request(3, t.outcomes[1], 5.0)])
+    assert "KV capacity of 2000 tokens" in results[0].error and results[1].error is None
 
 
 def test_instances_are_the_measured_ones_by_seed_else_drawn_from_the_task():
@@ -155,7 +162,7 @@ def test_a_large_batch_pace_applies_to_batches_of_that_many_tokens_only():
 def _planned_run(ex: SimExecutor, t, ids=(1, 2), budget: float = 2.0):
     from cachesmith.scheduler import ScheduleDecision
 
-    batch = [ex.admit(ex.request(i, t.outcomes[i], 10.0), 1 << 20) for i in ids]
+    batch = [ex.request(i, t.outcomes[i], 10.0) for i in ids]
     return batch, ex.prefill(ScheduleDecision(tuple(ids), budget, "planned"), batch)
 
 
@@ -168,8 +175,8 @@ def test_on_the_machine_the_planner_believes_the_monitor_never_acts():
     assert run.num_monitor_replans == 0 and run.final_coverages == run.coverages
     assert run.seconds == pytest.approx(run.plan.predicted_ttft_s + run.plan.decision_s, rel=1e-9)
     outs = ex.decode(batch, run)
-    assert [o.num_recomputed for o in outs] == [round(c * a.queued.context_tokens)
-                                               for c, a in zip(run.coverages, batch)]
+    assert [o.num_recomputed for o in outs] == [round(c * ex.admit(r).context_tokens)
+                                               for c, r in zip(run.coverages, batch)]
 
 
 def test_a_machine_slower_than_the_plan_makes_the_monitor_lower_coverage_and_verdicts_follow():
@@ -183,12 +190,12 @@ def test_a_machine_slower_than_the_plan_makes_the_monitor_lower_coverage_and_ver
     batch, run = _planned_run(ex, t)
     unmonitored = SimExecutor(t, Planner(profile), CostModel(profile), slow)
     signal, w, p = run.plan.signal, run.plan.warmup, run.plan.probe
-    as_planned, _ = unmonitored._ttft(batch_shape([a.queued for a in batch]), run.plan.recompute_config(),
+    as_planned, _ = unmonitored._ttft(batch_shape([ex.admit(r) for r in batch]), run.plan.recompute_config(),
                                       np.array([run.coverages]))
     assert run.num_monitor_replans > 0
     assert all(f < c for f, c in zip(run.final_coverages, run.coverages))
     assert run.seconds < as_planned  # lowered coverage: the batch ends sooner than its plan would
-    assert run.verdicts == [t.passes(ex.outcomes[a.request.request_id], signal, w, p, f) for a, f in zip(batch, run.final_coverages)]
+    assert run.verdicts == [t.passes(ex.outcomes[r.request_id], signal, w, p, f) for r, f in zip(batch, run.final_coverages)]
     assert planner.correction[signal] == pytest.approx(2.0, rel=0.1)  # the pace the monitor saw
 
 

@@ -1,7 +1,7 @@
 """Shared builders for store and transfer tests."""
 from __future__ import annotations
 
-from cachesmith.kvstore import KeyedRequest
+from cachesmith.kvstore import put_prompt
 from tests.recompute.helpers import make_request
 
 
@@ -11,5 +11,5 @@ def stored_requests(model, store, seeds=(1, 2)):
     for seed in seeds:
         req, _ = make_request(model, seed=seed, chunk_lens=(70, 40, 30))
         reqs.append(req)
-        keyed.append(KeyedRequest([store.put(c) for c in req.chunks], req.suffix_ids, store.put(req.prefix)))
+        keyed.append(put_prompt(store, req.chunks, req.suffix_ids, req.prefix))
     return reqs, keyed

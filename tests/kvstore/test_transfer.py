@@ -5,12 +5,13 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
 
 from cachesmith.errors import ConfigError
-from cachesmith.kvstore import ChunkStore, KeyedRequest, Link, StoreConfig, TransferConfig, TransferEngine, layer_needs
+from cachesmith.kvstore import ChunkStore, Link, StoredEntry, StoredPrompt, StoreConfig, TransferConfig, TransferEngine, layer_needs
 from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RunnerHooks, Signal
 from tests.kvstore.helpers import stored_requests
 from tests.recompute.helpers import max_diff
@@ -176,7 +177,7 @@ def test_missing_chunk_and_bad_config_are_named(model, tmp_path):
     store = ChunkStore(StoreConfig(tiers=("memory",), root=tmp_path))
     engine = TransferEngine(store, model)
     with pytest.raises(Exception, match=r"requests\[0\].chunks\[0\]: chunk 0000"):
-        engine.stage([KeyedRequest(["0" * 64], [5, 6])], RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1))
+        engine.stage([StoredPrompt((StoredEntry("0" * 64, 3),), (5, 6))], RecomputeConfig(Signal.KV_DEV, 1, 0, 0.1))
     with pytest.raises(ConfigError, match="bandwidth_gbps"):
         TransferConfig(bandwidth_gbps=0)
 
@@ -190,9 +191,9 @@ def test_an_entry_evicted_between_admission_and_staging_is_prefilled_again(model
     ref = BatchRunner(model).run(reqs, plan)
     req, lost = keyed[0], keyed[0].chunk_keys[1]
     store.delete(lost)
+    bare = replace(req, chunks=tuple(e._replace(token_ids=None) for e in req.chunks))
     with pytest.raises(Exception, match=r"requests\[0\].chunks\[1\]: chunk"):  # nothing to rebuild it from
-        TransferEngine(store, model).stage(keyed, plan)
-    req.rebuild = {lost: (tuple(reqs[0].chunks[1].token_ids), "")}
+        TransferEngine(store, model).stage([bare], plan)
     engine = TransferEngine(store, model)
     with engine.stage(keyed, plan) as batch:
         out = BatchRunner(model).run(batch.requests, plan, batch)

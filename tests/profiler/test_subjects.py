@@ -1,6 +1,8 @@
 """What the profiler measures a plan on: a served request is read by its keys, in its own namespace."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -46,10 +48,11 @@ def test_an_evicted_entry_is_rebuilt_from_its_source_and_one_without_is_skipped(
     req = served(pipe, inst)
     key = req.prompt.chunk_keys[0]
     pipe.store.delete(key)
-    assert recompute_request(pipe, req, 1).chunks[0].token_ids == tuple(req.prompt.sources[0][1])
+    assert recompute_request(pipe, req, 1).chunks[0].token_ids == req.prompt.chunks[0].token_ids
     assert pipe.store.contains(key)  # stored again, where its caller stored it
     pipe.store.delete(key)
-    sourceless = Request(1, type(req.prompt)(**{**req.prompt.__dict__, "sources": ()}), 5.0)
+    chunks = tuple(e._replace(token_ids=None) for e in req.prompt.chunks)
+    sourceless = Request(1, replace(req.prompt, chunks=chunks), 5.0)
     with pytest.raises(InputError, match="no longer stored"):
         recompute_request(pipe, sourceless, 1)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cachesmith.kvstore import ChunkStore, KeyedRequest, StoreConfig, TransferEngine
+from cachesmith.kvstore import ChunkStore, StoreConfig, TransferEngine, put_prompt
 from cachesmith.model import Decoder, prefill_chunk
 from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic, full_reuse
 
@@ -108,7 +108,7 @@ def test_staged_requests_do_not_grow_with_chunks(model, requests, tmp_path):
     engine, runner, plan = TransferEngine(store, model), BatchRunner(model, num_attention_blocks=1), cacheblend(0.15)
     per_layer = {}
     for k, r in requests.items():
-        keyed = KeyedRequest([store.put(c) for c in r.chunks], r.suffix_ids)
+        keyed = put_prompt(store, r.chunks, r.suffix_ids)
         counts = []
         for _ in range(2):  # the second is counted
             with engine.stage([keyed], plan) as batch, _OpCounter() as counter:
@@ -158,7 +158,7 @@ def test_on_a_cuda_device_staged_chunks_cost_two_copies_per_layer(sim_model, sim
     engine, runner, plan = TransferEngine(store, sim_model), BatchRunner(sim_model), cacheblend(0.15)
     copies, per_layer = {}, {}
     for k, r in sim_requests.items():
-        keyed = KeyedRequest([store.put(c) for c in r.chunks], r.suffix_ids)
+        keyed = put_prompt(store, r.chunks, r.suffix_ids)
         for _ in range(2):  # the second is counted
             with sim_cuda.count() as counts, engine.stage([keyed], plan) as batch:
                 runner.run(batch.requests, plan, batch)

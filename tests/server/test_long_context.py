@@ -120,11 +120,11 @@ def test_full_coverage_plans_equal_full_prefill_at_6k(pipe, docs):
     parts = pipe.prompt(docs, QUESTION)
     assert len(parts.token_ids) > 6000
     ref, _ = pipe.model.prefill(parts.token_ids)
-    request = pipe.stored_prompt(parts).keyed(1)  # every chunk and the prefix stored (prefilled on a miss)
+    prompt = pipe.stored_prompt(parts)  # every chunk and the prefix stored (prefilled on a miss)
     differences = {}
     for name in FULL_COVERAGE_PRESETS:
         plan = preset(name, 1.0, pipe.model.num_layers)
-        with pipe.transfer.stage([request], plan) as staged:
+        with pipe.transfer.stage([prompt], plan, [1]) as staged:
             out = pipe.runner.run(staged.requests, plan, staged)[0]
         differences[plan.label()] = (out.logits - ref).abs().max().item()
         assert int(out.selected.numel()) == out.num_context == sum(len(c) for c in parts.chunk_ids)

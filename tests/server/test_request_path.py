@@ -1,10 +1,15 @@
 """One request path: a chat completion reaches `BatchRunner.run` with each chunk keyed once and its
-entry opened once (verified where staging reads it), and the engine never re-derives a prompt."""
+entry opened once (verified where staging reads it), the engine never re-derives a prompt, and
+each rule of every request is checked once."""
 from __future__ import annotations
+
+import sys
+from collections import Counter
 
 import httpx
 import pytest
 
+from cachesmith import request as rules
 from cachesmith.kvstore import ChunkStore
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import BatchRunner
@@ -81,3 +86,35 @@ def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served,
         assert spies.runs == [[2]], is_stored  # one batch of this request, both chunks staged
         # a chunk found missing is stored; one found stored is not looked up a second time
         assert sorted(k for k in spies.held if k in chunk_ids) == ([] if is_stored else sorted(chunk_ids))
+
+
+RULES = ("check_slo", "check_max_tokens", "check_fits")  # the rules of every request (`cachesmith.request`)
+
+
+def spy_rules(monkeypatch) -> Counter:
+    """Count each rule's calls wherever it is called from: every loaded cachesmith module that holds
+    the rule function gets a counting wrapper in its place."""
+    calls: Counter = Counter()
+    for name in RULES:
+        real = getattr(rules, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        holders = [m for n, m in list(sys.modules.items()) if n.startswith("cachesmith") and getattr(m, name, None) is real]
+        assert any(m.__name__ == "cachesmith.server.service" for m in holders), name  # the front calls it
+        for module in holders:
+            monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_each_rule_is_checked_once_per_served_request(served, monkeypatch):
+    """The SLO, the token budget and the model's positions are each checked once, at the front
+    (naming the client's fields); below it the engine trusts the typed `Request`."""
+    srv, _ = served
+    calls = spy_rules(monkeypatch)
+    for is_stored in (False, True):  # first sight, then its chunks read from the store
+        calls.clear()
+        chat(srv.url)
+        assert {name: calls[name] for name in RULES} == dict.fromkeys(RULES, 1), is_stored
