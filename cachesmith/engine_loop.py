@@ -1,9 +1,10 @@
 """The engine on the live clock behind a thread-safe front: what a server talks to.
 
 In: `submit(request, on_token)` from any thread: a `Request` whose prompt its caller keyed and
-stored, built in its queue place (`reserve().request(...)`). Out: a `RequestFuture` resolving to the request's `RequestResult` (refused ones at once, with
-their error), and `on_token(index, token_id)` calls as tokens are produced: the first token as soon
-as its batch's prefill ends, the rest while decoding. The prefill thread runs batch after batch
+stored, built in its queue place (`reserve().request(...)`). Out: a `RequestFuture` resolving to
+the request's `RequestResult` (refused ones at once, with their error), and
+`on_token(index, token_id)` calls as tokens are produced: the first token as soon as its batch's
+prefill ends, the rest while decoding. The prefill thread runs batch after batch
 while the queue is not empty and hands each finished batch's sequences to a decode thread
 (prefill-decode disaggregation). The decode thread steps every decoding sequence together
 (continuous batching: sequences join and leave between steps) and starts no step while a prefill
@@ -33,8 +34,8 @@ from concurrent.futures import Future
 
 from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import CachesmithError, ConfigError, InputError
-from cachesmith.model import Generation
 from cachesmith.kvstore import StoredPrompt
+from cachesmith.model import Generation
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest

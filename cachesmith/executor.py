@@ -133,7 +133,7 @@ class BatchExecutor:
             self.tails_s.append(max(0.0, seconds - monitor.walk_s))
         if monitor.pace is not None:  # pace is relative to the corrected schedule
             self.planner.observe(plan.signal, monitor.time_scale * monitor.pace, plan.probe,
-                                 batch_shape([self.view(r) for r in batch]).num_tokens)
+                                 monitor.shape.num_tokens)
         return BatchExecution(outs, list(plan.coverages), seconds, stall, plan.recompute_config().label(), plan,
                               monitor.num_replans)
 

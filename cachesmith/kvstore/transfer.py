@@ -206,7 +206,8 @@ class BatchTransfer(RunnerHooks):
         self.staged: list[_Staged] = []
         try:
             extra = list(extra_capacity) or [0] * len(prompts)
-            self.requests = [self._stage_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, extra, strict=True))]
+            self.requests = [self._stage_request(i, p, n)
+                             for i, (p, n) in enumerate(zip(prompts, extra, strict=True))]
         except BaseException:
             self._close_readers()
             raise
@@ -264,7 +265,7 @@ class BatchTransfer(RunnerHooks):
         self.staged.append(_Staged(cache, segs, np.zeros((self.num_layers, num_cached), dtype=bool), num_prefix))
         chunks = [s.chunk for s in segs if not s.is_prefix]
         prefix = segs[0].chunk if num_prefix else None
-        return RecomputeRequest(chunks, list(prompt.suffix_ids), prefix, None, extra_capacity, cache=cache)
+        return RecomputeRequest(chunks, list(prompt.suffix_ids), prefix, extra_capacity=extra_capacity, cache=cache)
 
     # -- issuing -----------------------------------------------------------------------------
     def _need(self, layer: int, request: int, want: np.ndarray) -> None:
