@@ -17,7 +17,7 @@ import torch
 
 from cachesmith.model.device import synchronize
 from cachesmith.planner import Profile, ProfileError
-from cachesmith.profiler.synthetic import random_request
+from cachesmith.calibration.synthetic import random_request
 
 __all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "provenance", "random_request", "timed"]
 
@@ -112,7 +112,7 @@ def load_profile(path: Path | None) -> tuple[Profile, str]:
     packaged model, else the packaged one as shipped (not rescaled: no model runs here to measure
     this machine's speed). Where it came from goes to stderr, so `--json` output stays JSON."""
     from cachesmith.model.assets import cachesmith_home
-    from cachesmith.profiler.packaged import PACKAGED_DIR, measured_or_packaged
+    from cachesmith.calibration.packaged import PACKAGED_DIR, measured_or_packaged
 
     own = cachesmith_home() / "profiles" / MEASURED
     try:

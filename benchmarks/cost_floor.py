@@ -2,12 +2,12 @@
 
 Two measurements, per plan family (`bench.pace.family`):
 - `repeat`: one identical batch (the same chunks, plan and suffix) timed `--repeats` times through
-  the serving path (`profiler.costs.TimingBench`: staging to the first tokens, as serving times a
+  the serving path (`calibration.costs.TimingBench`: staging to the first tokens, as serving times a
   batch), every family's batches interleaved, at a MIX-like context of 2,000 tokens (8 chunks)
   and a PR-like one of 500. `median_abs_dev` / `p90_abs_dev`: |time / the batch's median - 1|
   over every repeat. No prediction can price a batch closer than its own repeats agree.
 - `fit`: the cost model's linear form (every layer kind's five features, the selection and the
-  per-batch overhead; `profiler.costs._design`) fit to the replayed batches themselves
+  per-batch overhead; `calibration.costs._design`) fit to the replayed batches themselves
   (`--runs`, what `cost_model.py` replayed; each replay brought to the profile's speed by its
   speed factor): in-sample over all traces, and fit on all traces but one, then judged on that one
   (leave one trace out). Beside them, the shipped profile's errors on the same batches (its layer
@@ -38,8 +38,8 @@ from cachesmith.model import Decoder, resolve_model  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.planner import Profile  # noqa: E402
 from cachesmith.planner.cost_model import execution_steps  # noqa: E402
-from cachesmith.profiler.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.calibration.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
 from cachesmith.recompute import parse_label  # noqa: E402
 
 # (signal, warmup, probe, coverage) of each family as the replays served it

@@ -2,7 +2,7 @@
 (Poisson, and bursty Gamma CV 2 and CV 3, at one utilization and SLO scale, trace seeds the profile
 never saw), measured batch TTFT (`batch_s`: staging to the first tokens, as serving times it)
 against the profile's prediction for that batch's shape, plan and final coverages, the profile
-rescaled to the replay's measured speed factor exactly as serving does (`profiler.packaged`).
+rescaled to the replay's measured speed factor exactly as serving does (`calibration.packaged`).
 
 Methods cover the plan families (`bench.pace.family`): CacheSmith (kv_dev/1/1, qci/1/1), the four
 selective presets at 15% (CacheBlend kv_dev/1/0, EPIC position/0/0, ProphetKV qci/0/1, FusionRAG
@@ -25,7 +25,7 @@ residual the profile does not describe. `--machine-out FILE` writes that fit in 
 Each replay's speed factors are computed here for the profile being judged: the replay's measured
 mean single-request full-prefill TTFT (its base SLO) over that profile's mean prediction for the
 same instances, and the median measured / predicted of the reuse probes base.json keeps (the
-reuse factor: `profiler.packaged.rescaled`; replays recorded before it take the speed factor).
+reuse factor: `calibration.packaged.rescaled`; replays recorded before it take the speed factor).
 So a refit profile re-prices the cached replays without running them again (the factor in
 base.json belongs to the profile the replay ran with).
 `--json` prints the payload; `--out FILE` writes it (per-batch rows go to <runs>/batches.json).
@@ -51,8 +51,8 @@ from cachesmith.bench.setting import instances  # noqa: E402
 from cachesmith.jsonl import load_keyed  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
-from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
-from cachesmith.profiler.quiet import QuietRun  # noqa: E402
+from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.calibration.quiet import QuietRun  # noqa: E402
 from cachesmith.recompute import parse_label  # noqa: E402
 from cachesmith.workloads.prompts import instance_prompt  # noqa: E402
 

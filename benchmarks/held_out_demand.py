@@ -33,7 +33,7 @@ from cachesmith.bench.outcomes import OutcomeTable, demand_curves  # noqa: E402
 from cachesmith.bench.results import FOUR_TASKS, arrival, fixed_signal_trail, settings, variant_lines  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.planner import Profile  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
 
 VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith+task")
 STATICS = ("full_prefill", "full_reuse", "cacheblend@0.15", "cacheblend@0.3")

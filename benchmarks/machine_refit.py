@@ -27,7 +27,7 @@ from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.bench.outcomes import OutcomeTable  # noqa: E402
 from cachesmith.bench.pace import fit_paces, trace_batches  # noqa: E402
 from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR, rescaled  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR, rescaled  # noqa: E402
 
 COLUMNS = ["key", "batches", "before", "after"]
 

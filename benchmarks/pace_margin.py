@@ -23,7 +23,7 @@ from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noq
 from cachesmith.bench.results import variant_lines  # noqa: E402
 from cachesmith.methods import default_methods  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
 
 VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci")
 COLUMNS = ["sigma", "z", "method", "above_best_static", "at_or_above_fp", "per_task", "trail_pts", "mean_qsa"]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
 
 from cachesmith.planner import Planner, Profile  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
 from cachesmith.scheduler import QueuedRequest, SchedulerConfig, SloAwareScheduler  # noqa: E402
 
 GROUPS = ((1, 4), (5, 16), (17, 32), (33, 64))

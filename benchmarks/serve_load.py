@@ -36,8 +36,8 @@ from cachesmith.gates import make_gate  # noqa: E402
 from cachesmith.instance import WorkloadInstance  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
-from cachesmith.profiler.shadow import shadow_calibrator  # noqa: E402
+from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.calibration.shadow import shadow_calibrator  # noqa: E402
 from cachesmith.request import Request  # noqa: E402
 from cachesmith.scheduler import SchedulerConfig  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402

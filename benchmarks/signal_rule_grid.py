@@ -24,7 +24,7 @@ from common import emit  # noqa: E402
 from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
 from cachesmith.bench.results import variant_lines  # noqa: E402
 from cachesmith.methods import default_methods  # noqa: E402
-from cachesmith.profiler.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
 
 TABLE = Path("docs/results/outcomes-smollm2-135m-float32-cpu.json")
 VARIANTS = ("cachesmith:passes", "cachesmith:kv_dev", "cachesmith:qci")

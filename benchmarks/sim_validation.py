@@ -37,7 +37,7 @@ from cachesmith.bench.pace import fit_machine, measure_paces, residuals, trace_b
 from cachesmith.pipeline import RagPipeline  # noqa: E402
 from cachesmith.workloads.tasks import generate  # noqa: E402
 from cachesmith.planner import Profile  # noqa: E402
-from cachesmith.profiler.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.bench.outcomes import OutcomeTable, default_table_path  # noqa: E402
 from cachesmith.bench.simulate import simulate  # noqa: E402
 

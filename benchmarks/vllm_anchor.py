@@ -54,7 +54,7 @@ from cachesmith.instance import WorkloadInstance  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
 from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
 from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.profiler.packaged import find_profile  # noqa: E402
+from cachesmith.calibration.packaged import find_profile  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
 from cachesmith.server.run import BackgroundServer  # noqa: E402
 from cachesmith.workloads.corpus import load_corpus  # noqa: E402

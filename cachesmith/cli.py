@@ -69,8 +69,9 @@ def _precompute(args: argparse.Namespace) -> int:
 
 
 def _profile_workload(pipe, args: argparse.Namespace) -> int:
-    from cachesmith.profiler.run import default_path
-    from cachesmith.profiler.workload import run_workload_demand, workload_path
+    from cachesmith.calibration.cost_run import default_path
+    from cachesmith.calibration.workload_demand import workload_path
+    from cachesmith.profiler.workload import run_workload_demand
 
     out = workload_path(args.out or default_path(pipe))
     demand = run_workload_demand(pipe, args.workload, out, args.gate, args.num_requests,
@@ -96,15 +97,17 @@ def _print_demand(curves) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import ChunkStore, StoreConfig
     from cachesmith.pipeline import RagPipeline
-    from cachesmith.profiler.mapped_demand import read_demand_source
-    from cachesmith.profiler.run import ProfileConfig, demand_source_path, run_costs_profile, run_profile
+    from cachesmith.calibration.mapped_demand import read_demand_source
+    from cachesmith.calibration.cost_run import ProfileConfig, demand_source_path, run_costs_profile
+    from cachesmith.profiler.run import run_profile
 
     num_requests = 200 if args.num_requests is None else args.num_requests
     config = ProfileConfig(num_requests=num_requests, task=args.task, variant=args.variant,
                            max_tokens=args.max_tokens, num_shapes=args.num_shapes,
                            plans_per_shape=args.plans_per_shape, tiers=tuple(args.tiers), redis_url=args.redis_url,
                            quiet_max_busy=args.quiet)
-    pipe = RagPipeline(args.model, args.device, args.dtype, store=ChunkStore(StoreConfig(tiers=("memory",))))
+    pipe = RagPipeline(args.model, args.device, args.dtype,
+                       store=ChunkStore(StoreConfig(tiers=("memory",), codec=args.kv_codec)))
     if args.workload is not None:
         return _profile_workload(pipe, args)
     if args.costs_only:
@@ -153,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cachesmith.engine import EngineConfig
     from cachesmith.kvstore import StoreConfig
-    from cachesmith.profiler.shadow import shadow_calibrator
+    from cachesmith.calibration.shadow import shadow_calibrator
     from cachesmith.scheduler import SchedulerConfig
     from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
 
@@ -261,6 +264,7 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk", "redis"])
     p.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0")
     cli_store.add_bounds_args(p)  # --disk-max-bytes, --redis-ttl-s, --redis-max-bytes: every command that stores
+    cli_store.add_codec_arg(p)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -321,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "fraction of all cores is busy (e.g. 0.2)")
     prof.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk", "redis"])
     prof.add_argument("--redis-url", default=None)
+    cli_store.add_codec_arg(prof)
     prof.add_argument("--out", type=Path, default=None, help="default $CACHESMITH_HOME/profiles/...")
     prof.set_defaults(func=_profile)
     return parser

@@ -99,7 +99,7 @@ def _write_demand(table, path: Path) -> None:
 def _report(args: argparse.Namespace) -> int:
     from cachesmith.bench.evaluation import ReportInputs, make_report
     from cachesmith.bench.grid import GridConfig, simulator_machine
-    from cachesmith.profiler.packaged import PACKAGED_DIR
+    from cachesmith.calibration.packaged import PACKAGED_DIR
 
     table = args.table
     if not table.exists():

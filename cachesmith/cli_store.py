@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from cachesmith.errors import CachesmithError
+from cachesmith.kvstore.codec import CODECS
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _BYTES = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?")
@@ -54,9 +55,17 @@ def add_bounds_args(p: argparse.ArgumentParser) -> None:
                         "leave the server's own; a managed redis that refuses CONFIG SET is an error)")
 
 
+def add_codec_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-codec", choices=CODECS, default="none",
+                   help="how new chunk KV entries are stored: none (as computed), int8 (about a quarter of "
+                        "float32's bytes) or int4 (about an eighth); entries of each codec have their own keys")
+
+
 def store_bounds(args: argparse.Namespace) -> dict:
-    """`StoreConfig` fields from `add_bounds_args`' flags; an unset flag keeps StoreConfig's default."""
-    bounds = {"disk_max_bytes": args.disk_max_bytes, "redis_max_bytes": getattr(args, "redis_max_bytes", None)}
+    """`StoreConfig` fields from `add_bounds_args`' (and `add_codec_arg`'s) flags; an unset flag keeps
+    StoreConfig's default."""
+    bounds = {"disk_max_bytes": args.disk_max_bytes, "redis_max_bytes": getattr(args, "redis_max_bytes", None),
+              "codec": getattr(args, "kv_codec", "none")}
     if getattr(args, "redis_ttl_s", None) is not None:
         bounds["redis_ttl_s"] = args.redis_ttl_s or None  # 0: no expiry
     return bounds
@@ -78,9 +87,33 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         for tier in store.tiers:
             print(_usage_line(tier))
+        print(_codec_line(store))
     finally:
         store.close()
     return 0
+
+
+MAX_DESCRIBED = 2000  # entries whose headers `store stats` reads for its codec line
+
+
+def _codec_line(store) -> str:
+    """Entries and stored bytes per token by codec (`--kv-codec`), from the headers of up to
+    `MAX_DESCRIBED` entries (a store of millions is sampled, and says so)."""
+    from collections import Counter
+
+    keys = store.keys()
+    entries, num_bytes, num_tokens = Counter(), Counter(), Counter()
+    for key in keys[:MAX_DESCRIBED]:
+        found = store.describe(key)
+        if found is not None:
+            header = found[0]
+            entries[header.codec] += 1
+            num_bytes[header.codec] += header.total_bytes
+            num_tokens[header.codec] += header.num_tokens
+    parts = [f"{codec} {entries[codec]} entries, {num_bytes[codec] / max(1, num_tokens[codec]):,.0f} bytes/token"
+             for codec in sorted(entries)]
+    sampled = f" (the first {MAX_DESCRIBED} of {len(keys)} entries)" if len(keys) > MAX_DESCRIBED else ""
+    return "codecs " + ("; ".join(parts) or "no entries") + sampled
 
 
 def _usage_line(tier) -> str:

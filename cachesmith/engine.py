@@ -45,7 +45,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)  # learning methods only (`+learn`)
-    # builds a learning method's shadow work (`profiler.shadow.shadow_calibrator`); the profiler
+    # builds a learning method's shadow work (`calibration.shadow.shadow_calibrator`); the measuring
     # sits above the engine, so whoever composes a learning engine with a model hands it in
     shadow_work: ShadowFactory | None = None
 
@@ -107,7 +107,7 @@ class Engine:
             return None
         if config.shadow_work is None:
             raise ConfigError(f"method={config.method!r} learns from shadow work: pass EngineConfig(shadow_work="
-                              f"cachesmith.profiler.shadow.shadow_calibrator), or shadow=ShadowConfig(fraction=0)")
+                              f"cachesmith.calibration.shadow.shadow_calibrator), or shadow=ShadowConfig(fraction=0)")
         return config.shadow_work(pipeline, self.planner, config.shadow)
 
     # -- admission -----------------------------------------------------------------------------

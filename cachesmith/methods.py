@@ -7,7 +7,7 @@ full reuse). `cachesmith+task` plans each batch whose requests all name one task
 demand curves (the request's `task` as a hint; plain `cachesmith` is hint-free, the paper's
 setting); `cachesmith+learn` stays hint-free but prices plans with the served workload's demand
 learned while serving: shadow samples of its own requests measured in idle time
-(`profiler.shadow`, `planner.learned_demand`) and the quality verdicts of the requests it has
+(`calibration.shadow`, `planner.learned_demand`) and the quality verdicts of the requests it has
 served (the server's come from clients, `POST /v1/feedback`); `cachesmith+task+learn` does both. The
 ablations of paper §6.3 add `cachesmith:<signal>` (the selection signal fixed to `kv_dev` or
 `qci`), `cachesmith:entropy` (the paper's entropy-threshold signal rule), `cachesmith:passes` (the

@@ -54,7 +54,7 @@ class RagPipeline:
         self.transfer = TransferEngine(self.store, self.model, transfer)
         # wraps each timed prefill (its wait is off the batch's clock): a benchmark on a shared
         # machine waits there for other jobs to pause and notes whether one joined
-        # (`profiler.quiet.QuietRun`); None: nothing
+        # (`calibration.quiet.QuietRun`); None: nothing
         self.batch_guard: Callable[[], AbstractContextManager] | None = None
 
     def prompt(self, documents: Sequence[str], question: str, answer_prefix: str = "",

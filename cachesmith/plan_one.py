@@ -4,7 +4,7 @@ the Python API's planned answer and what `cachesmith ask` runs when given no fix
 In: a pipeline (the model the profile must fit, and the answer's runner), a prompt and a TTFT SLO.
 Out: a `OnePlan` (the `RecomputeConfig` to run, the planner's price of it and the decision's time),
 or the pipeline's `Answer` under it with the decision's time added to the TTFT and the planner's
-price as `planned_s`. The profile is chosen by the server's rule (`profiler.packaged.serving_profile`):
+price as `planned_s`. The profile is chosen by the server's rule (`calibration.packaged.serving_profile`):
 the one `cachesmith profile` measured on this machine, else the packaged one calibrated to it. The
 budget is the SLO-aware scheduler's for a queue of this one request; the plan is the planner's for a
 batch of one, with the robust signal rule of plain `cachesmith` (it needs no layer-0 entropy, so
@@ -28,7 +28,7 @@ from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import Answer, RagPipeline
 from cachesmith.request import DEFAULT_SLO_S, check_slo
 from cachesmith.planner import Planner, PlannerConfig, PlanRequest, Profile
-from cachesmith.profiler.packaged import serving_profile
+from cachesmith.calibration.packaged import serving_profile
 from cachesmith.recompute import RecomputeConfig
 from cachesmith.scheduler import QueuedRequest, SloAwareScheduler
 
@@ -57,7 +57,7 @@ class OnePlanner:
 
     @classmethod
     def for_pipeline(cls, pipe: RagPipeline, path: Path | None = None) -> OnePlanner:
-        """With the serving profile of `pipe`'s model, dtype and device (`profiler.packaged.serving_profile`):
+        """With the serving profile of `pipe`'s model, dtype and device (`calibration.packaged.serving_profile`):
         the one at `path`, else measured here, else the packaged one calibrated (seconds)."""
         return cls.of(*serving_profile(pipe, path))
 

@@ -7,9 +7,9 @@ interval per (signal, anchor depth) (a `Sampler`'s `sample_rounds`: full prefill
 coverage ladder of every curve the planner prices, judged by fidelity: no labels) handed to
 `sink` (the planner's `observe_sample`), and counters for `/metrics`.
 
-The measuring is the profiler's (`profiler.shadow.shadow_calibrator` builds a calibrator on its
+The measuring is `calibration.shadow`'s (`shadow_calibrator` builds a calibrator on its
 `DemandProfiler`); this module only fits it into idle time, so the serving engine runs shadow work
-it is handed (`EngineConfig.shadow_work`) without importing the profiler.
+it is handed (`EngineConfig.shadow_work`) without importing the measuring.
 
 Work runs in units (full prefill, or one round of the coverage searches: a few seconds on 2
 cores) and a unit only starts where it fits: on the replay clock, where the gap left is at least the

@@ -163,7 +163,7 @@ def test_runtime_monitor_is_wired_into_the_real_executor(pipe, profile):
     """A profile that promises a machine 10^4 x faster than this one: the monitor joins the layer
     hooks of the real runner, sees each planned batch run late, lowers the coverage of the layers
     still to run, and the planner learns the pace (measured / predicted) for the next plans."""
-    from cachesmith.profiler.packaged import rescaled
+    from cachesmith.calibration.packaged import rescaled
 
     from dataclasses import replace
 

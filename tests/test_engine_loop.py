@@ -14,7 +14,7 @@ from cachesmith.errors import ConfigError, InputError
 from cachesmith.instance import WorkloadInstance
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, check_fits, check_slo
-from cachesmith.profiler.shadow import shadow_calibrator
+from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.scoring import Expected
 from cachesmith.shadow_work import ShadowConfig
 from cachesmith.workloads.prompts import instance_prompt

@@ -39,12 +39,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods",),
     ("executor", "shadow_work"),
     ("engine",),
-    ("engine_loop",),  # serving ends here: no layer up to this one imports workloads or the profiler
-    ("workloads", "instance"),  # a benchmark's request (texts, gold): nothing that serves reads one
-    ("profiler",),
+    ("engine_loop",),
+    # the profile a server serves with and what it measures itself (costs at a first start, demand on
+    # served requests in idle time)
+    ("calibration",),
     ("plan_one",),  # a planned answer: the pipeline, a profile, the scheduler's budget
+    ("server", "integrations"),  # serving ends here: nothing up to this layer imports the ones above
+    ("workloads", "instance"),  # a benchmark's request (texts, gold): nothing that serves reads one
+    ("profiler",),  # `cachesmith profile`: demand measured on a task's or a workload file's requests
     ("bench",),
-    ("server", "integrations"),
     ("cli_ask", "cli_store", "cli_workload", "cli_eval", "demo"),
     ("cli", "cachesmith"),
     ("testing",),  # the simulated CUDA device: tests and benchmarks use it, nothing that serves does
@@ -234,9 +237,12 @@ def offline_reached(graph: Mapping[str, set[str]], starts: list[str]) -> list[st
     return [chain(via, m) for m in sorted(via) if unit(m) in OFFLINE]
 
 
-def test_the_serving_engine_reaches_no_offline_code():
-    serving = [m for m in GRAPH if unit(m) in ("executor", "engine", "engine_loop", "shadow_work")]
-    assert len(serving) == 4 and offline_reached(GRAPH, serving) == []
+def test_the_server_and_the_serving_engine_reach_no_offline_code():
+    """Transitively: the server process, the vLLM connector and the engine they run import no
+    profiler run, benchmark or workload (shadow work measures served requests as plain data)."""
+    serving = [m for m in GRAPH if unit(m) in ("executor", "engine", "engine_loop", "shadow_work", "calibration",
+                                               "plan_one", "server", "integrations")]
+    assert len(serving) > 30 and offline_reached(GRAPH, serving) == []
 
 
 def test_no_dynamic_import_hides_its_name():
@@ -261,7 +267,9 @@ def test_the_checker_reports_the_old_planning_cycle():
              "cachesmith.profiler.demand", "cachesmith.profiler.verdicts", "cachesmith.workloads.card"]
     graph = {a: {b} for a, b in zip(chain, chain[1:] + chain[:1])}
     assert cycles(graph) == [sorted(chain)]
-    assert upward_imports(graph, LAYERS) == [("cachesmith.pipeline", "cachesmith.plan_one")]
+    # and, with the profiler above serving now, the planned answer that read a profile from it
+    assert upward_imports(graph, LAYERS) == [("cachesmith.pipeline", "cachesmith.plan_one"),
+                                             ("cachesmith.plan_one", "cachesmith.profiler.packaged")]
 
 
 def test_the_checker_sees_lazy_type_checking_relative_and_package_imports(tmp_path):

@@ -21,7 +21,7 @@ from cachesmith.bench.results import (FIXED_SIGNALS, FOUR_TASKS, TASK_NAMES, ban
                                       win_summary)
 from cachesmith.bench.simulate import base_slo
 from cachesmith.planner import BatchShape, CostModel, Profile
-from cachesmith.profiler.packaged import rescaled
+from cachesmith.calibration.packaged import rescaled
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from cachesmith.errors import ConfigError
 from cachesmith.jsonl import load_keyed
 from cachesmith.methods import default_methods
 from cachesmith.planner import PlannerConfig, Profile
-from cachesmith.profiler.packaged import rescaled
+from cachesmith.calibration.packaged import rescaled
 from cachesmith.bench.outcomes import OutcomeTable
 from cachesmith.bench.simulate import MAX_DECISION_S, base_slo, simulate_run
 from cachesmith.bench.sim_executor import MachineNoise

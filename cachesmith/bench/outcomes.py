@@ -6,7 +6,7 @@ layer-0 QCI entropy, the verdict of full prefill, full reuse and every baseline 
 coverages, and per (signal, anchor rank depth) the coverage at which its verdict flips from the
 full-reuse-side value to the full-prefill value (5% grid, binary search, one flip assumed; p = 1 as
 in the demand profile). An instance's plans are measured together, ranked once per (S, w, p) and
-decoded in one batch (`profiler.verdicts`). Every evaluated (instance, plan) is appended to a JSONL
+decoded in one batch (`calibration.verdicts`). Every evaluated (instance, plan) is appended to a JSONL
 cache, so a stopped run resumes; a progress bar counts instances.
 """
 from __future__ import annotations
@@ -23,12 +23,13 @@ from cachesmith.methods import DEFAULT_COVERAGES, SELECTIVE, parse_method
 from cachesmith.model.assets import cachesmith_home
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
-from cachesmith.profiler.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
+from cachesmith.calibration.demand import SIGNALS, DemandProfiler, anchor_depths, fit_threshold, flip_interval, task_curves
+from cachesmith.calibration.subjects import Subject
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, fixed_splits, parse_label, preset
 from cachesmith.workloads.card import instance_digest
 from cachesmith.instance import WorkloadInstance
+from cachesmith.profiler.subjects import instance_subject
 from cachesmith.workloads.tasks import generate
-from cachesmith.workloads.prompts import instance_prompt
 
 
 SHALLOW = ("kv_dev", 1, 0)  # CacheBlend's family: the planner's rank depth 1 (scores at layer w = 1)
@@ -113,7 +114,10 @@ class OutcomeMeasurer:
 
     def verdicts(self, inst: WorkloadInstance, plans: list[RecomputeConfig]) -> dict[str, bool]:
         """label -> verdict of each plan, measured together."""
-        records = self.profiler.measure(inst, [(p, p.label()) for p in plans])
+        return self._verdicts(instance_subject(self.pipe, inst), plans)
+
+    def _verdicts(self, subject: Subject, plans: list[RecomputeConfig]) -> dict[str, bool]:
+        records = self.profiler.measure(subject, [(p, p.label()) for p in plans])
         return {p.label(): bool(r["passed"]) for p, r in zip(plans, records)}
 
     def plans(self, is_flips_only: bool) -> list[RecomputeConfig]:
@@ -128,14 +132,15 @@ class OutcomeMeasurer:
         return plans
 
     def measure(self, inst: WorkloadInstance, seed: int, is_flips_only: bool = False) -> Outcome:
-        parts = instance_prompt(self.pipe, inst)
-        plans = self.verdicts(inst, self.plans(is_flips_only))
+        subject = instance_subject(self.pipe, inst)
+        parts = subject.prompt
+        plans = self._verdicts(subject, self.plans(is_flips_only))
         high = plans[preset("full_prefill", 1.0, self.num_layers).label()]
         keys = [(s, d) for s in SIGNALS for d in anchor_depths(self.num_layers)]
-        flips = {f"{s}/{d}": Flip(low, high, at) for (s, d), (low, at) in self.profiler.flips(inst, keys, high).items()}
-        return Outcome(instance_digest(inst), inst.task, seed, len(parts.prefix_ids),
+        flips = {f"{s}/{d}": Flip(low, high, at) for (s, d), (low, at) in self.profiler.flips(subject, keys, high).items()}
+        return Outcome(subject.digest, inst.task, seed, len(parts.prefix_ids),
                        sum(len(c) for c in parts.chunk_ids), len(parts.suffix_ids), inst.max_new_tokens,
-                       self.profiler.entropy(inst), plans, flips)
+                       self.profiler.entropy(subject), plans, flips)
 
 
 @dataclass

@@ -29,8 +29,8 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, CostModel, Profile
 from cachesmith.planner.cost_model import execution_steps
 from cachesmith.planner.pace import PaceBook
-from cachesmith.profiler.costs import fit_relative
-from cachesmith.profiler.packaged import rescaled
+from cachesmith.calibration.costs import fit_relative
+from cachesmith.calibration.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, parse_label, preset
 from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.prompts import instance_prompt

@@ -22,8 +22,8 @@ from cachesmith.engine import Engine, EngineConfig, EngineStats
 from cachesmith.instance import WorkloadInstance
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, PlannerConfig, Profile
-from cachesmith.profiler.packaged import REUSE_PROBE, find_profile, rescaled, reuse_ratio, speed_factor
-from cachesmith.profiler.shadow import shadow_calibrator
+from cachesmith.calibration.packaged import REUSE_PROBE, find_profile, rescaled, reuse_ratio, speed_factor
+from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.recompute import full_prefill
 from cachesmith.request import RequestResult
 from cachesmith.scheduler import SchedulerConfig
@@ -73,7 +73,7 @@ def measure_base(pipe: RagPipeline, insts: list[WorkloadInstance], profile: Prof
 
 
 def reuse_probes(pipe: RagPipeline, insts: list[WorkloadInstance]) -> list[dict]:
-    """Each instance run alone with the reuse probe (`profiler.packaged.REUSE_PROBE`): its shape,
+    """Each instance run alone with the reuse probe (`calibration.packaged.REUSE_PROBE`): its shape,
     the coverage it ran at and its TTFT, from which `reuse_factor` prices any profile. Each reads
     its chunks from the store's slower tier, as a replay mostly does (`_cool`)."""
     _cool(pipe, insts)

@@ -38,14 +38,16 @@ class StoreSettings:
     tiers: tuple[str, ...] = ("memory", "disk")
     root: str | None = None  # disk tier root; None: $CACHESMITH_HOME/kv
     redis_url: str | None = None
+    kv_codec: str = "none"  # how new entries are stored (`kvstore.codec`)
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any]) -> StoreSettings:
-        return cls(tuple(extra("store_tiers", cls.tiers)), extra("store_root", None), extra("redis_url", None))
+        return cls(tuple(extra("store_tiers", cls.tiers)), extra("store_root", None), extra("redis_url", None),
+                   extra("kv_codec", cls.kv_codec))
 
     def config(self) -> StoreConfig:
         return StoreConfig(tiers=self.tiers, root=None if self.root is None else Path(self.root),
-                           redis_url=self.redis_url)
+                           redis_url=self.redis_url, codec=self.kv_codec)
 
 
 class Claim(NamedTuple):

@@ -1,9 +1,11 @@
-"""Content addresses of chunk KV entries: sha256 over (model fingerprint, dtype, namespace, token ids).
+"""Content addresses of chunk KV entries: sha256 over (model fingerprint, dtype, namespace, codec,
+token ids).
 
-A stored cache is never served for another model, dtype, namespace or token sequence because all
-four are in the key, and the entry's header repeats them for verification on read. A namespace
+A stored cache is never served for another model, dtype, namespace, codec or token sequence because
+all five are in the key, and the entry's header repeats them for verification on read. A namespace
 keeps tenants apart: equal text from two tenants (or under two `cache_salt`s) gives two entries.
-The empty namespace (one tenant, no salt) keys exactly as entries without one always did.
+The empty namespace (one tenant, no salt) and the exact codec (`none`) key exactly as entries
+without them always did; an encoded entry (`int8`, `int4`) is never served for an exact one.
 """
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ _NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 
 
-def chunk_key(model_fingerprint: str, dtype: str, token_ids: Sequence[int], namespace: str = "") -> str:
+def chunk_key(model_fingerprint: str, dtype: str, token_ids: Sequence[int], namespace: str = "",
+              codec: str = "none") -> str:
     digest = hashlib.sha256(f"cachesmith-kv/1\0{model_fingerprint}\0{dtype}\0".encode())
     if namespace:  # after the fixed head: an empty namespace leaves every existing key as it was
         digest.update(f"ns\0{namespace}\0".encode())
+    if codec != "none":  # likewise: exact entries keep their keys
+        digest.update(f"codec\0{codec}\0".encode())
     digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return digest.hexdigest()
 

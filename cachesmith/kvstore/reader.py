@@ -1,7 +1,9 @@
 """Reading entries from any byte source: whole entries, one layer, or a subset of a layer's rows.
 
-In: a `RangeSource` (disk file, memory bytes, redis string). Out: verified tensors, written straight
-into caller-owned staging buffers when possible (no intermediate copy for full-layer reads).
+In: a `RangeSource` (disk file, memory bytes, redis string). Out: verified tensors in the entry's
+dtype, written into caller-owned staging buffers: an exact entry's bytes straight in (no
+intermediate copy for full-layer reads), an encoded entry's blocks read into a scratch buffer,
+verified, and decoded into them in the same pass (`kvstore.codec`).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from cachesmith.kvstore import codec as kv_codec
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, EntryHeader, block_checksum, parse_header
 from cachesmith.model import ChunkKV
 from cachesmith.model import device as accel
@@ -63,7 +66,7 @@ class EntryReader:
 
     def _verify(self, layer: int, is_value: bool, run: tuple[int, int], view: memoryview) -> None:
         crcs = self.header.checksums[layer][is_value]
-        step = BLOCK_ROWS * self.header.row_bytes
+        step = self.header.block_bytes(is_value)
         for i, block in enumerate(range(*run)):
             if block_checksum(view[i * step:(i + 1) * step]) != crcs[block]:
                 raise CorruptEntry(f"checksum mismatch in layer {layer} block {block}")
@@ -71,17 +74,25 @@ class EntryReader:
     def _read_run(self, layer: int, run: tuple[int, int], k_out: torch.Tensor, v_out: torch.Tensor) -> int:
         """K and V rows of blocks [run) into contiguous k_out/v_out; every block verified."""
         h = self.header
-        first = run[0] * BLOCK_ROWS
-        views = [_byte_view(k_out), _byte_view(v_out)]
+        if h.codec == "none":
+            views = [_byte_view(k_out), _byte_view(v_out)]
+        else:  # the stored blocks, decoded below
+            scratch = [torch.empty(h.block_offset(layer, is_v, run[1]) - h.block_offset(layer, is_v, run[0]),
+                                   dtype=torch.uint8) for is_v in (False, True)]
+            views = [memoryview(t.numpy()) for t in scratch]
         if run == (0, -(-h.num_tokens // BLOCK_ROWS)):  # a whole layer: K then V, one read
-            got = self.source.readinto_many(h.offset(layer, False), views)
+            got = self.source.readinto_many(h.block_offset(layer, False), views)
         else:
-            got = sum(self.source.readinto(h.offset(layer, is_v, first), view)
+            got = sum(self.source.readinto(h.block_offset(layer, bool(is_v), run[0]), view)
                       for is_v, view in enumerate(views))
-        if got != 2 * len(views[0]):
-            raise CorruptEntry(f"short read in layer {layer}: {got} of {2 * len(views[0])} bytes")
+        want = sum(len(view) for view in views)
+        if got != want:
+            raise CorruptEntry(f"short read in layer {layer}: {got} of {want} bytes")
         for is_value, view in enumerate(views):
             self._verify(layer, bool(is_value), run, view)
+        if h.codec != "none":
+            for is_value, (raw, out) in enumerate(zip(scratch, (k_out, v_out))):
+                kv_codec.decode_into(h.codec, raw, run[0], h.num_tokens, out, bool(is_value))
         return got
 
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,

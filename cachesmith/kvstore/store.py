@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachesmith.errors import CachesmithError, ConfigError
+from cachesmith.kvstore.codec import CODECS
 from cachesmith.kvstore.disk_quota import DEFAULT_DISK_FRACTION
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validate_namespace
@@ -42,6 +43,7 @@ class StoreConfig:
     redis_ttl_s: int | None = DEFAULT_REDIS_TTL_S
     redis_max_bytes: int | None = None  # set as the redis server's maxmemory (allkeys-lru) at start
     retry_interval_s: float = 5.0  # how often writes a tier missed are tried again, while any are
+    codec: str = "none"  # how new entries store their KV (`kvstore.codec`); their keys name it
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIER_NAMES]
@@ -59,6 +61,8 @@ class StoreConfig:
         if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
             raise ConfigError(f"redis_ttl_s={self.redis_ttl_s} must be a positive number of seconds, "
                               f"or None for no expiry")
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec={self.codec!r}: must be one of {', '.join(CODECS)}")
         if not 0 < self.retry_interval_s <= 3600:
             raise ConfigError(f"retry_interval_s={self.retry_interval_s} must be in (0, 3600] seconds")
 
@@ -69,6 +73,13 @@ class StoreStats:
     misses: int = 0
     evicted_corrupt: int = 0
     bytes_written: int = 0
+    # per codec, the bytes and token rows of the entries this store wrote (one copy each)
+    entry_bytes: Counter = field(default_factory=Counter)
+    entry_tokens: Counter = field(default_factory=Counter)
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Stored bytes per token of the entries written, by codec."""
+        return {codec: self.entry_bytes[codec] / n for codec, n in self.entry_tokens.items() if n}
 
     def hit_rate(self) -> float:
         total = sum(self.hits.values()) + self.misses
@@ -116,13 +127,13 @@ class ChunkStore:
                   "redis": lambda: RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, max_bytes=cfg.redis_max_bytes)}
         return [makers[name]() for name in cfg.tiers]
 
-    @staticmethod
-    def key_for(model: Decoder, token_ids: Sequence[int], namespace: str = "") -> str:
-        return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids, namespace)
+    def key_for(self, model: Decoder, token_ids: Sequence[int], namespace: str = "") -> str:
+        """The key of `token_ids`' entry in `namespace`, stored by this store's codec."""
+        return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids, namespace, self.config.codec)
 
     def _verify(self, reader: EntryReader, key: str, model: Decoder | None) -> None:
         h = reader.header
-        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids, h.namespace) != key:
+        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids, h.namespace, h.codec) != key:
             raise CorruptEntry("entry does not match its key")
         if model is None:
             return
@@ -200,10 +211,14 @@ class ChunkStore:
 
     def _put(self, chunk: ChunkKV, namespace: str) -> tuple[str, int]:
         validate_namespace(namespace)
-        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace)
-        data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace)
+        codec = self.config.codec
+        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace, codec)
+        data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace, codec)
         written = [tier.put(key, data) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
+        if any(written):
+            self.stats.entry_bytes[codec] += len(data)
+            self.stats.entry_tokens[codec] += chunk.num_tokens
         missed = [t for t, ok in zip(self.tiers, written) if not ok]
         self._missed.note(key, missed)
         if missed:

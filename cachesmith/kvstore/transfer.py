@@ -307,7 +307,7 @@ class BatchTransfer(RunnerHooks):
 
     def _load_segment(self, load: LayerLoad, seg: _Segment, wanted: np.ndarray) -> None:
         num_rows = int(wanted.sum())
-        on_link = self.engine.link.consume(2 * num_rows * seg.reader.header.row_bytes)
+        on_link = self.engine.link.consume(seg.reader.header.rows_bytes(num_rows))
         blocks = None if num_rows == wanted.size else np.unique(wanted.nonzero()[0] // BLOCK_ROWS).tolist()
         try:
             nbytes = load.read(seg.reader, seg.start, blocks)

@@ -2,7 +2,7 @@
 
 In: the profile's `DemandModel` (the prior: its served-mix curves) and, as they come, shadow samples
 (a served request re-run in idle time at full prefill and the profiler's coverage ladder, judged by
-fidelity: its whole passing interval per signal and anchor depth, `profiler.shadow`) and client
+fidelity: its whole passing interval per signal and anchor depth, `calibration.shadow`) and client
 verdicts (one point of one request's interval: passed or failed at the coverage it ran). Out: the
 pass probability per (signal, rank depth) on the 5% demand grid, for the planner to price
 hint-free plans with, and how far it moved from the prior (`shift`).

@@ -1,1 +1,1 @@
-"""Offline profiling for the planner: compute costs, tier bandwidths, demand distributions."""
+"""`cachesmith profile`: a profile's demand measured offline on a task's or a workload file's requests."""

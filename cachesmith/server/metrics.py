@@ -212,6 +212,8 @@ def _store_metrics(svc: Service, model: str):
     yield _single(CounterMetricFamily, model, "store_misses", "Chunk store reads no tier could serve",
                   store.misses)
     yield _single(GaugeMetricFamily, model, "store_hit_rate", "Store hits / reads since start", store.hit_rate())
+    yield _by(GaugeMetricFamily, model, "store_bytes_per_token", "Stored bytes per token of the entries written "
+              "since start, by codec (none: as computed; int8, int4: encoded)", "codec", store.bytes_per_token())
     yield _single(CounterMetricFamily, model, "store_evicted_corrupt", "Stored entries found unusable on read "
                   "(checksum, truncation, another model's) and evicted, to be recomputed", store.evicted_corrupt)
     quotas = {tier.name: tier.quota.num_evicted for tier in tiers if getattr(tier, "quota", None) is not None}

@@ -29,8 +29,8 @@ from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt
 from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
-from cachesmith.profiler.packaged import serving_profile
-from cachesmith.profiler.shadow import shadow_calibrator
+from cachesmith.calibration.packaged import serving_profile
+from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.request import RequestResult, check_fits, check_max_tokens, check_slo
 from cachesmith.scoring import Expected
 from cachesmith.server.chunks import ChunkCatalog, NewEntry

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cachesmith.cli import main
-from cachesmith.profiler import packaged
+from cachesmith.calibration import packaged
 from tests.workloads.test_cli import _corpus_file
 
 pytestmark = pytest.mark.real_model

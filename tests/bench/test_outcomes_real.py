@@ -13,8 +13,9 @@ from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
-from cachesmith.profiler.packaged import PACKAGED_DIR
-from cachesmith.profiler.verdicts import Verdicts
+from cachesmith.calibration.packaged import PACKAGED_DIR
+from cachesmith.calibration.verdicts import Verdicts
+from cachesmith.profiler.subjects import instance_subject
 from cachesmith.recompute import RecomputeConfig, preset
 from cachesmith.scoring import score
 from cachesmith.workloads.card import answer_instance
@@ -66,7 +67,7 @@ def test_forked_batched_verdicts_equal_the_serving_path_and_tables_grow_by_appen
     inst = generate("pr", 20)  # its verdict flips at 55% (qci/6) and 70% (kv_dev/2) in the packaged table
     plans = [RecomputeConfig("qci", 5, 1, 0.2), RecomputeConfig("qci", 5, 1, 0.55), RecomputeConfig("kv_dev", 1, 0, 0.1),
              RecomputeConfig("kv_dev", 1, 1, 0.35), RecomputeConfig("kv_dev", 1, 1, 0.7), preset("epic", 0.15, 30)]
-    records = Verdicts(pipe, tmp_path / "v.jsonl").measure(inst, [(p, p.label()) for p in plans])
+    records = Verdicts(pipe, tmp_path / "v.jsonl").measure(instance_subject(pipe, inst), [(p, p.label()) for p in plans])
     for plan, rec in zip(plans, records):  # one fork per (S, w, p), all six decoded together
         ans = answer_instance(pipe, inst, plan)  # staged, alone: what serving runs
         assert (rec["text"], rec["entropy"]) == (ans.text, ans.qci_entropy), plan.label()

@@ -215,7 +215,7 @@ def test_the_machine_prices_placed_cached_rows_per_patch_pass():
 
 
 def test_the_machine_can_run_on_another_profile_than_the_planner_plans_with():
-    from cachesmith.profiler.packaged import rescaled
+    from cachesmith.calibration.packaged import rescaled
 
     profile, t = make_profile(), table(4)
     o = t.outcomes[1]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cachesmith.errors import ConfigError
 from cachesmith.integrations.connector_book import Load, LoadBook, StoreSettings
 from cachesmith.integrations.connector_builds import Built, Builds
 from cachesmith.integrations.prompt_kv import ConnectorParams
@@ -136,10 +137,13 @@ def test_blocks_that_cannot_hold_the_rows_are_a_clear_error():
 
 def test_store_settings_come_from_the_extra_config():
     assert StoreSettings.from_extra(lambda key, default: default) == StoreSettings(("memory", "disk"), None, None)
-    extra = {"store_tiers": ["redis"], "store_root": "/tmp/kv", "redis_url": "redis://h:1/0"}
+    extra = {"store_tiers": ["redis"], "store_root": "/tmp/kv", "redis_url": "redis://h:1/0", "kv_codec": "int8"}
     settings = StoreSettings.from_extra(lambda key, default: extra.get(key, default))
     config = settings.config()
-    assert (config.tiers, config.root, config.redis_url) == (("redis",), Path("/tmp/kv"), "redis://h:1/0")
+    assert (config.tiers, config.root, config.redis_url, config.codec) == (("redis",), Path("/tmp/kv"),
+                                                                          "redis://h:1/0", "int8")
+    with pytest.raises(ConfigError, match="codec='fp8'"):
+        StoreSettings.from_extra(lambda key, default: {"kv_codec": "fp8"}.get(key, default)).config()
     with pytest.raises(AttributeError):
         settings.tiers = ("memory",)  # frozen
 

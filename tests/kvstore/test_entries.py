@@ -10,6 +10,7 @@ import torch
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, serialize
+from cachesmith.kvstore.keys import chunk_key, dtype_name
 from cachesmith.kvstore.reader import EntryReader
 from cachesmith.kvstore.tiers import BytesSource, DiskTier, MemoryTier
 from cachesmith.model import prefill_chunk
@@ -21,7 +22,7 @@ def _chunk(model, n=150, seed=0):
 
 
 def _entry(model, chunk):
-    key = ChunkStore.key_for(model, chunk.token_ids)
+    key = chunk_key(model.fingerprint, dtype_name(model.dtype), chunk.token_ids)
     return key, serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values)
 
 

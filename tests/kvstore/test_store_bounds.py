@@ -108,7 +108,7 @@ def test_serve_passes_the_bounds_into_store_config():
     args = cli.build_parser().parse_args(["serve", "--disk-max-bytes", "20G", "--redis-ttl-s", "3600",
                                           "--redis-max-bytes", "8G"])
     assert cli_store.store_bounds(args) == {"disk_max_bytes": 20 << 30, "redis_ttl_s": 3600,
-                                            "redis_max_bytes": 8 << 30}
+                                            "redis_max_bytes": 8 << 30, "codec": "none"}
     never = cli.build_parser().parse_args(["serve", "--redis-ttl-s", "0"])
     assert StoreConfig(**cli_store.store_bounds(never)).redis_ttl_s is None  # 0: no expiry
     default = cli.build_parser().parse_args(["serve"])
@@ -130,8 +130,9 @@ def _fill(root, sizes, hours_ago=None) -> DiskTier:
 def test_store_stats_prints_entries_bytes_quota_and_oldest_access(tmp_path, capsys):
     _fill(tmp_path, [100, 200, 300], hours_ago=[72, 48, 1])
     assert cli.main(["store", "stats", "--store-root", str(tmp_path), "--disk-max-bytes", "1K"]) == 0
-    line = capsys.readouterr().out.strip()
+    line, codecs = capsys.readouterr().out.strip().splitlines()
     assert line.startswith("disk   entries 3  bytes 600 (600 B)  quota 1024 (1.0 KiB)")
+    assert codecs == "codecs no entries"  # three unreadable files: no header names a codec
     assert re.search(r"oldest access \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(3\.0 days ago\)", line)
     assert cli.main(["store", "stats", "--store-root", str(tmp_path / "typo")]) == 2
     assert "no store there" in capsys.readouterr().err and not (tmp_path / "typo").exists()
@@ -142,7 +143,7 @@ def test_store_stats_of_redis(redis_server, tmp_path, capsys):
     tier.put(_key(1), bytes(10))
     tier.put(_key(2), bytes(20))
     assert cli.main(["store", "stats", "--store-root", str(tmp_path), "--redis-url", redis_server.url]) == 0
-    disk, shared = capsys.readouterr().out.strip().splitlines()
+    disk, shared, _ = capsys.readouterr().out.strip().splitlines()
     assert disk.startswith("disk   entries 0  bytes 0")
     assert shared.startswith("redis  entries 2  bytes 30 (30 B)  quota none")
     assert "maxmemory 0: unbounded; ttl_s=604800" in shared
@@ -170,6 +171,26 @@ def test_store_prune_needs_a_bound(tmp_path, capsys):
 @pytest.mark.parametrize("command", [["precompute", "corpus.jsonl"], ["bench"]])
 def test_every_command_that_stores_takes_the_bounds(command, tmp_path):
     args = cli.build_parser().parse_args([*command, "--disk-max-bytes", "1G", "--redis-ttl-s", "60",
-                                          "--store-root", str(tmp_path)])
-    assert cli_store.store_bounds(args) == {"disk_max_bytes": 1 << 30, "redis_ttl_s": 60, "redis_max_bytes": None}
-    assert cli._store(args).tiers[1].quota.max_bytes == 1 << 30  # the disk tier, bounded as asked
+                                          "--store-root", str(tmp_path), "--kv-codec", "int4"])
+    assert cli_store.store_bounds(args) == {"disk_max_bytes": 1 << 30, "redis_ttl_s": 60, "redis_max_bytes": None,
+                                            "codec": "int4"}
+    store = cli._store(args)
+    assert store.tiers[1].quota.max_bytes == 1 << 30 and store.config.codec == "int4"  # bounded and coded as asked
+
+
+def test_store_stats_names_each_codec_and_its_bytes_per_token(model, tmp_path, capsys):
+    from cachesmith.kvstore import ChunkStore, StoreConfig
+    from cachesmith.model import prefill_chunk
+
+    chunk = prefill_chunk(model, list(range(3, 103)))
+    for codec in ("none", "int8"):
+        store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path, codec=codec))
+        store.put(chunk)
+        per_token = store.stats.bytes_per_token()
+        assert list(per_token) == [codec] and per_token[codec] > 0
+        store.close()
+    assert cli.main(["store", "stats", "--store-root", str(tmp_path)]) == 0
+    codecs = capsys.readouterr().out.strip().splitlines()[-1]
+    found = dict(re.findall(r"(\w+) 1 entries, ([\d,]+) bytes/token", codecs))
+    assert set(found) == {"none", "int8"}
+    assert int(found["int8"].replace(",", "")) < 0.3 * int(found["none"].replace(",", ""))

@@ -10,7 +10,7 @@ import torch
 from cachesmith.model import Decoder, resolve_model
 from cachesmith.planner import BatchShape, Planner, PlannerConfig, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
-from cachesmith.profiler.synthetic import random_request
+from cachesmith.calibration.synthetic import random_request
 from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RunnerHooks
 from tests.planner.synthetic_profile import make_profile
 from tests.planner.test_monitor import durations

@@ -9,8 +9,9 @@ from cachesmith import cli
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Planner, PlanRequest, Profile, ProfileError
-from cachesmith.profiler import run as run_mod
-from cachesmith.profiler.run import ProfileConfig, run_profile
+from cachesmith.calibration import cost_run as run_mod
+from cachesmith.calibration.cost_run import ProfileConfig
+from cachesmith.profiler.run import run_profile
 from tests.engine_helpers import save_tiny_chat_model
 
 pytestmark = pytest.mark.real_model

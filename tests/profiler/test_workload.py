@@ -17,9 +17,9 @@ from cachesmith.errors import InputError
 from cachesmith.planner import Profile
 from cachesmith.planner.profile import DemandCurve
 from cachesmith.profiler import workload as workload_mod
-from cachesmith.profiler.packaged import PACKAGED_DIR, find_profile
-from cachesmith.profiler.workload import (WorkloadDemand, default_gate, read_workload, run_workload_demand,
-                                          with_workload_demand, workload_path)
+from cachesmith.calibration.packaged import PACKAGED_DIR, find_profile
+from cachesmith.calibration.workload_demand import WorkloadDemand, with_workload_demand, workload_path
+from cachesmith.profiler.workload import default_gate, read_workload, run_workload_demand
 
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 CURVES = (DemandCurve("kv_dev", 2, (0.1, 0.3, 0.5)), DemandCurve("qci", 2, (0.05, 0.2, 0.25)))
@@ -55,6 +55,7 @@ def known_demand(monkeypatch):
 
     monkeypatch.setattr(workload_mod.DemandProfiler, "__post_init__", lambda self: None)
     monkeypatch.setattr(workload_mod.DemandProfiler, "run", run)
+    monkeypatch.setattr(workload_mod, "instance_subject", lambda pipe, inst: inst)  # nothing to tokenize with
     return seen
 
 

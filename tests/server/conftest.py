@@ -26,9 +26,10 @@ def tiny_profile(pipe: RagPipeline):
     return replace(make_profile(num_layers=pipe.model.num_layers), model_fingerprint=pipe.model.fingerprint)
 
 
-def make_service(model_dir, store_root=None, tiers=("memory",), redis_url=None, **overrides) -> Service:
+def make_service(model_dir, store_root=None, tiers=("memory",), redis_url=None, kv_codec="none",
+                 **overrides) -> Service:
     config = ServiceConfig(model=str(model_dir), served_name=NAME, **overrides)
-    store = ChunkStore(StoreConfig(tiers=tiers, root=store_root, redis_url=redis_url))
+    store = ChunkStore(StoreConfig(tiers=tiers, root=store_root, redis_url=redis_url, codec=kv_codec))
     pipe = RagPipeline(str(model_dir), store=store)
     return Service(config, pipe, tiny_profile(pipe))
 

@@ -15,7 +15,7 @@ from cachesmith.engine import EngineConfig
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.methods import default_methods, parse_method
 from cachesmith.pipeline import RagPipeline
-from cachesmith.profiler.packaged import find_profile
+from cachesmith.calibration.packaged import find_profile
 from cachesmith.recompute import Signal, preset
 from cachesmith.recompute.signals import num_selected
 from cachesmith.server import ServerConfig, Service, ServiceConfig

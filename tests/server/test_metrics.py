@@ -222,3 +222,19 @@ def test_store_evictions_are_counted_by_cause(tiny_chat_dir, tmp_path):
     [quota] = families["cachesmith:store_evicted_quota"].samples
     assert quota.labels["tier"] == "disk" and quota.value == 1  # the first entry made room for the second
     assert families["cachesmith:store_evicted_corrupt"].samples[0].value == 1
+
+
+def test_stored_bytes_per_token_are_exposed_by_codec(tiny_chat_dir):
+    """Entries a server writes under `--kv-codec int8` are counted at their encoded size, under
+    that codec's label: about a quarter of float32's bytes, header included."""
+    per_token = {}
+    for name in ("none", "int8"):
+        service = make_service(tiny_chat_dir, kv_codec=name)
+        try:
+            service.add_chunks(["river glacier lantern harbor meadow falcon " * 20])
+            text = ServiceMetrics(service).exposition().decode()
+        finally:
+            service.close(timeout=30)
+        [sample] = {f.name: f for f in text_string_to_metric_families(text)}["cachesmith:store_bytes_per_token"].samples
+        per_token[sample.labels["codec"]] = sample.value
+    assert set(per_token) == {"none", "int8"} and 0 < per_token["int8"] < 0.35 * per_token["none"]

@@ -9,7 +9,7 @@ from cachesmith.engine import EngineConfig
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.model import greedy_decode
 from cachesmith.pipeline import RagPipeline
-from cachesmith.profiler.packaged import find_profile
+from cachesmith.calibration.packaged import find_profile
 from cachesmith.recompute import full_prefill
 from cachesmith.server import ServerConfig, Service, ServiceConfig
 from cachesmith.server.run import BackgroundServer

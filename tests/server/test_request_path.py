@@ -27,9 +27,9 @@ class Spies:
         real_key, real_open, real_run = ChunkStore.key_for, ChunkStore.open, BatchRunner.run
         real_held = ChunkStore.ensure_held
 
-        def key_for(model, token_ids, namespace=""):
+        def key_for(store, model, token_ids, namespace=""):
             self.keyed.append(tuple(token_ids))
-            return real_key(model, token_ids, namespace)
+            return real_key(store, model, token_ids, namespace)
 
         def open_(store, key, model=None):
             self.opened.append(key)
@@ -43,7 +43,7 @@ class Spies:
             self.runs.append([len(r.chunks) for r in requests])
             return real_run(runner, requests, *args, **kwargs)
 
-        monkeypatch.setattr(ChunkStore, "key_for", staticmethod(key_for))
+        monkeypatch.setattr(ChunkStore, "key_for", key_for)
         monkeypatch.setattr(ChunkStore, "open", open_)
         monkeypatch.setattr(ChunkStore, "ensure_held", ensure_held)
         monkeypatch.setattr(BatchRunner, "run", run)
@@ -76,7 +76,7 @@ def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served,
     pipe = service.pipeline
     chunk_ids = [tuple(pipe.tokenizer.chunk_ids(d)) for d in DOCS]
     spies = Spies(monkeypatch)
-    chunk_keys = [spies.real_key(pipe.model, list(ids)) for ids in chunk_ids]
+    chunk_keys = [spies.real_key(pipe.store, pipe.model, list(ids)) for ids in chunk_ids]
     for is_stored in (False, True):  # first sight (prefilled, then stored), then read from the store
         spies.reset()
         answer = chat(srv.url)

@@ -1,9 +1,9 @@
-"""Quality-gate verdicts of workload instances under many plans, measured together.
+"""Quality-gate verdicts of requests under many plans, measured together.
 
-In: a `RagPipeline`, one or several subjects (`subjects.Subject`: workload instances or served
-requests) and their trials, each a (plan, tag). Out: per trial a
-record `{"key", "passed", "entropy", "text"}` (key = instance digest / tag), appended to a JSONL cache, so
-a stopped run resumes where it was.
+In: a `RagPipeline`, one or several `subjects.Subject`s (a workload's or a served request, as plain
+data) and their trials, each a (plan, tag). Out: per trial a record
+`{"key", "passed", "entropy", "text"}` (key = the subject's digest / tag), appended to a JSONL
+cache, so a stopped run resumes where it was.
 
 Offline searches over coverage (demand profiles, outcome tables) evaluate the same instance under
 dozens of plans that differ only in their coverage. Plans sharing (S, w, p) are ranked once
@@ -21,8 +21,7 @@ from pathlib import Path
 from cachesmith.jsonl import load_keyed
 from cachesmith.model.generate import Decoding
 from cachesmith.pipeline import RagPipeline
-from cachesmith.profiler.subjects import Subject, recompute_request, scored
-from cachesmith.profiler.subjects import digest as subject_digest
+from cachesmith.calibration.subjects import Subject, recompute_request
 from cachesmith.recompute import PatchFork, RecomputeConfig, RecomputeOutput, RecomputeRequest, Signal
 from cachesmith.scoring import score
 
@@ -50,7 +49,7 @@ class Verdicts:
     def measure_many(self, batch: list[tuple[Subject, list[tuple[RecomputeConfig, str]]]]) -> list[list[dict]]:
         """`measure` for several instances at once: their missing trials are decoded together, so
         the instances share each decoding pass over the weights."""
-        digests = [subject_digest(inst) for inst, _ in batch]
+        digests = [inst.digest for inst, _ in batch]
         for d in digests:  # the most recently used last
             self._forks[d] = self._forks.pop(d, {})
         while len(self._forks) > max(self.max_held, len(set(digests))):
@@ -75,7 +74,7 @@ class Verdicts:
         records = []
         for (inst, digest, _, tag), out, gen in zip(trials, outputs, gens):
             text = self.pipe.tokenizer.decode(gen.token_ids).strip()
-            records.append({"key": f"{digest}/{tag}", "passed": score(scored(inst), text).passed,
+            records.append({"key": f"{digest}/{tag}", "passed": score(inst.expected, text).passed,
                             "entropy": out.qci_entropy, "text": text})
             out.cache.release()
         self.cache.update((rec["key"], rec) for rec in records)
@@ -85,7 +84,7 @@ class Verdicts:
 
     def forget(self, inst: Subject) -> None:
         """Drop one instance's records and forks (memory-only use)."""
-        found = subject_digest(inst)
+        found = inst.digest
         self._forks.pop(found, None)
         self._requests.pop(found, None)
         for key in [k for k in self.cache if k.startswith(f"{found}/")]:

@@ -11,10 +11,10 @@ import pytest
 from cachesmith.planner import BatchShape, Planner, PlanRequest, Profile
 from cachesmith.planner.cost_model import CostModel
 from cachesmith.planner.profile import PhaseCost
-from cachesmith.profiler import packaged
-from cachesmith.profiler.mapped_demand import REFERENCE_PROFILE, read_demand_source
-from cachesmith.profiler.packaged import calibrate, rescaled
-from cachesmith.profiler.run import ProfileConfig
+from cachesmith.calibration import packaged
+from cachesmith.calibration.mapped_demand import REFERENCE_PROFILE, read_demand_source
+from cachesmith.calibration.packaged import calibrate, rescaled
+from cachesmith.calibration.cost_run import ProfileConfig
 from cachesmith.recompute.config import cacheblend, epic
 from tests.engine_helpers import save_tiny_chat_model, tiny_pipeline
 from tests.planner.synthetic_profile import make_profile

@@ -32,7 +32,7 @@ from cachesmith.model import Decoder
 from cachesmith.planner.cost_model import (NUM_FEATURES, BatchShape, CostModel, execution_steps, overhead_features,
                                            step_features)
 from cachesmith.planner.profile import LAYER_KINDS, PASS_KINDS, PhaseCost, Profile
-from cachesmith.profiler.quiet import QuietRun
+from cachesmith.calibration.quiet import QuietRun
 from cachesmith.recompute import BatchRunner, HookChain, LayerStatsRecorder, RecomputeConfig
 
 ALL = 10_000  # warmup / probe depth meaning "every layer"

@@ -8,10 +8,12 @@ import pytest
 
 from cachesmith.errors import InputError
 from cachesmith.gates import make_gate
-from cachesmith.instance import WorkloadInstance
 from cachesmith.planner.profile import NEVER
-from cachesmith.profiler.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
+from cachesmith.calibration.demand import GRID_STEPS, DemandProfiler, plan_at, task_curves
+from cachesmith.calibration.subjects import Subject
+from cachesmith.model.tokenizer import PromptParts
 from cachesmith.recompute import RecomputeConfig
+from cachesmith.scoring import Expected
 
 
 class FakeProfiler(DemandProfiler):
@@ -87,7 +89,7 @@ def test_task_curves_keep_until_only_where_a_request_fails_again():
 
 def test_the_fidelity_gate_profiles_requests_without_gold():
     """An answer passes when its canonical form equals full prefill's; the gold is never read."""
-    inst = WorkloadInstance("custom", ("a passage",), "Where?", ())
+    inst = Subject("d0", Expected("custom"), 8, PromptParts([], [[1, 2]], [3]))  # no gold
 
     def answer(r, tag):  # below 45% the model names another town; from there on, full prefill's
         return "Port Lantern, a town." if tag == "full_prefill" or r >= 0.45 - 1e-9 else "Oakridge."

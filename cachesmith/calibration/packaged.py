@@ -22,10 +22,9 @@ from pathlib import Path
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
-from cachesmith.profiler.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
-from cachesmith.profiler.run import (QUICK_COSTS, ProfileConfig, default_path, kv_bytes_per_token_layer,
-                                    run_costs_profile)
-from cachesmith.profiler.workload import load_workload_demand, with_workload_demand
+from cachesmith.calibration.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
+from cachesmith.calibration.cost_run import QUICK_COSTS, ProfileConfig, default_path, kv_bytes_per_token_layer, run_costs_profile
+from cachesmith.calibration.workload_demand import load_workload_demand, with_workload_demand
 from cachesmith.recompute.config import epic
 
 FULL_KIND = "full"  # the layer kind a full prefill runs: it alone scales with the full-prefill factor
@@ -201,7 +200,7 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     two full prefills of the given lengths, a warm-up and the probes (a fraction of a prefill)."""
     import random
 
-    from cachesmith.profiler.synthetic import random_request
+    from cachesmith.calibration.synthetic import random_request
     from cachesmith.recompute import full_prefill
 
     rng, full = random.Random(seed), full_prefill(pipe.model.num_layers)

@@ -13,8 +13,8 @@ import torch
 
 from cachesmith.planner import Planner, Profile, ProfileError
 from cachesmith.planner.profile import DemandCurve
-from cachesmith.profiler import run as run_mod
-from cachesmith.profiler.mapped_demand import (REFERENCE_PROFILE, map_demand_depths, mapped_depth,
+from cachesmith.calibration import cost_run as run_mod
+from cachesmith.calibration.mapped_demand import (REFERENCE_PROFILE, map_demand_depths, mapped_depth,
                                                read_demand_source)
 from tests.planner.synthetic_profile import make_profile
 
@@ -94,7 +94,7 @@ def _stub_pipe(name: str, num_layers: int):
 @pytest.mark.parametrize("num_layers", [4, 80])
 def test_costs_only_profile_maps_the_packaged_demand_by_default(tmp_path, monkeypatch, num_layers):
     measured = replace(make_profile(num_layers=num_layers), demand=(), entropy_threshold=0.5)
-    monkeypatch.setattr(run_mod, "_base", lambda pipe, config, out, show: (measured, {
+    monkeypatch.setattr(run_mod, "base_profile", lambda pipe, config, out, show: (measured, {
         "ttft_rel_err_mean": 0.04, "ttft_rel_err_max": 0.1, "rows": []}))
     pipe = _stub_pipe("tiny-unprofiled", num_layers)
     assert run_mod.demand_source_path(pipe) == REFERENCE_PROFILE  # nothing packaged for this name

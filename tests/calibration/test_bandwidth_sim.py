@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.model import Decoder
-from cachesmith.profiler.bandwidth import tier_bandwidth
+from cachesmith.calibration.bandwidth import tier_bandwidth
 
 pytestmark = pytest.mark.sim_cuda
 

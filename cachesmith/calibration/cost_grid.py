@@ -11,7 +11,7 @@ import numpy as np
 
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile
-from cachesmith.profiler.costs import ALL, PREFIX_TOKENS, PROFILE_PLANS, SUFFIX_TOKENS, RunSpec, plan_config
+from cachesmith.calibration.costs import ALL, PREFIX_TOKENS, PROFILE_PLANS, SUFFIX_TOKENS, RunSpec, plan_config
 
 
 def default_grid(max_tokens: int = 16_384, num_shapes: int = 36, plans_per_shape: int = 6, seed: int = 0,

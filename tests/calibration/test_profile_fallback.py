@@ -14,8 +14,8 @@ import torch
 
 from cachesmith.planner import Profile, ProfileError
 from cachesmith.planner.profile import PROFILE_FORMAT
-from cachesmith.profiler import packaged
-from cachesmith.profiler.packaged import PACKAGED_DIR, find_profile, measured_or_packaged
+from cachesmith.calibration import packaged
+from cachesmith.calibration.packaged import PACKAGED_DIR, find_profile, measured_or_packaged
 
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 
@@ -63,7 +63,7 @@ def _without(field: str) -> dict:
         "unknown_field", "truncated_json", "not_an_object"])
 def test_unusable_measured_profile_falls_back_to_packaged(own, caplog, content, fault):
     own.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+    with caplog.at_level(logging.WARNING, logger="cachesmith.calibration.packaged"):
         profile, source = find_profile(_pipe())
     assert source == "packaged" and profile == Profile.load(SHIPPED)
     assert str(own) in caplog.text and "falling back to the packaged profile" in caplog.text
@@ -109,7 +109,7 @@ def test_explicit_profile_path_must_be_usable(tmp_path):
 
 
 def test_packaged_profile_of_another_identity_serves_a_model_of_the_same_architecture(own, caplog):
-    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+    with caplog.at_level(logging.WARNING, logger="cachesmith.calibration.packaged"):
         profile, source = find_profile(_pipe(fingerprint="1" * 32))
     assert source == "packaged" and profile == Profile.load(SHIPPED)
     shipped_id = Profile.load(SHIPPED).model_fingerprint
@@ -128,7 +128,7 @@ def test_packaged_profile_of_another_architecture_measures_costs_now(own, caplog
 
     monkeypatch.setattr(packaged, "run_costs_profile", costs_profile)
     pipe = _pipe(fingerprint="2" * 32, num_layers=num_layers, num_kv_heads=num_kv_heads)
-    with caplog.at_level(logging.WARNING, logger="cachesmith.profiler.packaged"):
+    with caplog.at_level(logging.WARNING, logger="cachesmith.calibration.packaged"):
         profile, source = find_profile(pipe)
     assert source == "measured" and calls == [(packaged.QUICK_COSTS, own, SHIPPED)]
     assert f"the loaded model has {num_layers}, {2 * num_kv_heads * 64 * 4}" in caplog.text

@@ -5,12 +5,12 @@ cheapest ranking) and for the fixed-split families (qci_last and fused, (1, L - 
 layer-0 QCI entropy; and the entropy threshold that best routes requests to the signal that needs
 less coverage.
 
-In: a `RagPipeline` and workload instances (default: the served mix, MIX; or a user's workload file)
-and a gate: `task` (the task's metric against the gold) or `fidelity` (the answer's canonical form
+In: a `RagPipeline` and `Subject`s, requests as plain data (`profiler` builds them from the served
+mix, MIX, or a user's workload file; shadow work from served requests) and a gate: `task` (the task's metric against the gold) or `fidelity` (the answer's canonical form
 equals full prefill's: no gold needed, so any served workload can be profiled). Out: `DemandCurve`s
 (over all instances and, where they hold several tasks, per task) and theta. The gate reads the
 whole answer, as serving's does.
-Long and offline: every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
+Long: offline, every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,
 so a stopped run resumes, and a progress bar counts requests. The searches of one request run in
 lockstep, so each round's plans share their rankings and their decoding (`Verdicts`).
 """
@@ -25,11 +25,10 @@ from tqdm import tqdm
 
 from cachesmith.errors import InputError
 from cachesmith.gates import make_gate
-from cachesmith.instance import WorkloadInstance
-from cachesmith.profiler.subjects import Subject, scored
+from cachesmith.calibration.subjects import Subject
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import NEVER, DemandCurve
-from cachesmith.profiler.verdicts import Verdicts
+from cachesmith.calibration.verdicts import Verdicts
 from cachesmith.recompute import FIXED_FAMILIES, RecomputeConfig, preset
 
 ANCHOR_FRACTIONS = (0.05, 0.20, 0.50)
@@ -68,7 +67,7 @@ class DemandProfiler:
             return bool(record["passed"])
         full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
         reference = self.measure(inst, [(full, "full_prefill")])[0]["text"]  # cached after its first run
-        return self._gate.passes(scored(inst), record["text"], reference)
+        return self._gate.passes(inst.expected, record["text"], reference)
 
     def measure(self, inst: Subject, trials: list[tuple[RecomputeConfig, str]]) -> list[dict]:
         """Each trial's record `{"passed", "entropy", ...}`, measured together (`Verdicts`)."""
@@ -81,12 +80,12 @@ class DemandProfiler:
     def evaluate(self, inst: Subject, plan: RecomputeConfig, tag: str) -> dict:
         return self.measure(inst, [(plan, tag)])[0]
 
-    def flips(self, inst: WorkloadInstance, keys: list[tuple[str, int]], high: bool) -> dict[tuple[str, int], tuple[bool, float]]:
+    def flips(self, inst: Subject, keys: list[tuple[str, int]], high: bool) -> dict[tuple[str, int], tuple[bool, float]]:
         """Per (signal, rank depth): the verdict at 0% (`low`) and the coverage where full prefill's
         verdict `high` takes over (1.0 when low == high), one flip assumed (`flip_search`)."""
         return self.flips_many([inst], keys, [high])[0]
 
-    def flips_many(self, insts: list[WorkloadInstance], keys: list[tuple[str, int]],
+    def flips_many(self, insts: list[Subject], keys: list[tuple[str, int]],
                    highs: list[bool]) -> list[dict[tuple[str, int], tuple[bool, float]]]:
         """`flips` of several instances in lockstep: each round measures one step of every
         unfinished search of every instance together (`measure_many`)."""
@@ -143,13 +142,13 @@ class DemandProfiler:
             keys.insert(0, ("kv_dev", 1))
         return keys + [(s, self.pipe.model.num_layers) for s in fixed_families]
 
-    def pass_intervals(self, inst: WorkloadInstance, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
+    def pass_intervals(self, inst: Subject, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
         """[from, until) per (signal, rank depth) where the request passes on the 5% grid:
         (minimum sufficient coverage, NEVER) when full prefill passes, (0, the first failing
         coverage) when only the low side does, (NEVER, NEVER) when neither."""
         return self.pass_intervals_many([inst], keys)[0]
 
-    def pass_intervals_many(self, insts: list[WorkloadInstance],
+    def pass_intervals_many(self, insts: list[Subject],
                             keys: list[tuple[str, int]]) -> list[dict[tuple[str, int], tuple[float, float]]]:
         full = preset("full_prefill", 1.0, self.pipe.model.num_layers)
         # full prefill with every search's first step (0%, whatever full prefill's verdict): one
@@ -160,10 +159,10 @@ class DemandProfiler:
         return [{k: flip_interval(low, high, at) for k, (low, at) in found.items()}
                 for high, found in zip(highs, self.flips_many(insts, keys, highs))]
 
-    def entropy(self, inst: WorkloadInstance) -> float:
+    def entropy(self, inst: Subject) -> float:
         return float(self.evaluate(inst, plan_at("kv_dev", 2, 0), "kv_dev/2/0")["entropy"])
 
-    def run(self, instances: list[WorkloadInstance], signals=SIGNALS, show_progress: bool = True,
+    def run(self, instances: list[Subject], signals=SIGNALS, show_progress: bool = True,
             fixed_families: tuple[str, ...] = tuple(FIXED_FAMILIES)):
         keys = self.keys(signals, fixed_families)
         demands, until = {k: [] for k in keys}, {k: [] for k in keys}

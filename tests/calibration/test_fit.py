@@ -14,12 +14,12 @@ import pytest
 from cachesmith.planner import BatchShape, CostModel, Profile, ProfileError
 from cachesmith.planner.cost_model import overhead_features, phase_seconds
 from cachesmith.planner.profile import LAYER_KINDS, PROFILE_FORMAT, PhaseCost
-from cachesmith.profiler import run as run_mod
-from cachesmith.profiler.cost_grid import default_grid
-from cachesmith.profiler.costs import (ALL, HELD_OUT, PROFILE_PLANS, VALIDATION_PLANS, RunSpec, RunTiming, _samples,
+from cachesmith.calibration import cost_run as run_mod
+from cachesmith.calibration.cost_grid import default_grid
+from cachesmith.calibration.costs import (ALL, HELD_OUT, PROFILE_PLANS, VALIDATION_PLANS, RunSpec, RunTiming, _samples,
                                        design_row, fit_costs, predicted_ttft, process_factors)
-from cachesmith.profiler.packaged import PACKAGED_DIR
-from cachesmith.profiler.quiet import QuietRun, cpu_busy, wait_for_quiet
+from cachesmith.calibration.packaged import PACKAGED_DIR
+from cachesmith.calibration.quiet import QuietRun, cpu_busy, wait_for_quiet
 from tests.planner.synthetic_profile import make_profile
 
 L, KV_BYTES = 30, 1536
@@ -63,7 +63,7 @@ def _runs(truth: Profile, noise: float = 0.0, seed: int = 0, specs=None) -> list
 
 def _num_passes(plan) -> int:
     from cachesmith.planner.cost_model import execution_steps
-    from cachesmith.profiler.costs import plan_config
+    from cachesmith.calibration.costs import plan_config
 
     cfg = plan_config(plan, L)
     return len(execution_steps(cfg.signal.value, cfg.warmup, cfg.probe, L))
@@ -193,7 +193,7 @@ def test_costs_only_profile_keeps_the_demand_it_is_given(tmp_path, monkeypatch):
     source = make_profile()
     source.save(tmp_path / "demand.json")
     measured = replace(_profile(), demand=(), entropy_threshold=0.5)
-    monkeypatch.setattr(run_mod, "_base", lambda pipe, config, out, show: (measured, {
+    monkeypatch.setattr(run_mod, "base_profile", lambda pipe, config, out, show: (measured, {
         "ttft_rel_err_mean": 0.04, "ttft_rel_err_max": 0.1, "rows": []}))
     out = tmp_path / "p.json"
     config = run_mod.ProfileConfig(num_requests=1)
@@ -224,7 +224,7 @@ class FakeMachine:
             self.now += dt / steps
 
     def install(self, monkeypatch) -> "FakeMachine":
-        from cachesmith.profiler import quiet
+        from cachesmith.calibration import quiet
 
         monkeypatch.setattr(quiet, "NUM_CPUS", self.num_cpus)
         monkeypatch.setattr(quiet, "_machine", lambda: (self.busy_s, self.now * self.num_cpus))
