@@ -143,7 +143,7 @@ def quality_records(per_task: int, cache: Path) -> list[dict]:
                        "cacheblend@15%": preset("cacheblend", 0.15, num_layers)}
             key = (task, seed, "planner", "none")
             planned = done[key]["plan"] if key in done else planner.plan(parts, 5.0).config.label()
-            methods["planner"] = parse_label(planned)
+            methods["planner"] = RecomputeConfig(*parse_label(planned))
             for method, plan in methods.items():
                 if all((task, seed, method, c) in done for c in CODECS):
                     continue

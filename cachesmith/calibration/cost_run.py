@@ -83,6 +83,14 @@ def default_path(pipe: RagPipeline) -> Path:
     return cachesmith_home() / "profiles" / f"{pipe.model.model_dir.name}-{dtype}-{pipe.model.device.type}.json"
 
 
+def codec_path(pipe: RagPipeline) -> Path:
+    """Where the profile of a pipeline whose store encodes its KV (`StoreConfig.codec`) lives: its
+    demand is measured on decoded KV, so it is kept apart, as `<model>-<dtype>-<device>-<codec>.json`
+    (`default_path` for the exact store)."""
+    path, codec = default_path(pipe), pipe.store.config.codec
+    return path if codec == "none" else path.with_name(f"{path.stem}-{codec}{path.suffix}")
+
+
 log = logging.getLogger(__name__)
 PART_SUFFIXES = (".bandwidth.json", ".costs.json", ".validation.json", ".runs.jsonl", ".demand.jsonl", ".kv")
 
@@ -245,5 +253,5 @@ def run_costs_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None
     return profile
 
 
-__all__ = ["QUICK_COSTS", "ProfileConfig", "base_profile", "default_path", "demand_source_path", "read_demand",
+__all__ = ["QUICK_COSTS", "ProfileConfig", "base_profile", "codec_path", "default_path", "demand_source_path", "read_demand",
            "run_costs_profile"]

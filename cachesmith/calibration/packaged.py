@@ -23,7 +23,8 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
 from cachesmith.planner.profile import Profile, ProfileError
 from cachesmith.calibration.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
-from cachesmith.calibration.cost_run import QUICK_COSTS, ProfileConfig, default_path, kv_bytes_per_token_layer, run_costs_profile
+from cachesmith.calibration.cost_run import (QUICK_COSTS, ProfileConfig, codec_path, default_path,
+                                            kv_bytes_per_token_layer, run_costs_profile)
 from cachesmith.calibration.workload_demand import load_workload_demand, with_workload_demand
 from cachesmith.recompute.config import epic
 
@@ -52,6 +53,8 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     `workload_demand` (which must be this model's and readable); `is_workload_demand_used=False`
     keeps the profile's own demand."""
     key = _key(pipe)
+    if path is None:
+        path = _codec_profile(pipe)
     if path is not None:
         profile, source = Profile.load(Path(path), *key), "measured"
     else:
@@ -61,6 +64,20 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     if path is None and is_workload_demand_used:
         return with_workload_demand(profile, default_path(pipe), key[0], key[1]), source
     return profile, source
+
+
+def _codec_profile(pipe: RagPipeline) -> Path | None:
+    """The profile `cachesmith profile --kv-codec` measured for a store that encodes its KV, where
+    there is one; else None (the exact store's rule), said once."""
+    coded = codec_path(pipe)
+    if coded == default_path(pipe):
+        return None
+    if coded.exists():
+        return coded
+    log.info("no profile measured with the %s codec at %s: the exact store's profile prices its plans "
+             "(`cachesmith profile --kv-codec %s` measures demand on decoded KV)", pipe.store.config.codec, coded,
+             pipe.store.config.codec)
+    return None
 
 
 def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str],

@@ -1,4 +1,5 @@
-"""Builds and loads the decode kernels (`csrc/*.c`) for the CPU they run on; `model.native` calls them.
+"""Builds and loads the native kernels (`csrc/*.c`) for the CPU they run on: `model.native` calls the decode
+kernels, `kvstore.codec` the stored KV's dequantizing.
 
 In: the C sources, the system's C compiler (`cc`/`gcc`) and the CPU. Out: `library()`, the loaded
 shared library with every symbol's argument types set, or None (with the reason logged once) where
@@ -30,7 +31,7 @@ from cachesmith.model.assets import cachesmith_home
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(_CSRC / name for name in ("small_rows.c", "one_row_attention.c", "decode_layers.c"))
+SOURCES = tuple(_CSRC / name for name in ("small_rows.c", "one_row_attention.c", "decode_layers.c", "kv_dequant.c"))
 HEADERS = (_CSRC / "simd_math.h", _CSRC / "kernel_alloc.h")
 # 512-bit vectors where the compiler vectorizes (the exp loop): it may prefer 256 otherwise
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
@@ -50,6 +51,7 @@ SIGNATURES = {
     "cs_decode_attention_bf16": ((_V,) * 5 + (_I64,) * 5 + (_F32, _INT), _I64),
     "cs_decode_layers_f32": ((_V,) * 5 + (_I64,) * 7 + (_F32, _INT), _I64),
     "cs_decode_layers_bf16": ((_V,) * 5 + (_I64,) * 7 + (_F32, _INT), _I64),
+    "cs_kv_dequant": ((_V,) + (_I64,) * 5 + (_INT, _V, _INT), _INT),
 }
 
 

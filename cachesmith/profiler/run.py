@@ -1,7 +1,8 @@
 """`cachesmith profile`: measure and write the planner's profile for one (model, dtype, device).
 
 In: a `RagPipeline` and `ProfileConfig`. Out: the profile JSON (default
-$CACHESMITH_HOME/profiles/<model>-<dtype>-<device>.json): its costs and bandwidths measured as
+$CACHESMITH_HOME/profiles/<model>-<dtype>-<device>.json, `-<codec>` before `.json` where the
+pipeline's store encodes its KV): its costs and bandwidths measured as
 `calibration.cost_run` measures them, its demand distributions and entropy threshold measured on
 `config.num_requests` requests of the task `config.task` (default: the served mix). Demand answers
 are cached per evaluation in `<stem>.demand.jsonl`, so a stopped run resumes.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachesmith.calibration.cost_run import ProfileConfig, base_profile, default_path, fit_error
+from cachesmith.calibration.cost_run import ProfileConfig, base_profile, codec_path, fit_error
 from cachesmith.calibration.demand import DemandProfiler
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.profile import Profile
@@ -22,7 +23,7 @@ def run_profile(pipe: RagPipeline, config: ProfileConfig, out: Path | None = Non
                 show_progress: bool = True) -> Profile:
     if config.task != "mix":
         resolve(config.task, config.variant)  # an unknown task or variant fails now, not after the costs
-    out = Path(out or default_path(pipe))
+    out = Path(out or codec_path(pipe))  # a store that encodes KV: demand on decoded KV, kept apart
     base, validation = base_profile(pipe, config, out, show_progress)
     insts = generate_many(config.task, config.num_requests, config.seed, config.variant)
     profiler = DemandProfiler(pipe, out.with_name(out.stem + ".demand.jsonl"))

@@ -16,6 +16,7 @@ from cachesmith.planner.profile import DemandCurve
 from cachesmith.calibration import cost_run as run_mod
 from cachesmith.calibration.mapped_demand import (REFERENCE_PROFILE, map_demand_depths, mapped_depth,
                                                read_demand_source)
+from cachesmith.kvstore import StoreConfig
 from tests.planner.synthetic_profile import make_profile
 
 SHIPPED = read_demand_source(REFERENCE_PROFILE)  # smollm2-135m: 30 layers
@@ -88,7 +89,7 @@ def test_unreadable_demand_source_names_the_file(tmp_path):
 def _stub_pipe(name: str, num_layers: int):
     model = SimpleNamespace(model_dir=Path(name), dtype=torch.float32, device=torch.device("cpu"),
                             num_layers=num_layers)
-    return SimpleNamespace(model=model)
+    return SimpleNamespace(model=model, store=SimpleNamespace(config=StoreConfig()))
 
 
 @pytest.mark.parametrize("num_layers", [4, 80])

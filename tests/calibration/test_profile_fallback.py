@@ -16,6 +16,7 @@ from cachesmith.planner import Profile, ProfileError
 from cachesmith.planner.profile import PROFILE_FORMAT
 from cachesmith.calibration import packaged
 from cachesmith.calibration.packaged import PACKAGED_DIR, find_profile, measured_or_packaged
+from cachesmith.kvstore import StoreConfig
 
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 
@@ -25,7 +26,7 @@ def _pipe(name: str = "smollm2-135m", dtype=torch.float32, fingerprint: str | No
     fingerprint = fingerprint or json.loads(SHIPPED.read_text())["model_fingerprint"]
     model = SimpleNamespace(fingerprint=fingerprint, dtype=dtype, device=torch.device("cpu"), model_dir=Path(name),
                             num_layers=num_layers, config=SimpleNamespace(num_kv_heads=num_kv_heads, head_dim=64))
-    return SimpleNamespace(model=model)
+    return SimpleNamespace(model=model, store=SimpleNamespace(config=StoreConfig()))
 
 
 @pytest.fixture
@@ -133,3 +134,20 @@ def test_packaged_profile_of_another_architecture_measures_costs_now(own, caplog
     assert source == "measured" and calls == [(packaged.QUICK_COSTS, own, SHIPPED)]
     assert f"the loaded model has {num_layers}, {2 * num_kv_heads * 64 * 4}" in caplog.text
     assert "measuring this model's costs now" in caplog.text and str(own) in caplog.text
+
+
+def test_a_store_that_encodes_its_kv_plans_with_its_own_profile_where_there_is_one(own, caplog):
+    """Demand measured on decoded KV (`cachesmith profile --kv-codec int8`) is kept apart; without
+    it the exact store's profile serves, and the log says how to measure the codec's."""
+    coded = _pipe()
+    coded.store.config = StoreConfig(codec="int8")
+    with caplog.at_level(logging.INFO, logger="cachesmith.calibration.packaged"):
+        profile, source = find_profile(coded)
+    assert source == "packaged" and profile == Profile.load(SHIPPED)
+    assert "no profile measured with the int8 codec" in caplog.text and "--kv-codec int8" in caplog.text
+    own.write_text(json.dumps(_measured()))  # the exact store's measured profile: not the codec's
+    assert find_profile(coded)[0] == Profile.load(own)
+    own.with_name(own.stem + "-int8.json").write_text(json.dumps(_measured(entropy_threshold=0.123)))
+    profile, source = find_profile(coded)
+    assert source == "measured" and profile.entropy_threshold == 0.123
+    assert find_profile(_pipe())[0].entropy_threshold != 0.123  # the exact store keeps its own

@@ -47,6 +47,31 @@ def test_blocks_round_trip_within_half_a_scale(name, num_rows):
         bound = codec.max_error(name, x, is_value)
         assert ((out - x).abs() <= bound * (1 + 1e-6)).all()
         assert (bound > 0).all() and (out - x).abs().max() > 0  # lossy, and the bound is not vacuous
+        half = torch.empty(x.shape, dtype=torch.bfloat16)  # a bfloat16 model's buffer: one rounding more
+        codec.decode_into(name, raw, 0, num_rows, half, is_value)
+        assert ((half.float() - out).abs() <= out.abs() * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("name", CODED)
+def test_the_native_kernel_decodes_bit_for_bit_as_torch_does(name, monkeypatch):
+    """Where the native kernels are built, one call decodes a run of blocks; torch's ops serve
+    elsewhere (or for other buffers). Both round where the other does, into float32 and bfloat16."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(150, 3, 64, generator=g) * torch.logspace(-2, 1, 64)
+    for is_value in (False, True):
+        raw = torch.frombuffer(bytearray(b"".join(codec.encode(name, x, is_value))), dtype=torch.uint8)
+        for dtype in (torch.float32, torch.bfloat16):
+            native = torch.empty(x.shape, dtype=dtype)
+            is_native = codec._native_decode(name, raw, native, is_value)
+            assert is_native == (codec.library() is not None)
+            codec.decode_into(name, raw, 0, 150, native, is_value)
+            with monkeypatch.context() as m:
+                m.setattr(codec, "library", lambda: None)
+                plain = torch.empty(x.shape, dtype=dtype)
+                assert not codec._native_decode(name, raw, plain, is_value)
+                codec.decode_into(name, raw, 0, 150, plain, is_value)
+            assert torch.equal(native, plain)
+    assert not codec._native_decode(name, raw, torch.empty(x.shape, dtype=torch.float16), True)  # no kernel
 
 
 def test_keys_are_quantized_per_channel_and_values_per_token():

@@ -20,6 +20,7 @@ from cachesmith.profiler import workload as workload_mod
 from cachesmith.calibration.packaged import PACKAGED_DIR, find_profile
 from cachesmith.calibration.workload_demand import WorkloadDemand, with_workload_demand, workload_path
 from cachesmith.profiler.workload import default_gate, read_workload, run_workload_demand
+from cachesmith.kvstore import StoreConfig
 
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
 CURVES = (DemandCurve("kv_dev", 2, (0.1, 0.3, 0.5)), DemandCurve("qci", 2, (0.05, 0.2, 0.25)))
@@ -40,7 +41,7 @@ def _pipe(fingerprint: str | None = None, dtype=torch.float32):
     model = SimpleNamespace(fingerprint=fingerprint, dtype=dtype, device=torch.device("cpu"),
                             model_dir=Path("smollm2-135m"), num_layers=30,
                             config=SimpleNamespace(num_kv_heads=3, head_dim=64))
-    return SimpleNamespace(model=model)
+    return SimpleNamespace(model=model, store=SimpleNamespace(config=StoreConfig()))
 
 
 @pytest.fixture
