@@ -74,6 +74,7 @@ PLUGIN = "docs/bench/vllm_plugin_ttft.json"
 MACHINE = "docs/bench/machine.json"
 SIM = "docs/bench/sim_validation.json"
 REUSE = "docs/bench/reuse_2k.json"
+KV_CODEC = "docs/bench/kv_codec.json"
 ROBUST = ("rows", {"method": "cachesmith"})
 POISSON = ("summary", {"setting": "poisson-u0.7"})
 F32_1K = ({"dtype": "float32", "context_tokens": 1024, "streams": 1},)
@@ -81,6 +82,18 @@ SIM_POISSON = ({"setting": "measured-instances-poisson-u0.7-n96", "method": "cac
 SHUFFLED_2K = {"case": "shuffled", "context_tokens": 2048}
 
 QUOTES: tuple[Quote, ...] = (
+    Quote("docs/measurements.md", "2K-token entry: int8 {}x float32's", KV_CODEC,
+          ("bytes", {"dtype": "float32", "codec": "int8"}, "vs_none"), ".3f"),
+    Quote("docs/measurements.md", "x float32's and {}x bfloat16's", KV_CODEC,
+          ("bytes", {"dtype": "bfloat16", "codec": "int8"}, "vs_none"), ".3f"),
+    Quote("docs/measurements.md", "int4 {}x float32's. A 2K-token", KV_CODEC,
+          ("bytes", {"dtype": "float32", "codec": "int4"}, "vs_none"), ".3f"),
+    Quote("docs/measurements.md", "takes {}x the exact entries' time", KV_CODEC,
+          ("speed", {"codec": "int8"}, "read_vs_none"), ".2f"),
+    Quote("docs/measurements.md", "with int8 and {}x with int4", KV_CODEC, ("speed", {"codec": "int4"}, "read_vs_none"), ".2f"),
+    Quote("docs/measurements.md", "hits {}% /", KV_CODEC, ("capacity", {"codec": "none"}, "hit_rate"), ".1f", 100),
+    Quote("docs/measurements.md", "% / {}% / ", KV_CODEC, ("capacity", {"codec": "int8"}, "hit_rate"), ".1f", 100),
+    Quote("docs/measurements.md", "{}% of its reads", KV_CODEC, ("capacity", {"codec": "int4"}, "hit_rate"), ".1f", 100),
     # docs/measurements.md: at a glance
     Quote("docs/measurements.md", "than the best static method (BestStatic, chosen in hindsight) in {} of 96",
           GRID, ROBUST + ("above_best_static",), convert=before_slash),

@@ -6,8 +6,9 @@ layer-0 QCI entropy; and the entropy threshold that best routes requests to the 
 less coverage.
 
 In: a `RagPipeline` and `Subject`s, requests as plain data (`profiler` builds them from the served
-mix, MIX, or a user's workload file; shadow work from served requests) and a gate: `task` (the task's metric against the gold) or `fidelity` (the answer's canonical form
-equals full prefill's: no gold needed, so any served workload can be profiled). Out: `DemandCurve`s
+mix, MIX, or a user's workload file; shadow work from served requests) and a gate: `task` (the
+task's metric against the gold) or `fidelity` (the answer's canonical form equals full prefill's:
+no gold needed, so any served workload can be profiled). Out: `DemandCurve`s
 (over all instances and, where they hold several tasks, per task) and theta. The gate reads the
 whole answer, as serving's does.
 Long: offline, every evaluated (request, signal, depth, coverage) is appended to a JSONL cache,

@@ -8,9 +8,9 @@ computed. Version 2 adds the header's `codec` (`kvstore.codec`: `int8`, `int4`):
 quantized rows then its scales, and decodes on its own; version 1 entries read as they always did.
 One layer, or any subset of its blocks, is a known byte range, so a reader fetches only what a
 layer needs. Checksums cover each block of each layer's K and V as stored (encoded bytes, scales
-included), so a partial read still verifies everything it returns. Blocks use xxh3-64 (about 5x faster than crc32
-here, so verification does not halve the read rate); the header uses crc32. The header names
-the entry's namespace (a tenant's, hashed) when it has one.
+included), so a partial read still verifies everything it returns. Blocks use xxh3-64 (about 5x
+faster than crc32 here, so verification does not halve the read rate); the header uses crc32.
+The header names the entry's namespace (a tenant's, hashed) when it has one.
 """
 from __future__ import annotations
 
