@@ -2,7 +2,8 @@
 
 In: one layer's K or V rows [num_rows, num_kv_heads, head_dim] in the model's dtype. Out: the
 encoded bytes of each block of `BLOCK_ROWS` rows (`encode`), and back, dequantized into a
-caller's buffer in the model's dtype (`decode_into`).
+caller's buffer in the model's dtype (`decode_into`: on the host by the native kernel where it is
+built, else, and on a device, by torch's ops).
 
 A block is self-contained: its quantized values, then its scales, so a partial read by rows
 decodes the blocks it fetched and the entry's checksums cover the encoded bytes. Scales are

@@ -74,12 +74,26 @@ class EntryReader:
     def _read_run(self, layer: int, run: tuple[int, int], k_out: torch.Tensor, v_out: torch.Tensor) -> int:
         """K and V rows of blocks [run) into contiguous k_out/v_out; every block verified."""
         h = self.header
-        if h.codec == "none":
-            views = [_byte_view(k_out), _byte_view(v_out)]
-        else:  # the stored blocks, decoded below
-            scratch = [torch.empty(h.block_offset(layer, is_v, run[1]) - h.block_offset(layer, is_v, run[0]),
-                                   dtype=torch.uint8) for is_v in (False, True)]
-            views = [memoryview(t.numpy()) for t in scratch]
+        if h.codec != "none":  # the stored blocks, verified, then decoded into the buffers
+            raws = self.read_encoded(layer, run)
+            for is_value, (raw, out) in enumerate(zip(raws, (k_out, v_out))):
+                kv_codec.decode_into(h.codec, raw, run[0], h.num_tokens, out, bool(is_value))
+            return sum(raw.numel() for raw in raws)
+        return self._read_verified(layer, run, [_byte_view(k_out), _byte_view(v_out)])
+
+    def read_encoded(self, layer: int, run: tuple[int, int], is_pinned: bool = False) -> tuple[torch.Tensor, ...]:
+        """The stored bytes of blocks [run) of an encoded entry's layer, K's and V's (uint8, pinned
+        where they feed an asynchronous copy), verified: what a device decodes after copying the
+        smaller bytes (`kvstore.codec.decode_into`)."""
+        h = self.header
+        raws = tuple(accel.pinned_empty((h.block_offset(layer, is_v, run[1]) - h.block_offset(layer, is_v, run[0]),),
+                                        torch.uint8, is_pinned) for is_v in (False, True))
+        self._read_verified(layer, run, [memoryview(t.numpy()) for t in raws])
+        return raws
+
+    def _read_verified(self, layer: int, run: tuple[int, int], views: list[memoryview]) -> int:
+        """Blocks [run) of a layer's K and V as stored, into `views`, every block verified."""
+        h = self.header
         if run == (0, -(-h.num_tokens // BLOCK_ROWS)):  # a whole layer: K then V, one read
             got = self.source.readinto_many(h.block_offset(layer, False), views)
         else:
@@ -90,9 +104,6 @@ class EntryReader:
             raise CorruptEntry(f"short read in layer {layer}: {got} of {want} bytes")
         for is_value, view in enumerate(views):
             self._verify(layer, bool(is_value), run, view)
-        if h.codec != "none":
-            for is_value, (raw, out) in enumerate(zip(scratch, (k_out, v_out))):
-                kv_codec.decode_into(h.codec, raw, run[0], h.num_tokens, out, bool(is_value))
         return got
 
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor,

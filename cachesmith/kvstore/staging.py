@@ -14,6 +14,8 @@ Two routes, chosen by where the cache lives:
   the runner's stream waits for a layer's events just before that layer reads cached KV
   (`wait_layer`), so loads of later layers overlap compute and no call blocks the host on the
   device. The paper's layer-wise prefetch; LMCache's layer-wise GPU connector works the same way.
+  An encoded entry (`kvstore.codec`) bound for a device keeps its stored bytes: they are copied
+  as they are (the smaller bytes cross the link) and decoded on the device, on the same stream.
 
 A device cache never has `.numpy()` called on it: a host view of device memory does not exist.
 """
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
+from cachesmith.kvstore import codec as kv_codec
 from cachesmith.kvstore.entry_format import BLOCK_ROWS
 from cachesmith.kvstore.reader import EntryReader, block_runs
 from cachesmith.model import device as accel
@@ -92,12 +96,26 @@ class BatchStaging:
                 span.copy_(src[lo:hi], non_blocking=True)
                 for a, b in runs:
                     dst[a:b].copy_(span[a - lo:b - lo])
-            if not is_async:
-                return
-            for dst in dsts:  # a slab freed (not pooled) mid-copy is reused only after the copy
-                accel.record_stream(dst, self.path.stream)
-            event = accel.new_event(self.path.device)
-            event.record(self.path.stream)
+            if is_async:
+                self._record(layer, dsts)
+
+    def _decode(self, layer: int, encoded: list["_Encoded"], dsts: tuple[torch.Tensor, ...]) -> None:
+        """Encoded entries' verified blocks copied to the device as stored (int8: about a quarter
+        of float32's bytes) and decoded there, on the side stream, into their destination rows."""
+        with accel.on_stream(self.path.stream):
+            for item in encoded:
+                for is_value, (raw, dst) in enumerate(zip(item.raws, dsts)):
+                    on_device = raw.to(self.path.device, non_blocking=True)  # [stored bytes] uint8
+                    kv_codec.decode_into(item.codec, on_device, item.first_block, item.num_tokens,
+                                         dst[item.rows[0]:item.rows[1]], bool(is_value))
+            self._record(layer, dsts)
+
+    def _record(self, layer: int, dsts: tuple[torch.Tensor, ...]) -> None:
+        """On the side stream: the event the runner's stream waits for before `layer` reads."""
+        for dst in dsts:  # a slab freed (not pooled) mid-copy is reused only after the copy
+            accel.record_stream(dst, self.path.stream)
+        event = accel.new_event(self.path.device)
+        event.record(self.path.stream)
         with self._lock:
             self._events[layer].append(event)
 
@@ -136,19 +154,35 @@ class LayerLoad:
             is_pinned = staging.path.is_async
             self.srcs = tuple(accel.pinned_empty(d.shape, d.dtype, is_pinned) for d in self.dsts)
         self.runs: list[tuple[int, int]] = []  # rows read and verified, [a, b) in the request
+        self.encoded: list[_Encoded] = []  # encoded entries' blocks, decoded on the device
 
     def read(self, reader: EntryReader, start: int, blocks: list[int] | None) -> int:
         """The blocks (None: all) of one entry whose rows start at `start`; bytes read."""
         num_tokens = reader.header.num_tokens
+        if reader.header.codec != "none" and self.staging.path.is_async:
+            return self._read_encoded(reader, start, blocks)
         k, v = (t[start:start + num_tokens] for t in self.srcs)  # [T, Hkv, D]
         nbytes = reader.read_blocks_into(self.layer, k, v, blocks)  # verified here, on the host
         runs = [(0, -(-num_tokens // BLOCK_ROWS))] if blocks is None else block_runs(blocks)
         self.runs += [(start + a * BLOCK_ROWS, start + min(b * BLOCK_ROWS, num_tokens)) for a, b in runs]
         return nbytes
 
+    def _read_encoded(self, reader: EntryReader, start: int, blocks: list[int] | None) -> int:
+        """An encoded entry bound for a device: its blocks' stored bytes, verified, kept as they are
+        for `finish` to copy and decode on the device."""
+        h = reader.header
+        runs = [(0, -(-h.num_tokens // BLOCK_ROWS))] if blocks is None else block_runs(blocks)
+        for a, b in runs:
+            raws = reader.read_encoded(self.layer, (a, b), is_pinned=True)
+            rows = (start + a * BLOCK_ROWS, start + min(b * BLOCK_ROWS, h.num_tokens))
+            self.encoded.append(_Encoded(h.codec, h.num_tokens, a, rows, raws))
+        return sum(raw.numel() for item in self.encoded[-len(runs):] for raw in item.raws)
+
     def finish(self) -> None:
         if self.is_staged and self.runs:
             self.staging._copy(self.layer, _merged(self.runs), self.dsts, self.srcs)
+        if self.encoded:
+            self.staging._decode(self.layer, self.encoded, self.dsts)
 
     def __enter__(self) -> "LayerLoad":
         return self
@@ -156,6 +190,15 @@ class LayerLoad:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.finish()
+
+
+class _Encoded(NamedTuple):
+    """One run of an encoded entry's blocks, verified on the host, bound for the device."""
+    codec: str
+    num_tokens: int  # the entry's rows
+    first_block: int
+    rows: tuple[int, int]  # [a, b) in the request's cached rows
+    raws: tuple[torch.Tensor, ...]  # K's and V's stored bytes, pinned uint8
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

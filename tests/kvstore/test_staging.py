@@ -204,3 +204,37 @@ def test_side_stream_copies_wait_for_the_last_use_of_the_batchs_slabs(tiny_llama
     assert max(i for i, e in enumerate(log) if e == "take") < first_wait  # every slab taken before it
     assert log.count("record_stream side") >= 2 * model.num_layers  # K and V of every layer, at least
     assert "compute waits event" in log
+
+
+@pytest.mark.parametrize("blocks", [None, [0, 2]], ids=["all", "blocks-0-2"])
+def test_an_encoded_entry_is_decoded_where_the_cache_lives(loaded_models, device, tmp_path, blocks, monkeypatch):
+    """int8 blocks bound for a device cross as stored bytes and are decoded there, into exactly
+    what a host read decodes; on the CPU the host decodes them into the destination."""
+    from cachesmith.kvstore import codec, staging
+
+    model = loaded_models(device)
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path, codec="int8"))
+    chunk, key = _stored_chunk(model, store)
+    layer, shape = 1, chunk.keys.shape[1:]  # [T, Hkv, D]
+    direct_k, direct_v = torch.zeros(shape, dtype=chunk.dtype), torch.zeros(shape, dtype=chunk.dtype)
+    with _opened(store, key, model) as reader:
+        reader.read_blocks_into(layer, direct_k, direct_v, blocks)
+        stored = sum(reader.header.block_bytes(is_v, min(BLOCK_ROWS, shape[0] - b * BLOCK_ROWS))
+                     for b in (blocks if blocks is not None else range(3)) for is_v in (False, True))
+    decoded_on = []
+    real = codec.decode_into
+    monkeypatch.setattr(staging.kv_codec, "decode_into", lambda c, raw, *a: (decoded_on.append(raw.device.type),
+                                                                            real(c, raw, *a)))
+    k_dst = torch.full(shape, -7.0, dtype=chunk.dtype, device=model.device)
+    v_dst = torch.full(shape, -7.0, dtype=chunk.dtype, device=model.device)
+    copies = StagingPath(model.device, is_staged=True).batch()
+    with _opened(store, key, model) as reader:
+        nbytes = copies.load(reader, layer, k_dst, v_dst, blocks)
+    copies.wait_layer(layer)
+    read = (direct_k != 0).any(-1).any(-1)
+    decoded = 2 * int(read.sum()) * chunk.keys[0, 0].numel() * chunk.keys.element_size()
+    assert nbytes == stored < 0.3 * decoded  # the stored bytes crossed, not the decoded ones
+    assert torch.equal(k_dst.cpu()[read], direct_k[read]) and torch.equal(v_dst.cpu()[read], direct_v[read])
+    assert bool((k_dst.cpu()[~read] == -7.0).all())
+    runs = 1 if blocks is None else 2
+    assert decoded_on == [model.device.type] * 2 * runs  # K and V of each run, where the cache lives

@@ -12,7 +12,7 @@ import torch
 
 from cachesmith.errors import ConfigError
 from cachesmith.kvstore import ChunkStore, Link, StoredEntry, StoredPrompt, StoreConfig, TransferConfig, TransferEngine, layer_needs
-from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RunnerHooks, Signal
+from cachesmith.recompute import BatchRunner, HookChain, RecomputeConfig, RecomputeRequest, RunnerHooks, Signal
 from tests.kvstore.helpers import stored_requests
 from tests.recompute.helpers import max_diff
 
@@ -36,6 +36,23 @@ def test_staged_batch_equals_in_memory_batch(model, tmp_path, plan, is_prefetch,
         out = BatchRunner(model).run(batch.requests, plan, batch)
     for a, b in zip(out, ref):
         assert max_diff(a.logits, b.logits) == 0.0 and torch.equal(a.selected, b.selected)
+
+
+@pytest.mark.parametrize("is_staged", [None, True], ids=["route-default", "route-staged"])
+def test_an_encoded_store_stages_what_it_decodes(model, tmp_path, is_staged):
+    """An int8 store through the transfer engine (decoded on the host, or, staged for a device, on
+    the device) gives the batch that its decoded chunks give in memory, bit for bit."""
+    store = ChunkStore(StoreConfig(tiers=("disk",), root=tmp_path, codec="int8"))
+    exact, keyed = stored_requests(model, store)
+    plan = RecomputeConfig(Signal.KV_DEV, 1, 0, 0.15)
+    decoded = [RecomputeRequest([store.get(e.key, model) for e in p.chunks], list(p.suffix_ids),
+                                store.get(p.prefix.key, model)) for p in keyed]
+    ref = BatchRunner(model).run(decoded, plan)
+    with TransferEngine(store, model, TransferConfig(is_staged=is_staged)).stage(keyed, plan) as batch:
+        out = BatchRunner(model).run(batch.requests, plan, batch)
+    for a, b in zip(out, ref):
+        assert max_diff(a.logits, b.logits) == 0.0 and torch.equal(a.selected, b.selected)
+    assert max_diff(out[0].logits, BatchRunner(model).run(exact[:1], plan)[0].logits) > 0  # lossy, really
 
 
 def test_patch_layers_move_only_reused_rows(model, tmp_path):
