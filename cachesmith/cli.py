@@ -69,11 +69,11 @@ def _precompute(args: argparse.Namespace) -> int:
 
 
 def _profile_workload(pipe, args: argparse.Namespace) -> int:
-    from cachesmith.calibration.cost_run import default_path
+    from cachesmith.calibration.cost_run import codec_path
     from cachesmith.calibration.workload_demand import workload_path
     from cachesmith.profiler.workload import run_workload_demand
 
-    out = workload_path(args.out or default_path(pipe))
+    out = workload_path(args.out or codec_path(pipe))  # beside the profile its store's codec serves
     demand = run_workload_demand(pipe, args.workload, out, args.gate, args.num_requests,
                                  max_coverage=args.max_coverage)
     print(f"demand of {demand.workload}: {demand.num_requests} requests, {demand.gate} gate, "

@@ -51,18 +51,19 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     `_default_profile`), and carries the demand `cachesmith profile --workload` measured for the
     served workload, where there is one (`profiler.workload`): the file beside it, or
     `workload_demand` (which must be this model's and readable); `is_workload_demand_used=False`
-    keeps the profile's own demand."""
+    keeps the profile's own demand. A pipeline whose store encodes its KV serves the profile
+    measured with its codec, and the workload demand beside it, where there is one
+    (`_codec_profile`)."""
     key = _key(pipe)
-    if path is None:
-        path = _codec_profile(pipe)
-    if path is not None:
-        profile, source = Profile.load(Path(path), *key), "measured"
+    coded = _codec_profile(pipe) if path is None else None  # a store that encodes: its own, if measured
+    if path is not None or coded is not None:
+        profile, source = Profile.load(Path(path or coded), *key), "measured"
     else:
         profile, source = _default_profile(pipe, default_path(pipe), key, quick_costs)
     if workload_demand is not None:
         return load_workload_demand(Path(workload_demand), key[0], key[1]).applied(profile), source
-    if path is None and is_workload_demand_used:
-        return with_workload_demand(profile, default_path(pipe), key[0], key[1]), source
+    if path is None and is_workload_demand_used:  # the workload's demand beside the profile that serves
+        return with_workload_demand(profile, coded or default_path(pipe), key[0], key[1]), source
     return profile, source
 
 

@@ -114,6 +114,22 @@ def test_serving_lays_the_workload_demand_over_the_profile(tmp_path, monkeypatch
     assert "unreadable" in caplog.text
 
 
+def test_a_store_that_encodes_reads_the_workload_demand_beside_its_codecs_profile(tmp_path, monkeypatch,
+                                                                                  known_demand):
+    monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path / "home"))
+    own = tmp_path / "home" / "profiles" / SHIPPED.name
+    coded = own.with_name(own.stem + "-int8.json")
+    pipe = _pipe()
+    pipe.store.config = StoreConfig(codec="int8")
+    run_workload_demand(pipe, _write(tmp_path / "w.jsonl", [_line(0)]), workload_path(own), show_progress=False)
+    assert find_profile(pipe)[0].entropy_threshold == 0.42  # no int8 profile: the exact one's, and its workload
+    coded.parent.mkdir(parents=True, exist_ok=True)
+    coded.write_text(SHIPPED.read_text())
+    assert find_profile(pipe)[0] == Profile.load(SHIPPED)  # the int8 profile, no workload beside it
+    workload_path(own).rename(workload_path(coded))
+    assert find_profile(pipe)[0].entropy_threshold == 0.42  # its own workload's demand
+
+
 def test_profile_cli_measures_a_workload_file(tmp_path, monkeypatch, known_demand, capsys):
     monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path / "home"))
     import cachesmith.pipeline as pipeline_mod
