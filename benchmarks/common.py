@@ -19,7 +19,8 @@ from cachesmith.model.device import synchronize
 from cachesmith.planner import Profile, ProfileError
 from cachesmith.calibration.synthetic import random_request
 
-__all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "provenance", "random_request", "timed"]
+__all__ = ["emit", "load_profile", "median", "parse_timing_args", "print_table", "provenance", "random_request",
+           "read_entries", "timed"]
 
 MEASURED = "smollm2-135m-float32-cpu.json"  # what `cachesmith profile` writes for the packaged model
 
@@ -44,6 +45,24 @@ def timed(fn: Callable[[], object], device: torch.device | None = None) -> float
     if device is not None:
         synchronize(device)
     return time.perf_counter() - start
+
+
+def read_entries(store, keys: list[str]) -> int:
+    """Every layer of each entry of the store's first tier (a disk tier), read through the store's
+    reader (verified, decoded) into staging tensors; the bytes read."""
+    from cachesmith.kvstore.reader import EntryReader
+    from cachesmith.kvstore.tiers import FileSource
+
+    total = 0
+    for key in keys:
+        reader = EntryReader(FileSource(store.tiers[0].path(key)))
+        h = reader.header
+        k = torch.empty((h.num_tokens, h.num_kv_heads, h.head_dim), dtype=h.torch_dtype)
+        v = torch.empty_like(k)
+        for layer in range(h.num_layers):
+            total += reader.read_layer_into(layer, k, v)
+        reader.close()
+    return total
 
 
 def median(values: list[float]) -> float:

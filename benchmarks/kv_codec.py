@@ -29,12 +29,12 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table  # noqa: E402
+from common import emit, median, print_table, read_entries  # noqa: E402
 
 from cachesmith.kvstore import ChunkStore, StoreConfig, codec  # noqa: E402
 from cachesmith.kvstore.entry_format import serialize  # noqa: E402
 from cachesmith.kvstore.reader import EntryReader  # noqa: E402
-from cachesmith.kvstore.tiers import BytesSource, FileSource  # noqa: E402
+from cachesmith.kvstore.tiers import BytesSource  # noqa: E402
 from cachesmith.model import ChunkKV  # noqa: E402
 from cachesmith.model.assets import cachesmith_home  # noqa: E402
 from cachesmith.model.generate import greedy_decode  # noqa: E402
@@ -72,17 +72,6 @@ def bytes_rows(model) -> list[dict]:
     return rows
 
 
-def _read_all(store: ChunkStore, keys: list[str]) -> None:
-    for key in keys:
-        reader = EntryReader(FileSource(store.tiers[0].path(key)))
-        h = reader.header
-        k = torch.empty((h.num_tokens, h.num_kv_heads, h.head_dim), dtype=h.torch_dtype)
-        v = torch.empty_like(k)
-        for layer in range(h.num_layers):
-            reader.read_layer_into(layer, k, v)
-        reader.close()
-
-
 def speed_rows(model, repeats: int) -> list[dict]:
     chunk = _random_chunk(model, 2048, torch.float32, 1)
     model_bytes = 2 * chunk.keys.numel() * chunk.keys.element_size()
@@ -97,7 +86,7 @@ def speed_rows(model, repeats: int) -> list[dict]:
                 data = _entry(chunk, name)
                 encode_s = _time(lambda: _entry(chunk, name))
                 decode_s = _time(lambda: EntryReader(BytesSource(data)).read_chunk())
-                read_s = _time(lambda: _read_all(stores[name], keys[name]))
+                read_s = _time(lambda: read_entries(stores[name], keys[name]))
                 reads.setdefault(name, []).append((encode_s, decode_s, read_s))
         for store in stores.values():
             store.close()

@@ -19,11 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, random_request, timed  # noqa: E402
+from common import emit, median, print_table, random_request, read_entries, timed  # noqa: E402
 
 from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine, put_prompt  # noqa: E402
-from cachesmith.kvstore.reader import EntryReader  # noqa: E402
-from cachesmith.kvstore.tiers import FileSource  # noqa: E402
 from cachesmith.model import Decoder, Tokenizer, prefill_chunk, resolve_model  # noqa: E402
 from cachesmith.recompute import BatchRunner, preset  # noqa: E402
 
@@ -52,23 +50,10 @@ def _readv_read(paths: list[Path]) -> int:
     return total
 
 
-def _store_read(store: ChunkStore, keys: list[str]) -> int:
-    total = 0
-    for key in keys:
-        reader = EntryReader(FileSource(store.tiers[0].path(key)))
-        h = reader.header
-        k = torch.empty((h.num_tokens, h.num_kv_heads, h.head_dim), dtype=h.torch_dtype)
-        v = torch.empty_like(k)
-        for layer in range(h.num_layers):
-            total += reader.read_layer_into(layer, k, v)
-        reader.close()
-    return total
-
-
 def _store_read_parallel(store: ChunkStore, keys: list[str], num_workers: int) -> int:
     """The same reads spread over worker threads, as the transfer engine issues them."""
     with ThreadPoolExecutor(num_workers) as pool:
-        return sum(pool.map(lambda k: _store_read(store, [k]), keys))
+        return sum(pool.map(lambda k: read_entries(store, [k]), keys))
 
 
 def run_read(model: Decoder, root: Path, num_entries: int, tokens: int) -> dict:
@@ -82,7 +67,7 @@ def run_read(model: Decoder, root: Path, num_entries: int, tokens: int) -> dict:
     for _ in range(3):
         raw_t.append(timed(lambda: _plain_read(paths)))
         readv_t.append(timed(lambda: _readv_read(paths)))
-        store_t.append(timed(lambda: _store_read(store, keys)))
+        store_t.append(timed(lambda: read_entries(store, keys)))
         par_t.append(timed(lambda: _store_read_parallel(store, keys, 2)))
     raw, st, par = (nbytes / median(t) / 1e9 for t in (raw_t, store_t, par_t))
     return {"bytes": nbytes, "raw_gbps": raw, "store_gbps": st, "ratio": st / raw,

@@ -55,30 +55,32 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     measured with its codec, and the workload demand beside it, where there is one
     (`_codec_profile`)."""
     key = _key(pipe)
-    coded = _codec_profile(pipe) if path is None else None  # a store that encodes: its own, if measured
-    if path is not None or coded is not None:
-        profile, source = Profile.load(Path(path or coded), *key), "measured"
+    coded = _codec_profile(pipe, key) if path is None else None  # a store that encodes: its own, if measured
+    if path is not None:
+        profile, source = Profile.load(Path(path), *key), "measured"
+    elif coded is not None:
+        profile, source = coded, "measured"
     else:
         profile, source = _default_profile(pipe, default_path(pipe), key, quick_costs)
     if workload_demand is not None:
         return load_workload_demand(Path(workload_demand), key[0], key[1]).applied(profile), source
     if path is None and is_workload_demand_used:  # the workload's demand beside the profile that serves
-        return with_workload_demand(profile, coded or default_path(pipe), key[0], key[1]), source
+        beside = codec_path(pipe) if coded is not None else default_path(pipe)
+        return with_workload_demand(profile, beside, key[0], key[1]), source
     return profile, source
 
 
-def _codec_profile(pipe: RagPipeline) -> Path | None:
-    """The profile `cachesmith profile --kv-codec` measured for a store that encodes its KV, where
-    there is one; else None (the exact store's rule), said once."""
-    coded = codec_path(pipe)
-    if coded == default_path(pipe):
+def _codec_profile(pipe: RagPipeline, key: tuple[str, str, str]) -> Profile | None:
+    """The profile `cachesmith profile --kv-codec` measured for a store that encodes its KV; None
+    for the exact store, or where there is none usable (logged: the exact store's rule serves)."""
+    codec = pipe.store.config.codec
+    if codec == "none":
         return None
-    if coded.exists():
-        return coded
-    log.info("no profile measured with the %s codec at %s: the exact store's profile prices its plans "
-             "(`cachesmith profile --kv-codec %s` measures demand on decoded KV)", pipe.store.config.codec, coded,
-             pipe.store.config.codec)
-    return None
+    profile, problem = _load_measured(codec_path(pipe), key)
+    if profile is None:
+        log.info("no profile measured with the %s codec (%s): the exact store's profile prices its plans "
+                 "(`cachesmith profile --kv-codec %s` measures demand on decoded KV)", codec, problem, codec)
+    return profile
 
 
 def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str],

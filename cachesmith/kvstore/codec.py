@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from cachesmith.errors import InputError
 from cachesmith.model.native_build import library
 
 CODECS = ("none", "int8", "int4")
@@ -31,12 +30,6 @@ INT4_GROUP = 32  # elements of a value row under one int4 scale
 _QMAX = {"int8": 127, "int4": 7}
 _BITS = {"int8": 8, "int4": 4}
 _SCALE_BYTES = 2  # float16
-
-
-def validate_codec(codec: str, field: str = "kv_codec") -> str:
-    if codec not in CODECS:
-        raise InputError(f"{field}={codec!r}: must be one of {', '.join(CODECS)}")
-    return codec
 
 
 def _value_groups(codec: str, head_dim: int) -> int:
@@ -126,8 +119,8 @@ def encode(codec: str, x: torch.Tensor, is_value: bool) -> list[bytes]:
 
 def _native_decode(codec: str, raw: torch.Tensor, out: torch.Tensor, is_value: bool) -> bool:
     """`decode_into` in one call of the native kernel where it is built (one pass, one thread, no
-    temporaries: torch's ops cost about 20 us a call before a byte moves); False where it is not,
-    or cannot take these buffers."""
+    temporaries: through torch's ops a decode costs about 20 us even for one block); False where it
+    is not, or cannot take these buffers."""
     lib = library()
     if lib is None or out.dtype not in (torch.float32, torch.bfloat16) or not raw.is_contiguous() \
             or not out.is_contiguous() or raw.device.type != "cpu" or out.device.type != "cpu":

@@ -67,24 +67,38 @@ class EntryHeader:
 
     def block_bytes(self, is_value: bool, num_rows: int = BLOCK_ROWS) -> int:
         """Stored bytes of a block of `num_rows` rows of K or V."""
+        if num_rows == BLOCK_ROWS:
+            return self._sizes[is_value][0]
         return kv_codec.block_bytes(self.codec, num_rows, self.num_kv_heads, self.head_dim, is_value,
                                     ELEMENT_BYTES[self.dtype])
 
+    @functools.cached_property
+    def _sizes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Per K and V: (stored bytes of a full block, of one layer's tensor). Computed once per
+        header: every layer read of every entry addresses its blocks by them (headers are cached)."""
+        num_full, rest = divmod(self.num_tokens, BLOCK_ROWS)
+        sizes = []
+        for is_value in (False, True):
+            full = kv_codec.block_bytes(self.codec, BLOCK_ROWS, self.num_kv_heads, self.head_dim, is_value,
+                                        ELEMENT_BYTES[self.dtype])
+            last = kv_codec.block_bytes(self.codec, rest, self.num_kv_heads, self.head_dim, is_value,
+                                        ELEMENT_BYTES[self.dtype]) if rest else 0
+            sizes.append((full, num_full * full + last))
+        return sizes[0], sizes[1]
+
     def stored_bytes(self, is_value: bool) -> int:
         """Stored bytes of one layer's K or V."""
-        num_full, rest = divmod(self.num_tokens, BLOCK_ROWS)
-        return num_full * self.block_bytes(is_value) + (self.block_bytes(is_value, rest) if rest else 0)
+        return self._sizes[is_value][1]
 
     def rows_bytes(self, num_rows: int) -> int:
         """Stored bytes of `num_rows` rows of one layer's K and V (encoded blocks: on average)."""
-        return num_rows * (self.stored_bytes(False) + self.stored_bytes(True)) // max(1, self.num_tokens)
+        return num_rows * (self._sizes[0][1] + self._sizes[1][1]) // max(1, self.num_tokens)
 
     def block_offset(self, layer: int, is_value: bool, block: int = 0) -> int:
         """Where block `block` of a layer's K or V starts (block num_blocks: where it ends)."""
-        start = self.data_offset + layer * (self.stored_bytes(False) + self.stored_bytes(True))
-        start += is_value * self.stored_bytes(False)
-        end = start + self.stored_bytes(is_value)
-        return min(start + block * self.block_bytes(is_value), end)
+        (k_full, k_bytes), (v_full, v_bytes) = self._sizes
+        start = self.data_offset + layer * (k_bytes + v_bytes) + is_value * k_bytes
+        return start + min(block * (v_full if is_value else k_full), v_bytes if is_value else k_bytes)
 
     def offset(self, layer: int, is_value: bool, row: int = 0) -> int:
         """Where a row of a version-1 entry starts (an encoded entry is addressed by blocks)."""
@@ -125,13 +139,15 @@ def serialize(key: str, model_fingerprint: str, token_ids, keys: torch.Tensor, v
               namespace: str = "", codec: str = "none") -> bytes:
     """keys/values [num_layers, num_tokens, num_kv_heads, head_dim] -> entry bytes, its blocks
     stored by `codec`."""
+    if codec not in kv_codec.CODECS:
+        raise ValueError(f"codec={codec!r}: must be one of {', '.join(kv_codec.CODECS)}")
     num_layers, num_tokens, num_kv_heads, head_dim = keys.shape
     # a device chunk comes to the host in one copy per tensor, not one synchronizing copy per layer
     keys, values = keys.to("cpu"), values.to("cpu")
     row_bytes = num_kv_heads * head_dim * keys.element_size()
     blobs, checksums = [], []
     for layer in range(num_layers):
-        data, sums = _encoded_layer(kv_codec.validate_codec(codec), keys[layer], values[layer], row_bytes)
+        data, sums = _encoded_layer(codec, keys[layer], values[layer], row_bytes)
         blobs += data
         checksums.append(sums)
     fields = {

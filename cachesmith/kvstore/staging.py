@@ -149,12 +149,18 @@ class LayerLoad:
         self.staging, self.layer = staging, layer
         self.dsts = (k_dst, v_dst)  # [num_cached, Hkv, D] each
         self.is_staged = staging.path.is_staged
-        self.srcs = self.dsts
-        if self.is_staged:
-            is_pinned = staging.path.is_async
-            self.srcs = tuple(accel.pinned_empty(d.shape, d.dtype, is_pinned) for d in self.dsts)
+        self._srcs = None if self.is_staged else self.dsts
         self.runs: list[tuple[int, int]] = []  # rows read and verified, [a, b) in the request
         self.encoded: list[_Encoded] = []  # encoded entries' blocks, decoded on the device
+
+    @property
+    def srcs(self) -> tuple[torch.Tensor, ...]:
+        """Where exact entries' rows are read: the destination itself, or, staged, one host buffer
+        the size of it (pinned on CUDA), made on first use (a request of encoded entries needs none)."""
+        if self._srcs is None:
+            is_pinned = self.staging.path.is_async
+            self._srcs = tuple(accel.pinned_empty(d.shape, d.dtype, is_pinned) for d in self.dsts)
+        return self._srcs
 
     def read(self, reader: EntryReader, start: int, blocks: list[int] | None) -> int:
         """The blocks (None: all) of one entry whose rows start at `start`; bytes read."""
@@ -172,11 +178,13 @@ class LayerLoad:
         for `finish` to copy and decode on the device."""
         h = reader.header
         runs = [(0, -(-h.num_tokens // BLOCK_ROWS))] if blocks is None else block_runs(blocks)
+        nbytes = 0
         for a, b in runs:
             raws = reader.read_encoded(self.layer, (a, b), is_pinned=True)
             rows = (start + a * BLOCK_ROWS, start + min(b * BLOCK_ROWS, h.num_tokens))
             self.encoded.append(_Encoded(h.codec, h.num_tokens, a, rows, raws))
-        return sum(raw.numel() for item in self.encoded[-len(runs):] for raw in item.raws)
+            nbytes += sum(raw.numel() for raw in raws)
+        return nbytes
 
     def finish(self) -> None:
         if self.is_staged and self.runs:

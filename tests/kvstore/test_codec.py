@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from cachesmith.errors import ConfigError, InputError
+from cachesmith.errors import ConfigError
 from cachesmith.kvstore import ChunkStore, StoreConfig, codec
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name
@@ -146,8 +146,8 @@ def test_an_encoded_entry_under_an_exact_key_is_refused(model):
     assert exact.stats.evicted_corrupt == 1
     with pytest.raises(ConfigError, match="codec='fp8'"):
         StoreConfig(codec="fp8")
-    with pytest.raises(InputError, match="kv_codec='int2'"):
-        codec.validate_codec("int2")
+    with pytest.raises(ValueError, match="codec='int2'"):
+        serialize(exact_key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, "", "int2")
 
 
 def test_version_one_entries_read_as_they_always_did(model):

@@ -37,24 +37,25 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* One row of levels times its scales into `row` (float32): per column (group 0), or one scale per
- * `group` consecutive levels (the inner loops run over contiguous levels, so they vectorize). */
+/* One row of levels times its scales into `row` (float32), in two passes over the row (in L1):
+ * the levels as floats, then per column (group 0) or per `group` consecutive levels the scale.
+ * Each inner loop runs over contiguous elements with no branch, so it vectorizes. */
 static inline void scale_row(const int8_t* q8, const uint8_t* q4, int64_t cols, const float* scales,
                              int64_t group, float* row) {
-    int64_t step = group == 0 ? cols : group;
-    for (int64_t start = 0; start < cols; start += step) {
-        float s = group == 0 ? 0.0f : scales[start / group];
-        if (q8) {
-            if (group == 0) {
-                for (int64_t c = 0; c < cols; c++) row[c] = (float)q8[c] * scales[c];
-            } else {
-                for (int64_t c = start; c < start + step; c++) row[c] = (float)q8[c] * s;
-            }
-        } else {
-            for (int64_t i = start / 2; i < (start + step) / 2; i++) {
-                row[2 * i] = (float)((int)(q4[i] & 0xF) - 8) * (group == 0 ? scales[2 * i] : s);
-                row[2 * i + 1] = (float)((int)(q4[i] >> 4) - 8) * (group == 0 ? scales[2 * i + 1] : s);
-            }
+    if (q8) {
+        for (int64_t c = 0; c < cols; c++) row[c] = (float)q8[c];
+    } else {
+        for (int64_t i = 0; i < cols / 2; i++) {
+            row[2 * i] = (float)((int)(q4[i] & 0xF) - 8);
+            row[2 * i + 1] = (float)((int)(q4[i] >> 4) - 8);
+        }
+    }
+    if (group == 0) {
+        for (int64_t c = 0; c < cols; c++) row[c] *= scales[c];
+    } else {
+        for (int64_t start = 0; start < cols; start += group) {
+            float s = scales[start / group];
+            for (int64_t c = start; c < start + group; c++) row[c] *= s;
         }
     }
 }
