@@ -167,7 +167,9 @@ def _rate_limits(records: list[Record]) -> dict:
     limited = [r for r in records if r.status == "429"]
     return {"num_429_by_code": dict(Counter(r.code or "none" for r in limited)),
             "num_429_queue_full_without_retry_after": sum(r.code == "queue_full" and not r.has_retry_after
-                                                          for r in limited)}
+                                                          for r in limited),
+            "num_429_slo_unattainable_without_retry_after": sum(r.code == "slo_unattainable" and not r.has_retry_after
+                                                                for r in limited)}
 
 
 def ttft_summary(records: list[Record]) -> dict:
@@ -258,7 +260,7 @@ def parse_metrics(text: str) -> dict:
     corrupt entries the server exposes)."""
     out = {}
     for line in text.splitlines():
-        if line.startswith("#") or not any(w in line for w in ("store", "evict", "corrupt", "quota", "rejected")):
+        if line.startswith("#") or not any(w in line for w in ("store", "evict", "corrupt", "quota", "rejected", "shed", "estimate")):
             continue
         name, _, value = line.rpartition(" ")
         out[name.replace('model_name="smollm2-135m",', "").replace('{model_name="smollm2-135m"}', "")] = float(value)
@@ -287,6 +289,8 @@ def bars(payload: dict) -> list[dict]:
               cross.get("identical_text_id_collisions") if cross["measured"] else None, 0),
              ("requests without the key answered 2xx", req["num_auth_bypass"], 0),
              ("429 queue_full without Retry-After", req["num_429_queue_full_without_retry_after"], 0),
+             ("429 slo_unattainable without Retry-After",
+              req.get("num_429_slo_unattainable_without_retry_after"), 0),
              ("cap probes answered 2xx (cap not enforced)", req["num_cap_not_enforced"], 0)]
     out = [{"bar": name, "value": value, "target": target, "passed": None if value is None else value <= target}
            for name, value, target in rows]

@@ -144,6 +144,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lateness(text: str) -> float | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a factor of the SLO (e.g. 1.5) or 'off'") from None
+    if not 1.0 <= value <= 100.0:
+        raise argparse.ArgumentTypeError(f"{text}: must be between 1 and 100 times the SLO, or 'off'")
+    return value
+
+
 def _auth_note(api_keys) -> str:
     tenants = {tenant for _, tenant in api_keys if tenant}
     if tenants:
@@ -158,6 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import StoreConfig
     from cachesmith.calibration.shadow import shadow_calibrator
     from cachesmith.scheduler import SchedulerConfig
+    from cachesmith.scheduler.deadline import SheddingConfig
     from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
 
     from cachesmith.server.tenancy import read_api_keys
@@ -165,20 +178,22 @@ def _serve(args: argparse.Namespace) -> int:
     api_keys = read_api_keys(args.api_key_file) if args.api_key_file else ()
     server = ServerConfig(args.host, args.port, None, args.max_body_bytes, args.drain_timeout,
                           is_strict=args.strict, max_connections=args.max_connections, api_keys=api_keys)
-    sched = SchedulerConfig(max_batch_size=args.max_batch_size, kv_capacity_tokens=args.kv_capacity)
+    sched = SchedulerConfig(max_batch_size=args.max_batch_size)
     engine = EngineConfig(args.method, "live", "task", sched, shadow_work=shadow_calibrator)
     config = ServiceConfig(args.model, args.device, args.dtype, engine,
                            StoreConfig(tiers=tuple(args.tiers), root=args.store_root, redis_url=args.redis_url,
-                                       **cli_store.store_bounds(args)),
-                           args.profile, args.served_name, args.max_queue, args.default_slo_ms / 1e3,
+                                       memory_bytes=args.memory_bytes, **cli_store.store_bounds(args)),
+                           args.profile, args.served_name, args.max_queue, default_slo_s=args.default_slo_ms / 1e3,
                            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
                            is_decode_overlapped=not args.serial_decode, is_decode_graphed=not args.no_cuda_graphs,
                            is_chunk_shared=args.share_chunks,
                            max_store_tokens_per_request=args.max_store_tokens_per_request,
-                           tenant_max_bytes=args.tenant_max_bytes)
+                           tenant_max_bytes=args.tenant_max_bytes, shedding=SheddingConfig(args.shed_late),
+                           kv_capacity_tokens=args.kv_capacity, kv_pool_bytes=args.kv_pool_bytes)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(f"loading {config.model} ({config.dtype}, {config.device}) ...", file=sys.stderr, flush=True)
     service = Service(config)
+    print(f"memory: {service.memory.describe()}", file=sys.stderr, flush=True)
     print(f"profile: {service.profile_source}; serving {config.name!r} with method {args.method} on "
           f"http://{args.host}:{args.port}" + _auth_note(api_keys), file=sys.stderr, flush=True)
     run_server(service, server)
@@ -208,6 +223,11 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--served-name", default=None, help="model id clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting or being admitted (chunk uploads too) before 429")
+    serve.add_argument("--shed-late", type=_lateness, default=1.5, metavar="X|off",
+                       help="refuse at arrival (429 slo_unattainable, Retry-After) a request whose earliest first "
+                            "token, priced from the work ahead at its cheapest plan, is past X times its SLO, and "
+                            "answer a queued one so once its deadline has passed by that margin (default 1.5; "
+                            "off: queue every request however late)")
     serve.add_argument("--max-connections", type=int, default=None,
                        help="open connections before uvicorn answers 503 itself (default: --max-queue + "
                             "--max-batch-size + 64 decoding streams + 32)")
@@ -216,7 +236,15 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--default-max-tokens", type=int, default=64)
     serve.add_argument("--max-tokens-limit", type=int, default=512)
     serve.add_argument("--max-batch-size", type=int, default=8)
-    serve.add_argument("--kv-capacity", type=int, default=65_536, help="tokens of KV resident at once")
+    serve.add_argument("--kv-capacity", type=int, default=None,
+                       help="tokens of KV resident at once (default: 40%% of the memory left after the weights, "
+                            "at most 65536; docs/limits.md)")
+    serve.add_argument("--kv-pool-bytes", type=cli_store.parse_bytes, default=None,
+                       help="released KV slabs kept for reuse, e.g. 2G (default: 20%% of the memory left after "
+                            "the weights, at most 4G)")
+    serve.add_argument("--memory-bytes", type=cli_store.parse_bytes, default=None,
+                       help="the memory tier's bound, e.g. 512M (default: 15%% of the host memory left after the "
+                            "weights, at most 1G)")
     serve.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain on shutdown")
     serve.add_argument("--strict", action="store_true",
                        help="refuse unknown fields in completion bodies (default: accept, log and name them "

@@ -137,6 +137,10 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def queued_views(self) -> list[QueuedRequest]:
+        """The scheduler's view of every queued request."""
+        return [view for _, view in self._queue.values()]
+
     def cancel(self, request_id: int) -> Request | None:
         """Take a request off the queue if it has not been batched yet (else None)."""
         queued = self._queue.pop(request_id, None)

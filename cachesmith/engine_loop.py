@@ -15,7 +15,10 @@ caller keys and stores a request's prompt first (under `admission()`, so the sto
 at a time) and its admission, which checks its limits, runs in the caller's thread too: neither
 holds up scheduling. A request holds a place in the queue from the moment it is accepted (`reserve`,
 before any costly work for it) until it is queued or refused: beyond `max_queue` places a
-`QueueFull` with a retry-after estimate answers at once. An admission that raises (any exception)
+`QueueFull` with a retry-after estimate answers at once. With shedding on (`SheddingConfig`), the
+caller prices each request against the work ahead before any of its documents is prefilled
+(`check_deadline`, `SloUnattainable` past the margin), and at each batch boundary a queued request
+past saving is answered refused instead of run (`cachesmith.shedding`). An admission that raises (any exception)
 resolves its future with an internal error and gives its place back. `cancel` drops a request still
 queued; `close()` stops admissions and drains what is queued. A batch that raises turns into
 per-request errors; the loop keeps serving. Served results carry each token's clock time (for
@@ -39,7 +42,9 @@ from cachesmith.model import Generation
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest
+from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
 from cachesmith.scoring import Expected
+from cachesmith.shedding import SHED_KIND, DeadlineAdmission
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +89,7 @@ class Slot:
 
 class EngineLoop:
     def __init__(self, engine: Engine, max_queue: int = 64, is_decode_overlapped: bool = True,
-                 max_decoding: int = 64) -> None:
+                 max_decoding: int = 64, shedding: SheddingConfig = SheddingConfig(None)) -> None:
         if engine.clock.name != "live":
             raise ConfigError(f"EngineLoop needs the live clock, the engine has {engine.clock.name!r}")
         if max_queue < 1 or max_decoding < 1:
@@ -92,6 +97,9 @@ class EngineLoop:
         # False: decode each batch on the prefill thread before the next batch (no core sharing)
         self.engine, self.max_queue, self.is_decode_overlapped = engine, max_queue, is_decode_overlapped
         self.max_decoding = max_decoding
+        pricer = DeadlinePricer(engine.planner, engine.config.scheduler.max_batch_size)
+        self.deadlines = DeadlineAdmission(pricer, shedding)
+        self.num_shed_queued = 0  # queued requests answered refused: past their deadline by the margin
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
         self._futures: dict[int, Future] = {}
@@ -154,6 +162,14 @@ class EngineLoop:
             self._num_admitting += 1
             return Slot(self, next(self._ids), self.engine.clock.now())
 
+    def check_deadline(self, slot: Slot, view: QueuedRequest, num_new_tokens: list[int]) -> TtftEstimate:
+        """Price the request in `slot` (`view`, with its documents not yet stored) against the work
+        ahead before any of it is prefilled: its estimate, counted ahead of later arrivals until it is
+        queued; raises `SloUnattainable` past the shedding margin."""
+        with self._cond:
+            ahead = self.engine.queued_views()
+            return self.deadlines.admit(view, self.engine.clock.now(), ahead, num_new_tokens)
+
     def _give_back(self, slot: Slot) -> bool:
         """Caller may hold the condition. Give `slot` back, once: False if it was already."""
         with self._cond:
@@ -161,6 +177,7 @@ class EngineLoop:
                 return False
             slot.is_released = True
             self._num_admitting -= 1
+            self.deadlines.settle(slot.request_id)
             self._cond.notify_all()
             return True
 
@@ -213,21 +230,43 @@ class EngineLoop:
                 while not self._has_work() and not self._is_shadow_due():
                     self._cond.wait()
                 is_shadow = not self._has_work()  # idle: one unit of shadow work, then look again
-                decided = None
-                if not is_shadow:
-                    if self.engine.queue_depth == 0:  # closing, and nothing left to serve
-                        self._is_prefill_done = True
-                        self._cond.notify_all()
-                        return
-                    decided = self.engine.next_decision()
-                    self._is_prefilling = decided is not None
-                    self._num_in_batch = 0 if decided is None else len(decided[1])
-                    if decided is not None:
-                        self._note(f"prefill {self._num_decoding}")
+                if not is_shadow and self.engine.queue_depth == 0:  # closing, and nothing left to serve
+                    self._is_prefill_done = True
+                    self._cond.notify_all()
+                    return
+                shed, decided = ([], None) if is_shadow else self._decide()
+            if shed:
+                self._resolve(shed)
             if is_shadow:
                 self._shadow_unit()
             elif decided is not None:
                 self._prefill(*decided)
+
+    def _decide(self) -> tuple[list[RequestResult], tuple | None]:
+        """Caller holds the condition: the queued requests shed as past saving, and the next batch
+        (None: nothing to run now)."""
+        shed = self._take_expired()
+        decided = self.engine.next_decision()
+        self._is_prefilling = decided is not None
+        self._num_in_batch = 0 if decided is None else len(decided[1])
+        if decided is not None:
+            self.deadlines.forget(decided[0].request_ids)
+            self.deadlines.batch_ends_s = self.engine.clock.now() + decided[0].budget_s
+            self._note(f"prefill {self._num_decoding}")
+        return shed, decided
+
+    def _take_expired(self) -> list[RequestResult]:
+        """Caller holds the condition: the queued requests past saving by the shedding margin, taken
+        off the queue and answered refused (their clients are told now, not served late)."""
+        expired = self.deadlines.expired(self.engine.queued_views(), self.engine.clock.now())
+        results = []
+        for view, message in expired:
+            request = self.engine.cancel(view.request_id)
+            if request is not None:
+                results.append(RequestResult.refused(request, message, SHED_KIND))
+        self.deadlines.forget([view.request_id for view, _ in expired])
+        self.num_shed_queued += len(results)
+        return results
 
     def _is_shadow_due(self) -> bool:
         """Caller holds the condition: shadow work waits, and nothing is queued, admitted or decoding."""
@@ -284,6 +323,7 @@ class EngineLoop:
             request = self.engine.cancel(request_id)
             if request is None:
                 return False
+            self.deadlines.forget([request_id])
         self._resolve([RequestResult.refused(request, "cancelled before it was scheduled", "cancelled")])
         return True
 

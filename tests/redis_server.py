@@ -29,14 +29,14 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
 
-def start_redis(workdir: Path) -> RedisServer:
-    """A started redis-server without persistence, answering PING."""
+def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
+    """A started redis-server without persistence, answering PING (on `port`: one that came back)."""
     import redis
 
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed: .ci/run installs the Debian package redis-server")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(workdir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

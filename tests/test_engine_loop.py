@@ -9,13 +9,16 @@ import pytest
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import Engine, EngineConfig
-from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull
+from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.instance import WorkloadInstance
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, check_fits, check_slo
 from cachesmith.calibration.shadow import shadow_calibrator
+from cachesmith.scheduler import QueuedRequest
+from cachesmith.scheduler.deadline import SheddingConfig
 from cachesmith.scoring import Expected
+from cachesmith.shedding import SHED_KIND, SloUnattainable
 from cachesmith.shadow_work import ShadowConfig
 from cachesmith.workloads.prompts import instance_prompt
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
@@ -267,3 +270,47 @@ def test_places_are_held_from_acceptance_and_an_admission_that_raises_gives_its_
     res = submit(loop, instance(80), 30.0, slot=slot).result(timeout=30)
     assert res.error is None and slot.is_released and loop.queue_depth == 0
     assert loop.close(timeout=10)  # nothing leaked: the drain ends
+
+
+def test_a_request_priced_past_its_slo_is_refused_before_it_is_queued(pipe):
+    loop = EngineLoop(live_engine(pipe), shedding=SheddingConfig(1.5))
+
+    def priced(slot, slo_s, new_tokens):
+        return loop.check_deadline(slot, QueuedRequest(slot.request_id, slot.arrival_s, slo_s, 300, 10, 20), new_tokens)
+
+    first, second = loop.reserve(), loop.reserve()
+    admitted = priced(first, 30.0, [300])
+    assert priced(second, 30.0, []).start_s > 0  # the first's prefill and batch are ahead of it
+    tight = loop.reserve()
+    with pytest.raises(SloUnattainable, match="slo_ms=1:"):  # behind them, 1 ms is out of reach
+        priced(tight, 0.001, [300])
+    tight.release()
+    first.release(), second.release()  # refused or queued: a promise leaves with its place
+    third = loop.reserve()
+    assert priced(third, 30.0, []).start_s == 0.0 and admitted.own_s > 0
+    third.release()
+    assert loop.close(timeout=10)
+
+
+@pytest.mark.parametrize("max_lateness", [1.5, None])
+def test_queued_requests_past_saving_are_answered_refused_not_run(pipe, max_lateness):
+    engine = live_engine(pipe, "full_reuse")
+    loop = EngineLoop(engine, shedding=SheddingConfig(max_lateness))
+    futures = []
+    with loop._cond:  # both queued before the loop decides: each waits beside the other
+        for i in (3, 4):
+            slot = loop.reserve()
+            prompt = pipe.stored_prompt(instance_prompt(pipe, instance(i)))
+            # arrived 100 s ago with a 1 s SLO: past saving by any margin
+            late = Request(slot.request_id, prompt, 1.0, 2, engine.clock.now() - 100.0)
+            view = engine.admit(late)
+            loop._enqueue(slot, late, view, future := RequestFuture(late.request_id), None)
+            futures.append(future)
+    results = [f.result(timeout=60) for f in futures]
+    if max_lateness is None:  # queued however late: served
+        assert all(r.error is None and not r.is_on_time for r in results) and loop.num_shed_queued == 0
+    else:
+        assert all(r.error_kind == SHED_KIND and "waited 100." in r.error and r.first_token_s is None
+                   for r in results)
+        assert loop.num_shed_queued == 2 and engine.stats.num_batches == 0
+    assert loop.close(timeout=10)

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods",),
     ("executor", "shadow_work"),
     ("engine",),
+    ("shedding",),  # what deadline-aware admission refuses, priced by the scheduler's cost model
     ("engine_loop",),
     # the profile a server serves with and what it measures itself (costs at a first start, demand on
     # served requests in idle time)

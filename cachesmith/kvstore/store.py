@@ -26,18 +26,20 @@ from cachesmith.model.assets import cachesmith_home
 log = logging.getLogger(__name__)
 TIER_NAMES = ("memory", "disk", "redis")
 MISSED_WRITES_JOURNAL = "missed_writes.log"
+DEFAULT_MEMORY_BYTES = 1 << 30  # the memory tier's bound where no server sized it (`server.memory_budget`)
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Which tiers, and the bound of each: memory `memory_bytes`; disk `disk_max_bytes` (None or 0:
+    """Which tiers, and the bound of each: memory `memory_bytes` (None: `DEFAULT_MEMORY_BYTES`; a
+    server sizes it to the machine); disk `disk_max_bytes` (None or 0:
     `DEFAULT_DISK_FRACTION` of the free space plus what the store holds, at start; LRU, entries in
     use kept); redis `redis_ttl_s` per entry (None: no expiry) and the redis server's `maxmemory`
     (`redis_max_bytes` sets it at start)."""
 
     tiers: tuple[str, ...] = ("memory", "disk")  # fastest first
     root: Path | None = None  # disk tier root; default $CACHESMITH_HOME/kv
-    memory_bytes: int = 1 << 30
+    memory_bytes: int | None = None
     redis_url: str | None = None
     disk_max_bytes: int | None = None
     redis_ttl_s: int | None = DEFAULT_REDIS_TTL_S
@@ -51,8 +53,8 @@ class StoreConfig:
             raise ConfigError(f"tiers={self.tiers!r}: each of {TIER_NAMES} at most once, at least one")
         if "redis" in self.tiers and not self.redis_url:
             raise ConfigError("tiers include 'redis' but redis_url is not set")
-        if self.memory_bytes <= 0:
-            raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive (None: the default)")
         if self.disk_max_bytes is not None and self.disk_max_bytes < 0:
             raise ConfigError(f"disk_max_bytes={self.disk_max_bytes} must be positive, or 0/None for the default "
                               f"({DEFAULT_DISK_FRACTION:.0%} of the free space plus what the store holds)")
@@ -122,7 +124,8 @@ class ChunkStore:
 
     @staticmethod
     def _build(cfg: StoreConfig) -> list[Tier]:
-        makers = {"memory": lambda: MemoryTier(cfg.memory_bytes),
+        memory_bytes = DEFAULT_MEMORY_BYTES if cfg.memory_bytes is None else cfg.memory_bytes
+        makers = {"memory": lambda: MemoryTier(memory_bytes),
                   "disk": lambda: DiskTier(cfg.root or cachesmith_home() / "kv", cfg.disk_max_bytes),
                   "redis": lambda: RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, max_bytes=cfg.redis_max_bytes)}
         return [makers[name]() for name in cfg.tiers]

@@ -30,6 +30,7 @@ class Backend(Protocol):
     def name(self, device: torch.device) -> str: ...
     def version(self) -> str | None: ...
     def memory_allocated(self, device: torch.device) -> int: ...
+    def memory_info(self, device: torch.device) -> tuple[int, int]: ...
     def new_graph(self) -> "Graph": ...
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
@@ -86,6 +87,9 @@ class TorchCuda:
 
     def memory_allocated(self, device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(device)
 
     def new_graph(self) -> "Graph":
         return _TorchGraph()
@@ -243,6 +247,13 @@ def describe(device: torch.device) -> dict[str, str | None]:
 
 def memory_allocated(device: torch.device) -> int:
     return _backend.memory_allocated(device) if is_cuda(device) else 0
+
+
+def memory_info(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device's memory: free counts what other processes hold too."""
+    if not is_cuda(device):
+        raise ValueError(f"memory_info({device}): the CPU's memory is the host's (/proc/meminfo)")
+    return _backend.memory_info(device)
 
 
 def new_graph(device: torch.device) -> Graph | None:

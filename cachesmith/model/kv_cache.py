@@ -31,13 +31,15 @@ import torch
 
 from cachesmith.model import device as accel
 
+MAX_POOL_BYTES = 4 << 30  # the pool's bound where no server sized it (`server.memory_budget`)
+
 
 class SlabPool:
     """Keeps released slabs for reuse, up to `max_bytes`; a slab is reused for a request needing at
     least half its rows (less would waste more memory than the page faults it saves). A slab is
     memory for `capacity` rows of (L, Hkv, D): it serves either layout."""
 
-    def __init__(self, max_bytes: int = 4 << 30) -> None:
+    def __init__(self, max_bytes: int = MAX_POOL_BYTES) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_reused = 0

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cachesmith.request import RequestResult
 from cachesmith.server.config import ServerConfig
-from cachesmith.server.errors import ApiError, InternalErrors, install_error_handlers
+from cachesmith.server.errors import ApiError, InternalErrors, install_error_handlers, late_error
 from cachesmith.kvstore.keys import MAX_CACHE_SALT
 from cachesmith.server.limits import BearerAuth, BodyLimit, tenant_of
 from cachesmith.server.metrics import ServiceMetrics
@@ -41,6 +41,7 @@ from cachesmith.server.service import Service
 from cachesmith.server.specs import CompletionSpec
 from cachesmith.server.streaming import TokenStream
 from cachesmith.server.tenancy import Caller
+from cachesmith.shedding import SHED_KIND
 
 log = logging.getLogger(__name__)
 IGNORED_HEADER = "x-cachesmith-ignored-fields"
@@ -215,11 +216,19 @@ async def _submit(service: Service, spec: CompletionSpec, stream: TokenStream | 
         slot.release()  # a no-op once the request is queued
     result = future.result() if future.done() else None
     if result is not None and result.error is not None:
+        _raise_if_shed(service, result)
         if result.is_internal_error:
             raise ApiError(500, result.error, None, "internal_error", "server_error")
         # refused while admitting (a prompt past the KV capacity): the documents, else the client's text
         raise ApiError(400, result.error, "documents" if spec.documents else spec.text_field)
     return future
+
+
+def _raise_if_shed(service: Service, result: RequestResult) -> None:
+    """A queued request shed past its deadline: the 429 a request refused at arrival gets, with the
+    time the queue ahead takes to drain."""
+    if result.error_kind == SHED_KIND:
+        raise late_error(result.error, service.loop.retry_after_s())
 
 
 async def _generate(service: Service, body: CompletionRequest | ChatCompletionRequest, shape: Shape,
@@ -245,6 +254,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
         if result is None:
             return Response(status_code=499, headers=headers)  # nginx's "client closed request": nobody reads it
         if result.error is not None:
+            _raise_if_shed(service, result)
             raise ApiError(500 if result.is_internal_error else 400, result.error, None,
                            "internal_error" if result.is_internal_error else None,
                            "server_error" if result.is_internal_error else "invalid_request_error")

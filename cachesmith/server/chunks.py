@@ -11,6 +11,7 @@ Owns the pins that keep an in-flight request's entries from being deleted under 
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,7 +24,10 @@ from cachesmith.kvstore.keys import dtype_name, validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.server.specs import (ChunkInUse, ChunkRecord, ServiceConfig, SharedChunk, StoreUnavailable,
                                      UnknownChunk)
-from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded, StoreUsage
+from cachesmith.server.redis_usage import tenant_usage
+from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,9 @@ class ChunkCatalog:
     def __init__(self, pipeline: RagPipeline, config: ServiceConfig,
                  admission: Callable[[], AbstractContextManager]) -> None:
         self.pipeline, self.config, self.admission = pipeline, config, admission
-        self.usage = StoreUsage(pipeline.store)
+        self.usage = tenant_usage(pipeline.store)
+        if config.tenant_max_bytes is not None:
+            _log_cap_scope(config.tenant_max_bytes, self.usage.is_shared)
         self._pins: Counter = Counter()
         self._pin_lock = threading.Lock()
         cfg = pipeline.model.config
@@ -151,7 +157,7 @@ class ChunkCatalog:
         if failed:
             raise StoreUnavailable(f"chunk {chunk_id}: the store's {failed[0]} tier cannot delete it now (down or "
                                    f"read-only); it is still stored: retry the delete")
-        self.usage.forget([chunk_id])
+        self.usage.forget(found[0].namespace, [chunk_id])
         return True
 
     def check_known(self, chunk_id: str, spaces: Namespaces, field: str) -> int:
@@ -161,3 +167,14 @@ class ChunkCatalog:
             raise UnknownChunk(f"{field}={chunk_id!r}: unknown chunk id (not in the store; add it with "
                                f"POST /v1/chunks)")
         return found[0].num_tokens
+
+
+def _log_cap_scope(cap: int, is_shared: bool) -> None:
+    """Say at start how far the tenant cap holds: an operator running several servers on one store
+    must know whether each of them allows a tenant the whole cap."""
+    if is_shared:
+        log.info("--tenant-max-bytes %d: each tenant's stored bytes are counted in the store's redis, one count "
+                 "for every server sharing it", cap)
+    else:
+        log.warning("--tenant-max-bytes %d is counted per server process (the store has no redis tier): servers "
+                    "sharing a store each allow a tenant the whole cap", cap)

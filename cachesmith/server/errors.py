@@ -20,6 +20,7 @@ from cachesmith.errors import InputError
 from cachesmith.kvstore import StoreWriteFailed
 from cachesmith.server.specs import ChunkInUse, SharedChunk, StoreUnavailable, UnknownChunk
 from cachesmith.server.tenancy import StoreQuotaExceeded
+from cachesmith.shedding import SHED_KIND, SloUnattainable
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of an internal error's own text in a response
@@ -36,6 +37,13 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def late_error(message: str, retry_after_s: float) -> ApiError:
+    """A request that cannot be answered within its SLO (refused at arrival, or shed from the
+    queue): a 429 that says when the work ahead will have drained."""
+    retry = max(1, math.ceil(retry_after_s))
+    return ApiError(429, message, "slo_ms", SHED_KIND, "rate_limit_error", {"Retry-After": str(retry)})
 
 
 def _field(loc) -> str:
@@ -138,6 +146,10 @@ def install_error_handlers(app: FastAPI) -> None:
         retry = max(1, math.ceil(exc.retry_after_s))
         return ApiError(429, str(exc), None, "queue_full", "rate_limit_error",
                         {"Retry-After": str(retry)}).response()
+
+    @app.exception_handler(SloUnattainable)
+    async def slo_unattainable(request: Request, exc: SloUnattainable):
+        return late_error(str(exc), exc.retry_after_s).response()
 
     @app.exception_handler(EngineClosed)
     async def closed(request: Request, exc: EngineClosed):

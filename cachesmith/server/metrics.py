@@ -188,7 +188,14 @@ def _load_metrics(svc: Service, model: str):
     yield _single(GaugeMetricFamily, model, "queue_depth", "Requests waiting (queued or being admitted)",
                   svc.queue_depth)
     yield _by(CounterMetricFamily, model, "requests_rejected", "Requests turned away before queueing",
-              "reason", {reason: svc.num_rejected[reason] for reason in ("queue_full", "closed", "invalid")})
+              "reason", {reason: svc.num_rejected[reason]
+                         for reason in ("queue_full", "closed", "invalid", "slo_unattainable")})
+    yield _by(CounterMetricFamily, model, "requests_shed", "Requests refused as unable to meet their SLO by the "
+              "shedding margin (429 slo_unattainable): at arrival, or once queued past their deadline", "when",
+              {"arrival": svc.num_rejected["slo_unattainable"], "queued": svc.loop.num_shed_queued})
+    yield _by(GaugeMetricFamily, model, "ttft_estimate_ratio", "Measured / estimated TTFT of admitted requests "
+              "(the estimate deadline-aware admission refuses by), over the latest 512, by quantile", "quantile",
+              svc.estimate_errors.quantiles())
     yield _single(CounterMetricFamily, model, "turn_stores_dropped", "Chat turns answered without storing their "
                   "conversation for the next turn: the store queue was full", svc.num_turn_stores_dropped)
     yield _by(CounterMetricFamily, model, "feedback", "Verdicts clients sent on completions (POST "

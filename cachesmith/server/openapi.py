@@ -30,11 +30,13 @@ _WHY = {400: "a bad request: the message names the field and the limit",
         401: "missing or wrong API key", 404: "unknown model, chunk or completion", 409: "the chunk is in use",
         403: "the chunk is shared by every tenant (the operator removes it)",
         413: "body over the size limit",
-        429: "the queue is full (requests, chunk uploads waiting or being admitted; Retry-After), or the request "
-             "would store more than a store cap allows (code store_quota_exceeded)",
+        429: "the queue is full (requests, chunk uploads waiting or being admitted; Retry-After), the request "
+             "cannot be answered within its SLO by the shedding margin (code slo_unattainable; Retry-After), or "
+             "it would store more than a store cap allows (code store_quota_exceeded)",
         499: "the client went away", 503: "shutting down, or a store tier cannot delete now (retry)"}
 _HEADERS = {429: {"Retry-After": {"description": "seconds until the queue is expected to have room (a full "
-                                                 "queue; a store cap sends none)", "required": False,
+                                                 "queue, the work ahead of a request refused as late; a "
+                                                 "store cap sends none)", "required": False,
                                   "schema": {"type": "integer"}}},
             401: {"WWW-Authenticate": {"schema": {"type": "string"}}}}
 _ROUTES = {  # (path, method) -> error statuses besides 400/401/413, which any authed route may give

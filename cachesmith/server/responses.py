@@ -14,6 +14,7 @@ from enum import Enum
 from cachesmith.request import RequestResult
 from cachesmith.server.logprobs import chat_logprobs, num_answer_tokens, text_logprobs
 from cachesmith.server.streaming import TokenStream, answer_text, finish_reason
+from cachesmith.shedding import SHED_KIND
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ async def sse(shape: Shape, head: dict, stream: TokenStream, max_tokens: int, in
     result = stream.result
     if result.error is not None:  # failed after the response started: say so in-band
         kind = "server_error" if result.is_internal_error else "invalid_request_error"
-        yield _event({"error": {"message": result.error, "type": kind, "param": None, "code": None}})
+        code = result.error_kind if result.error_kind == SHED_KIND else None
+        kind = "rate_limit_error" if code else kind
+        yield _event({"error": {"message": result.error, "type": kind, "param": None, "code": code}})
         yield _event("[DONE]")
         return
     final = _chunk(shape, head, "" if is_first else None, finish_reason(result, max_tokens, stream.stop),

@@ -10,7 +10,8 @@ chunks are pinned in the chunk catalog (`chunks.ChunkCatalog`) while it is in fl
 deleted under it. A request holds a place in the loop's queue (`reserve`) from its acceptance, so
 a burst past `max_queue` is refused at once; its arrival time is taken then too, so tokenizing its
 documents and storing their chunk KV (prefilled on a miss) count in its TTFT, as they would for a
-client.
+client. At start the scheduler's KV capacity, the model's slab pool and the store's memory tier are
+sized to the memory available (`memory_budget`; `Service.memory`), or the service is refused.
 """
 from __future__ import annotations
 
@@ -25,16 +26,23 @@ from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture, Slot
 from cachesmith.errors import InputError
-from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt
+from cachesmith.kvstore import ChunkStore, StoreConfig, StoredEntry, StoredPrompt
+from cachesmith.kvstore.tiers import MemoryTier
 from cachesmith.kvstore.keys import validate_key
+from cachesmith.model import ModelConfig, resolve_model
+from cachesmith.model.config import load_hf_config
+from cachesmith.model.decoder import resolve_device, resolve_dtype
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.calibration.packaged import serving_profile
 from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.request import RequestResult, check_fits, check_max_tokens, check_slo
+from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
+from cachesmith.shedding import SloUnattainable, EstimateErrors
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
+from cachesmith.server.memory_budget import MemoryBudget, MemoryReader, plan_memory, read_available
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
 from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
 from cachesmith.server.streaming import answer_text
@@ -55,20 +63,28 @@ class _Frame:
 
 class Service:
     def __init__(self, config: ServiceConfig | None = None, pipeline: RagPipeline | None = None,
-                 profile: Profile | None = None) -> None:
+                 profile: Profile | None = None, read_memory: MemoryReader = read_available) -> None:
         self.config = config = config or ServiceConfig()
+        # sized before the weights load, so a configuration that cannot fit is refused at once
+        self.memory = _memory_budget(config, pipeline, read_memory)
         self.pipeline = pipeline or RagPipeline(config.model, config.device, config.dtype,
-                                                store=ChunkStore(config.store))
+                                                store=ChunkStore(_sized_store(config.store, self.memory)))
+        self.pipeline.model.kv_pool.max_bytes = self.memory.pool_bytes
         self.pipeline.model.is_decode_graphed = config.is_decode_graphed
         self.profile_source = "given"
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
         # a learning method calibrates in idle time: the serving front hands the engine that work
-        engine_config = replace(config.engine, shadow_work=config.engine.shadow_work or shadow_calibrator)
+        scheduler = replace(config.engine.scheduler, kv_capacity_tokens=self.memory.kv_capacity_tokens)
+        engine_config = replace(config.engine, scheduler=scheduler,
+                                shadow_work=config.engine.shadow_work or shadow_calibrator)
         self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
-        self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped)
+        self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped,
+                               shedding=config.shedding)
         self.started_at = time.time()
-        self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid"
+        self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid", "slo_unattainable"
+        self.estimate_errors = EstimateErrors()  # admitted requests: measured / estimated TTFT
+        self._estimates: dict[int, float] = {}  # request id -> estimated TTFT, until it is answered
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
         self.chunks = ChunkCatalog(self.pipeline, config, self.loop.admission)
         self._turn_stores = BackgroundJobs("cachesmith-turns", MAX_PENDING_TURN_STORES)
@@ -102,12 +118,13 @@ class Service:
         pinned: list[str] = []
         try:
             max_tokens, slo_s = self._limits(spec)
-            prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned)
+            prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned, slot, slo_s)
             request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
             future = self.loop.submit(request, on_token, slot)
         except BaseException as exc:
             self.chunks.unpin(pinned)
-            if isinstance(exc, (QueueFull, EngineClosed, InputError)):
+            self._estimates.pop(slot.request_id, None)
+            if isinstance(exc, (QueueFull, EngineClosed, InputError, SloUnattainable)):
                 self.num_rejected[_reason(exc)] += 1
             raise
         finally:
@@ -152,15 +169,18 @@ class Service:
         check_slo(slo_s * 1e3, "slo_ms", cfg.max_slo_s, cfg.min_slo_s, scale=1e3)
         return max_tokens, slo_s
 
-    def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str]) -> tuple[StoredPrompt, int]:
-        """Tokenize the prompt once, key each entry once in the caller's namespaces, refuse past a
-        store cap before writing anything, then store (and pin) every chunk and the prefix.
-        Returns the stored prompt and how many prefix tokens were stored before this request."""
+    def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str], slot: Slot,
+                      slo_s: float) -> tuple[StoredPrompt, int]:
+        """Tokenize the prompt once, key each entry once in the caller's namespaces, refuse a
+        request that cannot be in time or that passes a store cap before writing anything, then
+        store (and pin) every chunk and the prefix. Returns the stored prompt and how many prefix
+        tokens were stored before this request."""
         spaces = self.chunks.namespaces(spec.caller)
         frame = self._tokenize(spec, max_tokens, spaces)
         entries = [None if ids is None else self.chunks.entry(ids, spaces.chunks) for ids in frame.document_ids]
         prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
         missing = self.chunks.new_entries([e for e in entries if e is not None])
+        self._check_deadline(slot, slo_s, frame, missing, prefix)
         self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
@@ -171,6 +191,18 @@ class Service:
         stored_prefix = None if prefix is None else \
             StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
         return StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix), num_prefix_stored
+
+    def _check_deadline(self, slot: Slot, slo_s: float, frame: _Frame, missing: list[NewEntry],
+                        prefix: NewEntry | None) -> None:
+        """Price the request against the work ahead before any of its documents is prefilled (the
+        loop refuses it with `SloUnattainable` past the shedding margin); keep its estimate."""
+        view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, sum(frame.num_document_tokens),
+                             max(1, len(frame.suffix_ids)), len(frame.prefix_ids))
+        new_tokens = [e.num_tokens for e in missing]
+        if prefix is not None and self.chunks.new_entries([prefix]):
+            new_tokens.append(prefix.num_tokens)
+        estimate = self.loop.check_deadline(slot, view, new_tokens)
+        self._estimates[slot.request_id] = estimate.ttft_s
 
     def _tokenize(self, spec: CompletionSpec, max_tokens: int, spaces: Namespaces) -> _Frame:
         """Token ids of the prompt's frame and its text documents (None for stored ones), checked
@@ -241,6 +273,9 @@ class Service:
                   fresh: tuple[bool, ...]) -> None:
         self.chunks.unpin(pinned)
         result = future.result()
+        estimated_s = self._estimates.pop(result.request_id, None)
+        if estimated_s is not None and result.ttft_s is not None:
+            self.estimate_errors.observe(estimated_s, result.ttft_s)
         # KV prefilled while admitting this request was computed for it, not served from the store:
         # it does not count as cached (this runs before any reader of the result is called back)
         result.num_cached_prefix = min(result.num_cached_prefix, num_prefix_stored)
@@ -345,5 +380,25 @@ class Service:
         return drained
 
 
+def _memory_budget(config: ServiceConfig, pipeline: RagPipeline | None, read_memory: MemoryReader) -> MemoryBudget:
+    """The budget (`memory_budget`'s rule) from the model's config, before its weights load; for a
+    caller's pipeline, from its loaded model, its store's memory tier counting as set."""
+    if pipeline is None:
+        device = resolve_device(config.device)
+        model_config = ModelConfig.from_hf(load_hf_config(resolve_model(config.model)))
+        return plan_memory(model_config, resolve_dtype(config.dtype), device, read_memory(device), config.memory_sizes)
+    model = pipeline.model
+    tier = next((t for t in pipeline.store.tiers if isinstance(t, MemoryTier)), None)
+    sizes = replace(config.memory_sizes, memory_bytes=tier and tier.max_bytes, has_memory_tier=tier is not None)
+    return plan_memory(model.config, model.dtype, model.device, read_memory(model.device), sizes,
+                       is_weights_loaded=True)
+
+
+def _sized_store(store: StoreConfig, budget: MemoryBudget) -> StoreConfig:
+    return replace(store, memory_bytes=budget.tier_bytes) if budget.tier_bytes else store
+
+
 def _reason(exc: Exception) -> str:
+    if isinstance(exc, SloUnattainable):
+        return "slo_unattainable"
     return "queue_full" if isinstance(exc, QueueFull) else "closed" if isinstance(exc, EngineClosed) else "invalid"

@@ -13,6 +13,9 @@ from cachesmith.errors import CachesmithError, ConfigError, InputError
 from cachesmith.kvstore import StoreConfig
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import DEFAULT_SLO_S, MAX_SLO_S
+from cachesmith.scheduler import SchedulerConfig
+from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.server.memory_budget import ExplicitSizes
 from cachesmith.server.tenancy import Caller
 
 DEFAULT_MAX_STORE_TOKENS = 32_768  # tokens one request may add to the store
@@ -45,6 +48,9 @@ class ServiceConfig:
     profile_path: Path | None = None  # default: measured here, else the packaged one (calibrated)
     served_name: str | None = None  # the model id clients name (default: `model`)
     max_queue: int = 64
+    # refuse at arrival (429) a request whose earliest first token is past 1.5x its SLO, and answer a
+    # queued one refused once its deadline is past by the margin (SheddingConfig(None): queue all)
+    shedding: SheddingConfig = field(default_factory=SheddingConfig)
     default_slo_s: float = DEFAULT_SLO_S
     max_slo_s: float = MAX_SLO_S
     min_slo_s: float = 1e-3  # below 1 ms no batch can run
@@ -57,10 +63,18 @@ class ServiceConfig:
     is_chunk_shared: bool = False
     max_store_tokens_per_request: int = DEFAULT_MAX_STORE_TOKENS  # new tokens a request may store
     tenant_max_bytes: int | None = None  # stored bytes per tenant (its namespaces); None: no cap
+    # None: sized to the machine at start (`memory_budget`), with `store.memory_bytes`
+    kv_capacity_tokens: int | None = None  # the scheduler's KV resident at once
+    kv_pool_bytes: int | None = None  # released KV slabs kept for reuse
 
     def __post_init__(self) -> None:
         if self.engine.clock != "live":
             raise ConfigError(f"engine.clock={self.engine.clock!r}: a server runs on the live clock")
+        if self.engine.scheduler.kv_capacity_tokens != SchedulerConfig.kv_capacity_tokens:
+            # the server's KV capacity is sized with its pool and memory tier: one place sets it
+            raise ConfigError(f"engine.scheduler.kv_capacity_tokens={self.engine.scheduler.kv_capacity_tokens}: "
+                              f"a server takes its KV capacity from kv_capacity_tokens (None: sized to the machine)")
+        self.memory_sizes  # validates them
         if not isinstance(self.is_decode_graphed, bool):
             raise ConfigError(f"is_decode_graphed={self.is_decode_graphed!r} must be True or False")
         if self.tenant_max_bytes is not None and self.tenant_max_bytes < 1:
@@ -79,6 +93,12 @@ class ServiceConfig:
     @property
     def name(self) -> str:
         return self.served_name or self.model
+
+    @property
+    def memory_sizes(self) -> ExplicitSizes:
+        """The memory sizes set here (None: sized to the machine at start)."""
+        return ExplicitSizes(self.kv_capacity_tokens, self.kv_pool_bytes, self.store.memory_bytes,
+                             "memory" in self.store.tiers)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ In: an API key file (`read_api_keys`: lines `<tenant> <key>`, or bare keys of th
 tenant), a request's `Caller` (the tenant its key names and its `cache_salt`), and the entries the
 server writes. Out: key -> tenant pairs for the auth check; `Namespaces`, where the caller's
 private entries (prompt prefixes, conversations) and its document chunks live and which ones it
-may see; and `StoreUsage`, the bytes each namespace holds, checked against a per-tenant cap.
+may see; and `TenantUsage`, the bytes each namespace holds, checked against a per-tenant cap:
+`StoreUsage` counts them in this process; `redis_usage.RedisUsage` in redis, one count for every
+server sharing it.
 
 Without named tenants and salt every namespace is "", so entries key as they did before tenants
 existed and the store's precomputed chunks are served. With chunks shared on purpose (a public
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +94,36 @@ def read_api_keys(path: Path) -> tuple[tuple[str, str], ...]:
     return parse_api_keys(text, f"--api-key-file {path}")
 
 
-class StoreUsage:
-    """Bytes of the store's entries by namespace, for a cap per tenant. Counted from the entries'
-    headers when first asked about a namespace, then kept up to date with what this server writes
-    and deletes; an entry evicted by a tier's quota, or deleted by another server, is noticed when
-    a cap would refuse (the count is then checked against the store before refusing)."""
+def quota_exceeded(what: str, num_bytes: int, cap: int) -> StoreQuotaExceeded:
+    """The refusal of a write that would take a tenant's stored KV to `num_bytes`, past `cap`."""
+    return StoreQuotaExceeded(f"{what}: storing it would take this tenant's stored KV to {num_bytes} bytes, "
+                              f"past its quota of {cap} bytes (--tenant-max-bytes); delete chunks "
+                              f"(DELETE /v1/chunks/{{id}}) or send fewer new documents")
+
+
+class TenantUsage(ABC):
+    """Bytes of the store's entries by namespace, for a cap per tenant."""
+    is_shared = False  # whether every server sharing the store sees this count (else: this process's)
+
+    @abstractmethod
+    def used(self, namespace: str) -> int:
+        """Bytes counted for `namespace` now."""
+
+    @abstractmethod
+    def reserve(self, namespace: str, new: dict[str, int], cap: int | None, what: str) -> None:
+        """Count `new` entries (key -> bytes) for `namespace`, or raise `StoreQuotaExceeded` when
+        they would take it past `cap` bytes (None: no cap), counting nothing."""
+
+    @abstractmethod
+    def forget(self, namespace: str, keys: Iterable[str]) -> None:
+        """Stop counting `keys` of `namespace` (deleted)."""
+
+
+class StoreUsage(TenantUsage):
+    """Counted in this process: from the entries' headers when first asked about a namespace, then
+    kept up to date with what this server writes and deletes; an entry evicted by a tier's quota, or
+    deleted by another server, is noticed when a cap would refuse (the count is then checked against
+    the store before refusing). Servers sharing a store each count on their own."""
 
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
@@ -107,8 +135,6 @@ class StoreUsage:
             return sum(self._counts().get(namespace, {}).values())
 
     def reserve(self, namespace: str, new: dict[str, int], cap: int | None, what: str) -> None:
-        """Count `new` entries (key -> bytes) for `namespace`, or raise `StoreQuotaExceeded` when
-        they would take it past `cap` bytes (None: no cap), counting nothing."""
         with self._lock:
             held = self._counts().setdefault(namespace, {})
             fresh = {k: n for k, n in new.items() if k not in held}
@@ -117,17 +143,14 @@ class StoreUsage:
                     del held[key]
                 used = sum(held.values())
                 if used + sum(fresh.values()) > cap:
-                    raise StoreQuotaExceeded(
-                        f"{what}: storing it would take this tenant's stored KV to {used + sum(fresh.values())} "
-                        f"bytes, past its quota of {cap} bytes (--tenant-max-bytes); delete chunks "
-                        f"(DELETE /v1/chunks/{{id}}) or send fewer new documents")
+                    raise quota_exceeded(what, used + sum(fresh.values()), cap)
             held.update(fresh)
 
-    def forget(self, keys: Iterable[str]) -> None:
+    def forget(self, namespace: str, keys: Iterable[str]) -> None:
         with self._lock:
-            for held in self._counts().values():
-                for key in keys:
-                    held.pop(key, None)
+            held = self._counts().get(namespace, {})
+            for key in keys:
+                held.pop(key, None)
 
     def _counts(self) -> dict[str, dict[str, int]]:
         if self._bytes is None:  # the store as it stands: entries written before this server started

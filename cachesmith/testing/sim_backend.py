@@ -16,6 +16,8 @@ import torch
 from cachesmith.model import device as device_module
 from cachesmith.testing.sim_tensor import SimCudaError, SimTensor
 
+SIM_MEMORY_BYTES = 16 << 30  # free and total memory the simulated device reports
+
 
 class SimStream:
     def __init__(self, sim) -> None:
@@ -109,6 +111,9 @@ class SimBackend:
 
     def memory_allocated(self, device: torch.device) -> int:
         return 0
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        return SIM_MEMORY_BYTES, SIM_MEMORY_BYTES  # its data is host memory: a device as large as a common one
 
     def new_graph(self) -> SimGraph:
         return SimGraph(self.sim)

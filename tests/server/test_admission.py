@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from cachesmith.scheduler.deadline import SheddingConfig
 from cachesmith.server import ServerConfig
 from cachesmith.server.run import CONNECTION_MARGIN, max_connections
 from tests.server.test_app import body, error_of
@@ -149,3 +150,76 @@ def test_the_api_key_is_checked_before_the_body_is_read(server_for):
             assert c.get(path, headers=auth).status_code == 200, path
         r = c.post("/v1/completions", content=b"{not json", headers=auth)
         assert r.status_code == 400 and "not valid JSON" in error_of(r)["message"]
+
+
+def shed_count(srv, when: str) -> float:
+    metrics = httpx.get(srv.url + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("cachesmith:requests_shed_total") and f'"{when}"' in x)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def hold_first_prefill(service):
+    """The first chunk prefill waits for the returned gate: the work ahead of later requests."""
+    ensure, gate, entered = service.store.ensure_held, threading.Event(), threading.Event()
+
+    def held(model, ids, *args):
+        if not entered.is_set():
+            entered.set()
+            gate.wait(30)
+        return ensure(model, ids, *args)
+
+    service.store.ensure_held = held
+    return gate, entered
+
+
+@pytest.mark.parametrize("max_lateness", [1.5, None])
+def test_a_request_that_cannot_be_on_time_is_refused_at_arrival_and_stores_nothing(server_for, max_lateness):
+    srv = server_for(shedding=SheddingConfig(max_lateness))
+    service = srv.server.config.app.state.service
+    gate, entered = hold_first_prefill(service)
+    ahead = threading.Thread(target=lambda: httpx.post(
+        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
+    ahead.start()
+    assert entered.wait(10)  # a request ahead is prefilling its new document
+    docs = [" ".join([passage(i)] * 8) for i in range(3)]  # new: each would be prefilled before it runs
+    start = time.monotonic()
+    if max_lateness is None:  # queued however late: served once the work ahead is done
+        threading.Timer(0.5, gate.set).start()
+        answer = httpx.post(srv.url + "/v1/completions", json=body(documents=docs, slo_ms=20), timeout=60)
+        assert answer.status_code == 200 and shed_count(srv, "arrival") == 0
+        ahead.join(60)
+        return
+    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=docs, slo_ms=20), timeout=60)
+    refused_s = time.monotonic() - start
+    assert not gate.is_set()  # answered while the work ahead still held the cores
+    gate.set()
+    ahead.join(60)
+    assert answer.status_code == 429 and refused_s < 2.0, refused_s
+    err = error_of(answer)
+    assert (err["code"], err["param"], err["type"]) == ("slo_unattainable", "slo_ms", "rate_limit_error")
+    assert "slo_ms=20:" in err["message"] and "of work ahead" in err["message"]
+    assert int(answer.headers["Retry-After"]) >= 1
+    keys = [service.chunks.key_for(service.pipeline.tokenizer.chunk_ids(d), "") for d in docs]
+    assert not any(service.store.contains(k) for k in keys)  # nothing prefilled, nothing stored
+    assert shed_count(srv, "arrival") == 1 and shed_count(srv, "queued") == 0
+    served = httpx.post(srv.url + "/v1/completions", json=body(documents=docs, slo_ms=60_000), timeout=60)
+    assert served.status_code == 200
+    metrics = httpx.get(srv.url + "/metrics").text  # the served requests' estimates against their TTFTs
+    ratio = next(x for x in metrics.splitlines() if x.startswith("cachesmith:ttft_estimate_ratio") and '"0.5"' in x)
+    assert float(ratio.rsplit(" ", 1)[1]) > 0
+
+
+def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
+    srv = server_for(max_queue=8)
+    service = srv.server.config.app.state.service
+    loop = service.loop
+    original = loop.deadlines.expired
+    # every queued request is past saving: as if it had waited behind a long burst
+    loop.deadlines.expired = lambda queue, now: [(v, f"slo_ms=1: shed {v.request_id}") for v in queue]
+    try:
+        answer = httpx.post(srv.url + "/v1/completions", json=body(slo_ms=60_000), timeout=60)
+    finally:
+        loop.deadlines.expired = original
+    err = error_of(answer)
+    assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "Retry-After" in answer.headers
+    assert shed_count(srv, "queued") == 1

@@ -36,6 +36,9 @@ def test_schemathesis_finds_no_mismatch_and_reaches_the_engine(server, tmp_path)
                           "--seed", "7", "--no-color"], cwd=tmp_path, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stdout[-6000:]
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    served = sum(s.value for fam in text_string_to_metric_families(metrics) for s in fam.samples
-                 if s.name == "cachesmith:requests_served_total")
-    assert served >= 10, served  # schema-valid completions were answered by the engine
+    samples = [s for fam in text_string_to_metric_families(metrics) for s in fam.samples]
+    served = sum(s.value for s in samples if s.name == "cachesmith:requests_served_total")
+    # schema-valid completions were answered by the engine, or priced against its queue and refused
+    # as unable to meet their (fuzzed, often tiny) SLO
+    shed = sum(s.value for s in samples if s.name == "cachesmith:requests_shed_total")
+    assert served >= 5 and served + shed >= 10, (served, shed)

@@ -160,7 +160,7 @@ def test_a_model_nobody_profiled_serves_after_a_quick_cost_grid(tiny_chat_dir, t
     demand mapped onto the model's 4 layers, warns once, saves the profile and serves RAG requests."""
     port, home = free_port(), tmp_path / "home"
     cmd = [sys.executable, "-m", "cachesmith.cli", "serve", "--model", str(tiny_chat_dir), "--port", str(port),
-           "--store-root", str(tmp_path / "kv"), "--served-name", NAME]
+           "--store-root", str(tmp_path / "kv"), "--served-name", NAME, "--shed-late", "off"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "CACHESMITH_HOME": str(home)})
     try:
@@ -170,7 +170,8 @@ def test_a_model_nobody_profiled_serves_after_a_quick_cost_grid(tiny_chat_dir, t
                 "messages": [{"role": "user", "content": "Which word comes after river?"}]}
         first = httpx.post(url + "/v1/chat/completions", json={**body, "slo_ms": 5000}, timeout=120)
         assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] >= 1
-        # an SLO no plan meets: served by full reuse, every context row read from the stored chunks
+        # an SLO no plan meets, with shedding off: served by full reuse, every context row read from the
+        # stored chunks
         second = httpx.post(url + "/v1/chat/completions", json={**body, "slo_ms": 1}, timeout=120).json()
         assert second["cachesmith"]["cached_tokens"]["chunks"] == second["cachesmith"]["num_context_tokens"] > 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["cachesmith"]["num_context_tokens"]

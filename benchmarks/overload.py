@@ -1,0 +1,190 @@
+"""Overload: the HTTP server at 0.5x, 1x, 2x and 4x its measured capacity, with deadline-aware
+shedding on and off, and a burst of requests with new documents.
+
+Setup (one process, loopback): the packaged model, a MIX workload whose chunk KV is stored first,
+the base SLO measured here (a request's full-prefill TTFT alone), and the server's capacity
+measured as a saturating burst served with shedding off (requests / seconds to the last answer).
+Each load level sends `--num-requests` Poisson arrivals at that multiple of the capacity, each
+with SLO = `--slo-scale` x base, as streaming chat completions, once with `--shed-late 1.5` and
+once with `off`, each on a fresh server (same store). The burst sends `--burst` requests at once,
+each with four documents nobody stored (a prefill before anything else) and `--burst-slo-ms`.
+Columns: requests sent, answered on time, QSA over all sent (a refusal counts as failed), refused
+at arrival and shed from the queue, the slowest and median time to a refusal at arrival, P99 TTFT
+of the answered, and the admission's measured/estimated TTFT median. `--out FILE` writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, print_table  # noqa: E402
+
+from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noqa: E402
+from cachesmith.bench.setting import BenchConfig, instances  # noqa: E402
+from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
+from cachesmith.engine import EngineConfig  # noqa: E402
+from cachesmith.gates import make_gate  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
+from cachesmith.pipeline import RagPipeline  # noqa: E402
+from cachesmith.scheduler import SchedulerConfig  # noqa: E402
+from cachesmith.scheduler.deadline import SheddingConfig  # noqa: E402
+from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
+from cachesmith.server.run import BackgroundServer  # noqa: E402
+
+GATE = make_gate("task")
+COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
+           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50"]
+
+
+def body(inst, slo_s: float, model: str, documents=None) -> dict:
+    messages = ([{"role": "system", "content": inst.prefix}] if inst.prefix else []) + [
+        {"role": "user", "content": inst.question}]
+    if inst.answer_prefix:
+        messages.append({"role": "assistant", "content": inst.answer_prefix})
+    return {"model": model, "messages": messages, "documents": list(documents or inst.documents), "stream": True,
+            "max_tokens": inst.max_new_tokens, "slo_ms": 1e3 * slo_s, "gold": list(inst.gold), "task": inst.task}
+
+
+async def one(client: httpx.AsyncClient, payload: dict, inst, at_s: float, start: float) -> dict:
+    await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
+    sent, first, code, pieces, final = time.perf_counter(), None, None, [], None
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
+        if r.status_code != 200:
+            error = json.loads(await r.aread())["error"]
+            return {"status": r.status_code, "code": error["code"], "refusal_s": time.perf_counter() - sent,
+                    "message": error["message"],
+                    "retry_after": r.headers.get("retry-after"), "slo_s": payload["slo_ms"] / 1e3}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                code = event["error"]["code"] or "error"
+                record_message = event["error"]["message"]
+                continue
+            first = first or time.perf_counter()
+            pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
+            final = event.get("cachesmith", final)
+    record = {"status": 200, "code": code, "slo_s": payload["slo_ms"] / 1e3}
+    if code is not None:
+        record.update(message=record_message, refusal_s=time.perf_counter() - sent)
+    if code is None and first is not None:
+        record.update(ttft_s=first - sent, is_passed=GATE.passes(inst, "".join(pieces)))
+    return record
+
+
+async def drive(url: str, sends: list[tuple[dict, object, float]], desc: str) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(sends) + 4, max_keepalive_connections=len(sends) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(client, p, inst, at, start)) for p, inst, at in sends]
+        for done in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=desc, unit="req"):
+            await done
+        return [t.result() for t in tasks]
+
+
+def serve(pipe, profile, args, shedding: float | None, sends, desc: str) -> tuple[list[dict], dict]:
+    """The sends on a fresh server (same store): the records, and the server's own counts."""
+    sched = SchedulerConfig(max_batch_size=args.max_batch_size)
+    config = ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched), max_queue=len(sends) + 8,
+                           max_tokens_limit=512, shedding=SheddingConfig(shedding))
+    service = Service(config, pipe, profile)
+    with BackgroundServer(service, ServerConfig(port=0, log_level="error")) as srv:
+        records = asyncio.run(drive(srv.url, sends, desc))
+        counts = {"shed_arrival": service.num_rejected["slo_unattainable"], "shed_queued": service.loop.num_shed_queued,
+                  "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9))}
+    return records, counts
+
+
+def summary(run: str, shedding: float | None, records: list[dict], counts: dict) -> dict:
+    answered = [r for r in records if "ttft_s" in r]
+    on_time = [r for r in answered if r["ttft_s"] <= r["slo_s"]]
+    refusals = sorted(1e3 * r["refusal_s"] for r in records if r["status"] == 429)  # at arrival
+    ttfts = np.array([r["ttft_s"] for r in answered])
+    slos = np.array([r["slo_s"] for r in answered])
+    return {"run": run, "shedding": "off" if shedding is None else f"{shedding:g}x", "sent": len(records),
+            "on_time": len(on_time), "qsa": sum(r["is_passed"] is True for r in on_time) / len(records),
+            "refused_arrival": counts["shed_arrival"], "shed_queued": counts["shed_queued"],
+            "refusal_ms_max": max(refusals, default=0.0),
+            "refusal_ms_p50": statistics.median(refusals) if refusals else 0.0,
+            "ttft_p99_s": float(np.quantile(ttfts, 0.99)) if len(ttfts) else 0.0,
+            "ttft_p99_vs_slo": float(np.quantile(ttfts / slos, 0.99)) if len(ttfts) else 0.0,
+            "estimate_ratio_p50": counts["estimate_ratio"].get("0.5", 0.0),
+            "other_errors": sum(r["status"] == 200 and r["code"] not in (None, "slo_unattainable") or
+                                r["status"] not in (200, 429) for r in records)}
+
+
+def poisson(num: int, rate: float, seed: int) -> list[float]:
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, num)).tolist()
+
+
+def setup(args) -> tuple[RagPipeline, object, list, float]:
+    pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=8 << 30)))
+    config = BenchConfig("mix", None, None, args.num_requests, "poisson", 1.0, 1.0, (args.slo_scale,),
+                         (args.method,), "task", args.seed, max_batch_size=args.max_batch_size)
+    insts = instances(config)
+    profile, source = find_profile(pipe)
+    print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
+    base, factor = measure_base(pipe, insts[:8], profile)
+    if source == "packaged":
+        profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
+    for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
+        pipe.precompute(inst.documents, inst.question, inst.prefix or None)
+    return pipe, profile, insts, base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
+    ap.add_argument("--slo-scale", type=float, default=2.0)
+    ap.add_argument("--method", default="cachesmith")
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--burst", type=int, default=40, help="requests of the new-documents burst (0: none)")
+    ap.add_argument("--burst-slo-ms", type=float, default=3000.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    began = time.perf_counter()
+    pipe, profile, insts, base = setup(args)
+    slo = args.slo_scale * base
+    saturating = [(body(inst, 600.0, "smollm2-135m"), inst, 0.0) for inst in insts[:args.num_requests]]
+    start = time.perf_counter()
+    serve(pipe, profile, args, None, saturating, "capacity")
+    capacity = len(saturating) / (time.perf_counter() - start)
+    rows = []
+    for load in args.loads:
+        arrivals = poisson(args.num_requests, load * capacity, args.seed)
+        sends = [(body(inst, slo, "smollm2-135m"), inst, at) for inst, at in zip(insts, arrivals)]
+        for shedding in (1.5, None):
+            records, counts = serve(pipe, profile, args, shedding, sends, f"{load:g}x {shedding or 'off'}")
+            rows.append({"load": load, **summary(f"{load:g}x capacity", shedding, records, counts)})
+    for shedding in (1.5, None) if args.burst else ():
+        tag = "on" if shedding else "off"  # new text each run: every document is prefilled on arrival
+        burst = [insts[i % len(insts)] for i in range(args.burst)]
+        sends = [(body(inst, args.burst_slo_ms / 1e3, "smollm2-135m",
+                       [f"{d} (burst {tag} {i}.{j})" for j, d in enumerate(inst.documents[:4])]), inst, 0.0)
+                 for i, inst in enumerate(burst)]
+        records, counts = serve(pipe, profile, args, shedding, sends, f"burst {tag}")
+        rows.append({"load": None, **summary(f"burst of {args.burst}, new documents", shedding, records, counts)})
+    payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson", "method": args.method,
+               "base_slo_s": base, "slo_scale": args.slo_scale, "slo_s": slo, "capacity_rps": capacity,
+               "burst_slo_ms": args.burst_slo_ms, "rows": rows, "wall_s": time.perf_counter() - began}
+    emit(payload, args.json, args.out, lambda: (
+        print(f"capacity {capacity:.3f} req/s; SLO {slo:.2f} s ({args.slo_scale:g}x base {base:.2f} s)"),
+        print_table(rows, COLUMNS)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The earliest first token a request can have, priced from the work ahead of it: what deadline-aware
+admission refuses on.
+
+In: the scheduler's views of the requests ahead (`QueuedRequest`, no tensors), the seconds left of
+the batch running now and of the admissions in progress (their new documents being prefilled), and
+the request itself with the token counts of its documents not yet stored. Out: a `TtftEstimate`,
+when its own work can start at the earliest and what that work costs at its cheapest plan.
+
+Every price is the planner's cost model at the pace the planner has learned on this machine, at
+the cheapest plan there is (full reuse: no row recomputed), with the requests ahead batched as
+densely as the scheduler may (`max_batch_size`, in deadline order). So the estimate errs early: a
+request it says is late could not be on time even if every plan ahead of it were its cheapest.
+What it leaves out (decode steps between batches, recomputation the planner buys with slack) only
+makes the real first token later. The server compares it with the SLO (`SheddingConfig`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachesmith.errors import ConfigError
+from cachesmith.planner import BatchShape, Planner
+from cachesmith.scheduler.types import QueuedRequest, batch_shape
+
+FULL_REUSE = ("position", 0, 0)  # signal, warm-up, probe of the plan that recomputes nothing
+FULL_PREFILL = "position"  # the signal a full prefill is priced (and paced) as
+
+
+@dataclass(frozen=True)
+class SheddingConfig:
+    """Refuse a request whose earliest first token is past `max_lateness` times its SLO (None: never
+    refuse for lateness; requests wait their turn however late)."""
+    max_lateness: float | None = 1.5
+
+    def __post_init__(self) -> None:
+        if self.max_lateness is not None and not 1.0 <= self.max_lateness <= 100.0:
+            raise ConfigError(f"max_lateness={self.max_lateness}: must be between 1 and 100 times the SLO "
+                              f"(or None: off)")
+
+    @property
+    def is_on(self) -> bool:
+        return self.max_lateness is not None
+
+    def is_unattainable(self, ttft_s: float, slo_s: float) -> bool:
+        return self.max_lateness is not None and ttft_s > self.max_lateness * slo_s
+
+
+@dataclass(frozen=True)
+class TtftEstimate:
+    waited_s: float  # from arrival to the estimate (tokenizing, waiting for the front)
+    start_s: float  # from the estimate until the request's own work can start: the work ahead
+    own_s: float  # its new documents' prefill, then its batch alone at full reuse
+
+    @property
+    def ttft_s(self) -> float:
+        return self.waited_s + self.start_s + self.own_s
+
+    def describe(self) -> str:
+        return (f"{self.ttft_s:.2f} s = {self.waited_s:.2f} s waited + {self.start_s:.2f} s of work ahead + "
+                f"{self.own_s:.2f} s of its own at its cheapest plan")
+
+
+class DeadlinePricer:
+    def __init__(self, planner: Planner, max_batch_size: int) -> None:
+        self.planner, self.max_batch_size = planner, max_batch_size
+
+    def _priced(self, shape: BatchShape) -> float:
+        """Full reuse of `shape` as one batch, at the pace learned for such batches."""
+        signal, warmup, probe = FULL_REUSE
+        raw = float(self.planner.cost.ttft(shape, signal, warmup, probe, np.zeros(shape.num_requests))[0])
+        return raw * self.planner.pace(signal, probe, shape.num_tokens)
+
+    def cheapest_s(self, requests: Sequence[QueuedRequest]) -> float:
+        """The requests run at full reuse, in deadline order, `max_batch_size` at a time."""
+        ordered = sorted(requests, key=lambda r: r.deadline_s)
+        size = self.max_batch_size
+        return sum(self._priced(batch_shape(ordered[i:i + size])) for i in range(0, len(ordered), size))
+
+    def prefill_s(self, num_new_tokens: Sequence[int]) -> float:
+        """Documents not yet stored, each prefilled alone (as the store prefills a chunk): the cost
+        model's price per token of a full prefill, without its per-batch terms, which price the
+        recompute runner's layer loop that a chunk's plain forward pass does not run (a 12-token
+        chunk is milliseconds; the full-prefill price of a batch of it is a few hundred)."""
+        cost = self.planner.cost
+        base = cost.full_prefill_ttft(BatchShape((0,), (1,), (0,)))
+        pace = self.planner.pace(FULL_PREFILL, 0, None)
+        return pace * sum(max(cost.full_prefill_ttft(BatchShape((n,), (1,), (0,))) - base, 0.0)
+                          for n in num_new_tokens if n)
+
+    def estimate(self, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest], busy_s: float,
+                 num_new_tokens: Sequence[int] = ()) -> TtftEstimate:
+        """`ahead`: the queued requests, of which those due no later than `request` are counted;
+        `busy_s`: seconds left of the batch running and the admissions in progress."""
+        due = [r for r in ahead if r.deadline_s <= request.deadline_s and r.request_id != request.request_id]
+        own = self.prefill_s(num_new_tokens) + self.cheapest_s([request])
+        return TtftEstimate(max(now - request.arrival_s, 0.0), busy_s + self.cheapest_s(due), own)

@@ -1,0 +1,156 @@
+"""Deadline-aware admission: a request that cannot be answered in time is refused at once, not
+queued to be answered late.
+
+In (from the live loop, under its lock): a request's scheduler view and the token counts of its
+documents not yet stored, at arrival, before any of them is prefilled; the queue at each batch
+boundary; the batch each decision starts. Out: a `TtftEstimate` for a request admitted (its
+promise, so the server can report how good the estimates are), `SloUnattainable` for one refused
+at arrival, and the queued requests whose deadline has passed by the margin, to be answered
+refused instead of run. Prices come from `scheduler.deadline`: the cheapest plan of everything
+ahead, so a refusal means that even the cheapest service would be later than the margin allows.
+
+Why refuse rather than queue: a first token past its SLO is useless to its client, and a request
+served late makes every request behind it later still (Clockwork, OSDI '20, drops what cannot meet
+its deadline for the same reason).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+from cachesmith.errors import CachesmithError
+from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
+from cachesmith.scheduler.types import QueuedRequest
+
+SHED_KIND = "slo_unattainable"  # a refused result's `error_kind`, the API's error code
+
+
+class SloUnattainable(CachesmithError):
+    """A request whose earliest first token is past its SLO by more than the margin (a 429)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_s(estimate: TtftEstimate, slo_s: float, max_lateness: float) -> float:
+    """When the same request sent again would be within the margin, if nothing else arrives: the
+    work ahead drains at the clock's pace. A request too large to be in time even alone is told
+    when the work ahead is done (a retry then is at least served at once)."""
+    room = max_lateness * slo_s - estimate.own_s
+    return max(estimate.start_s - room, 0.0) if room > 0 else estimate.start_s
+
+
+def late_message(estimate: TtftEstimate, slo_s: float, max_lateness: float, retry_s: float) -> str:
+    alone = estimate.own_s > max_lateness * slo_s
+    why = ("even alone on an idle server its cheapest plan takes longer: raise slo_ms or send fewer new "
+           "documents" if alone else f"retry after {math.ceil(max(retry_s, 1.0))} s, when the work ahead has drained")
+    return (f"slo_ms={slo_s * 1e3:.0f}: this request cannot be answered in time: its first token would come at "
+            f"the earliest after {estimate.describe()}, past {max_lateness:g}x its SLO (--shed-late); {why}")
+
+
+class DeadlineAdmission:
+    """The loop's record of the work promised ahead of each new request. Every call is made under
+    the loop's lock."""
+
+    def __init__(self, pricer: DeadlinePricer, config: SheddingConfig) -> None:
+        self.pricer, self.config = pricer, config
+        self._admitting: dict[int, tuple[float, float, float]] = {}  # slot id -> (prefill s, run s, since)
+        self._cheapest: dict[int, float] = {}  # queued request id -> its batch alone at full reuse
+        self._alone_late: set[int] = set()  # admitted past the margin with nothing ahead: not shed
+        self.batch_ends_s = 0.0  # clock time the running batch is priced to end
+
+    def busy_s(self, now: float, request_id: int | None = None) -> float:
+        """Work promised before anything new can start: the rest of the running batch, and each
+        admission in progress (the rest of its documents' prefill, then its batch)."""
+        left = max(self.batch_ends_s - now, 0.0)
+        for slot_id, (prefill_s, run_s, since) in self._admitting.items():
+            if slot_id != request_id:
+                left += max(prefill_s - (now - since), 0.0) + run_s
+        return left
+
+    def admit(self, view: QueuedRequest, now: float, ahead: Sequence[QueuedRequest],
+              num_new_tokens: Sequence[int]) -> TtftEstimate:
+        """The request's estimate, counted as work ahead of later arrivals until it is queued; raises
+        `SloUnattainable` (counting nothing) when it is past the margin and shedding is on."""
+        estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
+        if self._is_late_for_load(estimate, view.slo_s):
+            retry = retry_after_s(estimate, view.slo_s, self.config.max_lateness)
+            raise SloUnattainable(late_message(estimate, view.slo_s, self.config.max_lateness, retry), retry)
+        run_s = self.pricer.cheapest_s([view])
+        self._admitting[view.request_id] = (estimate.own_s - run_s, run_s, now)
+        self._cheapest[view.request_id] = run_s
+        if self.config.is_unattainable(estimate.own_s, view.slo_s):
+            self._alone_late.add(view.request_id)
+        return estimate
+
+    def _is_late_for_load(self, estimate: TtftEstimate, slo_s: float) -> bool:
+        """Past the margin, unless no load is to blame: a request whose own cheapest run is past it
+        even on an idle server, arriving with nothing ahead, is served (at full reuse, as the
+        scheduler serves any request past saving); refusing it would refuse every retry too."""
+        if not self.config.is_unattainable(estimate.ttft_s, slo_s):
+            return False
+        return estimate.start_s > 0 or not self.config.is_unattainable(estimate.own_s, slo_s)
+
+    def settle(self, request_id: int) -> None:
+        """The admission ended (queued, or refused): its documents are stored or never will be."""
+        self._admitting.pop(request_id, None)
+
+    def forget(self, request_ids: Sequence[int]) -> None:
+        """These requests left the queue (batched, cancelled, refused)."""
+        for request_id in request_ids:
+            self._cheapest.pop(request_id, None)
+            self._alone_late.discard(request_id)
+
+    def expired(self, queue: Sequence[QueuedRequest], now: float) -> list[tuple[QueuedRequest, str]]:
+        """Queued requests whose first token, even if their batch started now alone at its cheapest
+        plan, would be past the margin, each with the message its client gets. Only while others
+        wait beside them: running a late request alone delays no one waiting (later arrivals are
+        priced behind it), and its own prefill, already paid, may be what made it late."""
+        if not self.config.is_on or len(queue) < 2:
+            return []
+        out = []
+        for view in queue:
+            if view.request_id in self._alone_late:
+                continue
+            run_s = self._cheapest.get(view.request_id)
+            if run_s is None:  # queued without an estimate (submitted to the loop directly)
+                run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
+            estimate = TtftEstimate(now - view.arrival_s, 0.0, run_s)
+            if self.config.is_unattainable(estimate.ttft_s, view.slo_s):
+                out.append((view, f"slo_ms={view.slo_s * 1e3:.0f}: this request waited {estimate.waited_s:.2f} s in "
+                                  f"the queue; with its own {run_s:.2f} s at its cheapest plan its first token "
+                                  f"would come past {self.config.max_lateness:g}x its SLO (--shed-late), so it "
+                                  f"was not run"))
+        return out
+
+
+class EstimateErrors:
+    """How the admitted requests' estimates compared with their measured TTFTs: measured / estimated
+    over the latest `window` requests. The estimate prices the cheapest plans, so a ratio near 1
+    means the margin refuses what was truly late; well above 1, the work ahead runs slower than its
+    price (decoding beside prefill, a busy machine) and the refusals come late."""
+
+    def __init__(self, window: int = 512) -> None:
+        self.window = window
+        self._ratios: list[float] = []
+        self.num_observed = 0
+        self._lock = threading.Lock()  # results resolve on the prefill and decode threads
+
+    def observe(self, estimated_s: float, measured_s: float) -> None:
+        if estimated_s <= 0:
+            return
+        with self._lock:
+            self._ratios.append(measured_s / estimated_s)
+            if len(self._ratios) > self.window:
+                del self._ratios[: len(self._ratios) - self.window]
+            self.num_observed += 1
+
+    def quantiles(self, qs: Sequence[float] = (0.5, 0.9)) -> dict[str, float]:
+        """{"0.5": ratio, ...} over the window; empty before any request was measured."""
+        with self._lock:
+            ordered = sorted(self._ratios)
+        if not ordered:
+            return {}
+        return {f"{q:g}": ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs}

@@ -1,0 +1,69 @@
+"""The earliest first token of a request, priced from the work ahead at the cheapest plan."""
+from __future__ import annotations
+
+import pytest
+
+from cachesmith.errors import ConfigError
+from cachesmith.planner import BatchShape, Planner
+from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig
+from cachesmith.scheduler.types import QueuedRequest, batch_shape
+from tests.planner.synthetic_profile import make_profile
+
+
+@pytest.fixture(scope="module")
+def pricer():
+    return DeadlinePricer(Planner(make_profile(num_layers=4)), max_batch_size=4)
+
+
+def view(i: int, arrival: float = 0.0, slo: float = 2.0, context: int = 300) -> QueuedRequest:
+    return QueuedRequest(i, arrival, slo, context, 12, 20)
+
+
+def test_the_work_ahead_is_what_is_due_first_at_its_cheapest(pricer):
+    me = view(0, arrival=1.0, slo=2.0)  # due at 3.0
+    earlier = [view(i, arrival=0.5, slo=2.0) for i in range(1, 4)]  # due at 2.5
+    later = [view(i, arrival=1.5, slo=2.0) for i in range(4, 6)]  # due at 3.5: served after it
+    estimate = pricer.estimate(me, now=1.25, ahead=earlier + later + [me], busy_s=0.7)
+    assert estimate.waited_s == pytest.approx(0.25)
+    assert estimate.start_s == pytest.approx(0.7 + pricer.cheapest_s(earlier))
+    assert estimate.own_s == pytest.approx(pricer.cheapest_s([me]))
+    assert estimate.ttft_s == pytest.approx(estimate.waited_s + estimate.start_s + estimate.own_s)
+    assert "waited" in estimate.describe() and f"{estimate.ttft_s:.2f} s" in estimate.describe()
+
+
+def test_requests_ahead_are_batched_as_densely_as_the_scheduler_may(pricer):
+    queue = [view(i, arrival=0.1 * i) for i in range(8)]
+    first, second = pricer.cheapest_s(queue[:4]), pricer.cheapest_s(queue[4:])
+    assert pricer.cheapest_s(queue) == pytest.approx(first + second)
+    # a batch shares its overhead: cheaper than its requests one by one
+    assert first < sum(pricer.cheapest_s([r]) for r in queue[:4])
+    # priced at full reuse: cheaper than full prefill of the same batch
+    assert first < pricer.planner.cost.full_prefill_ttft(batch_shape(queue[:4]))
+
+
+def test_documents_not_yet_stored_add_their_prefill(pricer):
+    me = view(0)
+    bare = pricer.estimate(me, 0.0, [], 0.0)
+    with_new = pricer.estimate(me, 0.0, [], 0.0, [200, 0, 100])
+    cost = pricer.planner.cost
+    per_batch = cost.full_prefill_ttft(BatchShape((0,), (1,), (0,)))
+    # each at the full prefill's price per token: a chunk's forward pass runs no recompute layer loop
+    expected = sum(cost.full_prefill_ttft(BatchShape((n,), (1,), (0,))) - per_batch for n in (200, 100))
+    assert with_new.own_s - bare.own_s == pytest.approx(expected) and 0 < expected
+    assert pricer.prefill_s([200]) < cost.full_prefill_ttft(BatchShape((200,), (1,), (0,)))
+
+
+def test_the_learned_pace_scales_every_price(pricer, monkeypatch):
+    me = view(0)
+    base = pricer.cheapest_s([me])
+    monkeypatch.setattr(pricer.planner, "pace", lambda signal, probe, num_tokens: 2.0)
+    assert pricer.cheapest_s([me]) == pytest.approx(2 * base)
+
+
+def test_the_shedding_margin():
+    assert SheddingConfig(1.5).is_unattainable(3.01, 2.0) and not SheddingConfig(1.5).is_unattainable(3.0, 2.0)
+    off = SheddingConfig(None)
+    assert not off.is_on and not off.is_unattainable(1e9, 0.001)
+    for bad in (0.5, 0.0, 101.0):
+        with pytest.raises(ConfigError, match="max_lateness"):
+            SheddingConfig(bad)

@@ -1,0 +1,97 @@
+"""Deadline-aware admission's bookkeeping: refusals at arrival with their retry time, the work
+promised by admissions in progress, queued requests past saving, and the estimates' errors."""
+from __future__ import annotations
+
+import pytest
+
+from cachesmith.planner import Planner
+from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
+from cachesmith.scheduler.types import QueuedRequest
+from cachesmith.shedding import DeadlineAdmission, EstimateErrors, SloUnattainable, retry_after_s
+from tests.planner.synthetic_profile import make_profile
+
+
+def admission(max_lateness: float | None = 1.5) -> DeadlineAdmission:
+    return DeadlineAdmission(DeadlinePricer(Planner(make_profile(num_layers=4)), 4), SheddingConfig(max_lateness))
+
+
+def view(i: int, arrival: float = 0.0, slo: float = 2.0) -> QueuedRequest:
+    return QueuedRequest(i, arrival, slo, 300, 12, 20)
+
+
+def test_a_request_past_the_margin_is_refused_with_its_estimate_and_a_retry_time():
+    adm = admission()
+    ahead = [view(i, slo=0.2) for i in range(1, 40)]  # due first, and longer at their cheapest than 1.5x
+    work = adm.pricer.cheapest_s(ahead)
+    assert work > 0.45
+    with pytest.raises(SloUnattainable) as refused:
+        adm.admit(view(0, arrival=0.0, slo=0.3), 0.0, ahead, [])
+    message = str(refused.value)
+    assert "slo_ms=300" in message and "--shed-late" in message and "1.5x" in message
+    own = adm.pricer.cheapest_s([view(0)])
+    assert refused.value.retry_after_s == pytest.approx(work - (1.5 * 0.3 - own))
+    assert adm.busy_s(0.0) == 0.0  # a refusal promises no work
+    adm.admit(view(0, arrival=0.0, slo=30.0), 0.0, ahead, [])  # the same work ahead, a looser SLO
+
+
+def test_an_admission_in_progress_is_work_ahead_of_later_arrivals_until_it_settles():
+    adm = admission()
+    first = adm.admit(view(0), 0.0, [], [400])
+    assert first.start_s == 0.0
+    second = adm.admit(view(1), 0.0, [], [])
+    assert second.start_s == pytest.approx(first.own_s)  # the first's prefill and its batch
+    prefill_s = first.own_s - adm.pricer.cheapest_s([view(0)])
+    # its documents' prefill drains with the clock; its batch is still to run
+    assert adm.busy_s(prefill_s + 10.0, request_id=1) == pytest.approx(adm.pricer.cheapest_s([view(0)]))
+    adm.settle(0)
+    assert adm.busy_s(0.0, request_id=1) == 0.0
+    adm.batch_ends_s = 5.0
+    assert adm.busy_s(4.0, request_id=1) == pytest.approx(1.0) and adm.busy_s(6.0, request_id=1) == 0.0
+
+
+def test_a_request_late_even_alone_is_refused_only_behind_work():
+    adm = admission()
+    hopeless = view(0, slo=0.001)
+    alone = adm.admit(hopeless, 0.0, [], [])  # nothing ahead: served (at full reuse), not refused forever
+    assert alone.start_s == 0.0 and alone.own_s > 1.5 * 0.001
+    with pytest.raises(SloUnattainable, match="even alone on an idle server") as refused:
+        adm.admit(view(1, slo=0.001), 0.0, [], [])  # behind the first: told to come back when it is done
+    assert refused.value.retry_after_s == pytest.approx(adm.busy_s(0.0, request_id=1))
+    # queued, it is not shed for lateness no load caused; one queued without a promise is
+    other = view(7, arrival=-5.0, slo=0.001)
+    assert [v.request_id for v, _ in adm.expired([view(0, arrival=-5.0, slo=0.001), other], 0.0)] == [7]
+
+
+def test_with_shedding_off_nothing_is_refused_but_the_estimate_is_kept():
+    adm = admission(None)
+    estimate = adm.admit(view(0, slo=0.001), 0.0, [], [4000])
+    assert estimate.ttft_s > 0.1
+    assert adm.expired([view(1, arrival=-1e3, slo=0.001)], 0.0) == []
+
+
+def test_a_queued_request_past_saving_is_listed_with_its_message():
+    adm = admission()
+    fresh, stale = view(0, arrival=9.0, slo=2.0), view(1, arrival=0.0, slo=2.0)
+    expired = adm.expired([fresh, stale], now=10.0)
+    assert [v.request_id for v, _ in expired] == [1]
+    assert "waited 10.00 s" in expired[0][1] and "--shed-late" in expired[0][1]
+    # at 1.5x: 2.0 s waited + its own run is still within 3 s, so it is not shed
+    assert adm.expired([view(2, arrival=8.0, slo=2.0), fresh], now=10.0) == []
+    # alone in the queue, a late request delays no one waiting: it runs
+    assert adm.expired([stale], now=10.0) == []
+
+
+def test_a_request_too_large_to_be_on_time_alone_is_told_when_the_queue_drains():
+    estimate = TtftEstimate(0.0, 4.0, 10.0)
+    assert retry_after_s(estimate, slo_s=2.0, max_lateness=1.5) == 4.0
+    assert retry_after_s(TtftEstimate(0.0, 4.0, 1.0), 2.0, 1.5) == pytest.approx(2.0)
+
+
+def test_estimate_errors_are_ratios_over_a_window():
+    errors = EstimateErrors(window=4)
+    assert errors.quantiles() == {}
+    for estimated, measured in ((1.0, 1.0), (1.0, 2.0), (2.0, 3.0), (1.0, 4.0), (1.0, 8.0), (0.0, 1.0)):
+        errors.observe(estimated, measured)
+    assert errors.num_observed == 5  # a zero estimate is not a ratio
+    q = errors.quantiles((0.5, 0.9))
+    assert q == {"0.5": 4.0, "0.9": 8.0}  # the window holds 2, 1.5, 4, 8
