@@ -170,6 +170,13 @@ class EngineLoop:
             ahead = self.engine.queued_views()
             return self.deadlines.admit(view, self.engine.clock.now(), ahead, num_new_tokens)
 
+    def check_arrival(self, slot: Slot, slo_s: float) -> None:
+        """Before any work for the request in `slot`: `SloUnattainable` when the work ahead alone
+        is past the shedding margin of `slo_s`."""
+        with self._cond:
+            self.deadlines.check_arrival(slot.request_id, slot.arrival_s, slo_s, self.engine.clock.now(),
+                                         self.engine.queued_views())
+
     def _give_back(self, slot: Slot) -> bool:
         """Caller may hold the condition. Give `slot` back, once: False if it was already."""
         with self._cond:

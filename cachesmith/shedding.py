@@ -85,6 +85,20 @@ class DeadlineAdmission:
             self._alone_late.add(view.request_id)
         return estimate
 
+    def check_arrival(self, request_id: int, arrival_s: float, slo_s: float, now: float,
+                      ahead: Sequence[QueuedRequest]) -> None:
+        """Before the request is even tokenized: `SloUnattainable` when the work ahead of it alone
+        (no work of its own priced) is past the margin; its own work can only make it later."""
+        if not self.config.is_on:
+            return
+        deadline = arrival_s + slo_s
+        due = [r for r in ahead if r.deadline_s <= deadline]
+        estimate = TtftEstimate(max(now - arrival_s, 0.0), self.busy_s(now, request_id) + self.pricer.cheapest_s(due),
+                                0.0)
+        if self.config.is_unattainable(estimate.ttft_s, slo_s):
+            retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
+            raise SloUnattainable(late_message(estimate, slo_s, self.config.max_lateness, retry), retry)
+
     def _is_late_for_load(self, estimate: TtftEstimate, slo_s: float) -> bool:
         """Past the margin, unless no load is to blame: a request whose own cheapest run is past it
         even on an idle server, arriving with nothing ahead, is served (at full reuse, as the

@@ -15,6 +15,8 @@ makes the real first token later. The server compares it with the SLO (`Shedding
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +28,9 @@ from cachesmith.scheduler.types import QueuedRequest, batch_shape
 
 FULL_REUSE = ("position", 0, 0)  # signal, warm-up, probe of the plan that recomputes nothing
 FULL_PREFILL = "position"  # the signal a full prefill is priced (and paced) as
+PREFILL_WINDOW = 64  # chunk prefills the measured prefill pace is the median of
+MIN_PREFILLS = 2  # measured before their pace replaces the planner's
+MIN_PREFILL_PACE, MAX_PREFILL_PACE = 0.25, 8.0  # one page-fault storm must not swing every estimate
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,29 @@ class TtftEstimate:
 class DeadlinePricer:
     def __init__(self, planner: Planner, max_batch_size: int) -> None:
         self.planner, self.max_batch_size = planner, max_batch_size
+        self._prefill_paces: deque[float] = deque(maxlen=PREFILL_WINDOW)  # measured / priced, per chunk
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A chunk prefill the store ran (`num_tokens`, measured `seconds`): the cost model prices a
+        chunk's forward pass from the recompute runner's layer costs, and the two run at different
+        speeds on a machine, so new documents are priced at the pace measured on the chunks."""
+        priced = self._raw_prefill_s(num_tokens)
+        if priced > 0 and seconds > 0:
+            self._prefill_paces.append(seconds / priced)
+
+    @property
+    def prefill_pace(self) -> float:
+        """Measured / priced chunk prefill time, the median of the latest (the planner's pace of a
+        full prefill until `MIN_PREFILLS` were measured)."""
+        paces = list(self._prefill_paces)
+        if len(paces) < MIN_PREFILLS:
+            return self.planner.pace(FULL_PREFILL, 0, None)
+        return min(max(statistics.median(paces), MIN_PREFILL_PACE), MAX_PREFILL_PACE)
+
+    def _raw_prefill_s(self, num_tokens: int) -> float:
+        cost = self.planner.cost
+        base = cost.full_prefill_ttft(BatchShape((0,), (1,), (0,)))
+        return max(cost.full_prefill_ttft(BatchShape((num_tokens,), (1,), (0,))) - base, 0.0)
 
     def _priced(self, shape: BatchShape) -> float:
         """Full reuse of `shape` as one batch, at the pace learned for such batches."""
@@ -81,13 +109,9 @@ class DeadlinePricer:
     def prefill_s(self, num_new_tokens: Sequence[int]) -> float:
         """Documents not yet stored, each prefilled alone (as the store prefills a chunk): the cost
         model's price per token of a full prefill, without its per-batch terms, which price the
-        recompute runner's layer loop that a chunk's plain forward pass does not run (a 12-token
-        chunk is milliseconds; the full-prefill price of a batch of it is a few hundred)."""
-        cost = self.planner.cost
-        base = cost.full_prefill_ttft(BatchShape((0,), (1,), (0,)))
-        pace = self.planner.pace(FULL_PREFILL, 0, None)
-        return pace * sum(max(cost.full_prefill_ttft(BatchShape((n,), (1,), (0,))) - base, 0.0)
-                          for n in num_new_tokens if n)
+        recompute runner's layer loop that a chunk's plain forward pass does not run, at the pace
+        measured on the chunks prefilled so far (`observe_prefill`)."""
+        return self.prefill_pace * sum(self._raw_prefill_s(n) for n in num_new_tokens if n)
 
     def estimate(self, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest], busy_s: float,
                  num_new_tokens: Sequence[int] = ()) -> TtftEstimate:

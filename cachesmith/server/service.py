@@ -15,6 +15,7 @@ sized to the memory available (`memory_budget`; `Service.memory`), or the servic
 """
 from __future__ import annotations
 
+import math
 import logging
 import threading
 import time
@@ -108,13 +109,30 @@ class Service:
             self.num_rejected[_reason(exc)] += 1
             raise
 
+    def check_arrival(self, slot: Slot, spec: CompletionSpec) -> None:
+        """Before the request is tokenized (the server calls this on its event loop, before handing
+        the request to a worker thread): refuse it (`SloUnattainable`, its place given back) when
+        the work ahead of it alone is past the shedding margin. A bad `slo_ms` is left to `submit`,
+        which names it."""
+        slo_s = self.config.default_slo_s if spec.slo_s is None else spec.slo_s
+        if not isinstance(slo_s, (int, float)) or not math.isfinite(slo_s) or slo_s <= 0:
+            return
+        try:
+            self.loop.check_arrival(slot, slo_s)
+        except SloUnattainable:
+            slot.release()
+            self.num_rejected["slo_unattainable"] += 1
+            raise
+
     def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None,
                slot: Slot | None = None) -> RequestFuture:
         """Queue one request, in `slot` (default: one reserved now; given back here whatever
         happens). Raises `InputError` (bad spec), `UnknownChunk`, `StoreQuotaExceeded`, `QueueFull`
         or `EngineClosed`; an error found while admitting (context too long) resolves the future
         at once."""
-        slot = slot or self.reserve()
+        if slot is None:
+            slot = self.reserve()
+            self.check_arrival(slot, spec)
         pinned: list[str] = []
         try:
             max_tokens, slo_s = self._limits(spec)
@@ -247,7 +265,10 @@ class Service:
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
                 if key in missing_keys:
                     with self.loop.admission():
+                        start = time.perf_counter()
                         _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
+                    if is_new:  # what new documents cost here, for the next arrivals' estimates
+                        self.loop.deadlines.pricer.observe_prefill(len(ids), time.perf_counter() - start)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh

@@ -67,3 +67,16 @@ def test_the_shedding_margin():
     for bad in (0.5, 0.0, 101.0):
         with pytest.raises(ConfigError, match="max_lateness"):
             SheddingConfig(bad)
+
+
+def test_new_documents_are_priced_at_the_pace_measured_on_chunk_prefills():
+    pricer = DeadlinePricer(Planner(make_profile(num_layers=4)), max_batch_size=4)
+    planned = pricer.prefill_s([300])
+    pricer.observe_prefill(300, 3 * planned)  # one is too few to trust: the planner's pace still prices
+    assert pricer.prefill_s([300]) == pytest.approx(planned)
+    pricer.observe_prefill(100, 3 * pricer.prefill_s([100]))
+    assert pricer.prefill_pace == pytest.approx(3.0)
+    assert pricer.prefill_s([300]) == pytest.approx(3 * planned)
+    for _ in range(64):  # a machine gone wild is believed only so far
+        pricer.observe_prefill(300, 1e3 * planned)
+    assert pricer.prefill_pace == 8.0

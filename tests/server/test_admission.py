@@ -223,3 +223,24 @@ def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
     err = error_of(answer)
     assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "Retry-After" in answer.headers
     assert shed_count(srv, "queued") == 1
+
+
+def test_a_request_the_work_ahead_alone_makes_late_is_refused_before_it_is_tokenized(server_for):
+    srv = server_for()
+    service = srv.server.config.app.state.service
+    gate, entered = hold_first_prefill(service)
+    ahead = threading.Thread(target=lambda: httpx.post(
+        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
+    ahead.start()
+    assert entered.wait(10)  # its prefill and its batch are promised ahead of anything new
+    tokenized = []
+    chunk_ids = service.pipeline.tokenizer.chunk_ids
+    service.pipeline.tokenizer.chunk_ids = lambda text, *a, **k: tokenized.append(text) or chunk_ids(text, *a, **k)
+    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"], slo_ms=5),
+                        timeout=60)
+    gate.set()
+    ahead.join(60)
+    err = error_of(answer)
+    assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "0.00 s of its own" in err["message"]
+    assert tokenized == [] and shed_count(srv, "arrival") == 1
+    assert service.queue_depth == 0  # its place was given back
