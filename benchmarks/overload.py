@@ -182,6 +182,12 @@ def small_machine(args) -> dict:
             "row": summary(f"burst of {args.burst} on a {args.small_machine_gib:g} GiB machine", 1.5, records, counts)}
 
 
+def compact(records: list[dict]) -> list[dict]:
+    """Each request's outcome, for reading a run again: status, code, times, the refusal's message."""
+    keep = ("status", "code", "slo_s", "ttft_s", "is_passed", "refusal_s", "retry_after", "message")
+    return [{k: r[k] for k in keep if k in r} for r in records]
+
+
 def poisson(num: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, num)).tolist()
 
@@ -204,7 +210,7 @@ def setup(args) -> tuple[RagPipeline, object, list, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=24)
-    ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--method", default="cachesmith")
     ap.add_argument("--max-batch-size", type=int, default=8)
@@ -229,22 +235,25 @@ def main() -> None:
     slo = args.slo_scale * base
     # at the runs' SLO, so the planner chooses the plans it chooses under load (a loose SLO buys
     # recomputation, and a capacity measured with it would not overload the runs)
-    saturating = [(body(inst, slo, "smollm2-135m"), inst, 0.0) for inst in insts[:args.num_requests]]
-    start = time.perf_counter()
-    serve(pipe, profile, args, None, saturating, "capacity")
-    capacity = len(saturating) / (time.perf_counter() - start)
-    rows = []
+    capacity, rows, records_by_run = 0.0, [], {}
+    if args.loads:
+        saturating = [(body(inst, slo, "smollm2-135m"), inst, 0.0) for inst in insts[:args.num_requests]]
+        start = time.perf_counter()
+        serve(pipe, profile, args, None, saturating, "capacity")
+        capacity = len(saturating) / (time.perf_counter() - start)
     for load in args.loads:
         arrivals = poisson(args.num_requests, load * capacity, args.seed)
         sends = [(body(inst, slo, "smollm2-135m"), inst, at) for inst, at in zip(insts, arrivals)]
         for shedding in (1.5, None):
             records, counts = serve(pipe, profile, args, shedding, sends, f"{load:g}x {shedding or 'off'}")
             rows.append({"load": load, **summary(f"{load:g}x capacity", shedding, records, counts)})
+            records_by_run[f"{load:g}x {rows[-1]['shedding']}"] = compact(records)
     for shedding in (1.5, None) if args.burst else ():
         tag = "on" if shedding else "off"  # new text each run: every document is prefilled on arrival
         sends = burst_sends(insts, args, tag)
         records, counts = serve(pipe, profile, args, shedding, sends, f"burst {tag}")
         rows.append({"load": None, **summary(f"burst of {args.burst}, new documents", shedding, records, counts)})
+        records_by_run[f"burst {rows[-1]['shedding']}"] = compact(records)
     small = None
     if args.small_machine_gib > 0 and args.burst:
         child = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], check=True, text=True,
@@ -253,7 +262,7 @@ def main() -> None:
         rows.append({"load": None, **small["row"]})
     payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson", "method": args.method,
                "base_slo_s": base, "slo_scale": args.slo_scale, "slo_s": slo, "capacity_rps": capacity,
-               "burst_slo_ms": args.burst_slo_ms, "rows": rows, "small_machine": small, "wall_s": time.perf_counter() - began}
+               "burst_slo_ms": args.burst_slo_ms, "rows": rows, "small_machine": small, "records": records_by_run, "wall_s": time.perf_counter() - began}
     emit(payload, args.json, args.out, lambda: (
         print(f"capacity {capacity:.3f} req/s; SLO {slo:.2f} s ({args.slo_scale:g}x base {base:.2f} s)"),
         print_table(rows, COLUMNS),

@@ -76,8 +76,7 @@ class DeadlineAdmission:
         `SloUnattainable` (counting nothing) when it is past the margin and shedding is on."""
         estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
         if self._is_late_for_load(estimate, view.slo_s):
-            retry = retry_after_s(estimate, view.slo_s, self.config.max_lateness)
-            raise SloUnattainable(late_message(estimate, view.slo_s, self.config.max_lateness, retry), retry)
+            raise self._refusal(estimate, view.slo_s)
         run_s = self.pricer.cheapest_s([view])
         self._admitting[view.request_id] = (estimate.own_s - run_s, run_s, now)
         self._cheapest[view.request_id] = run_s
@@ -96,8 +95,11 @@ class DeadlineAdmission:
         estimate = TtftEstimate(max(now - arrival_s, 0.0), self.busy_s(now, request_id) + self.pricer.cheapest_s(due),
                                 0.0)
         if self.config.is_unattainable(estimate.ttft_s, slo_s):
-            retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
-            raise SloUnattainable(late_message(estimate, slo_s, self.config.max_lateness, retry), retry)
+            raise self._refusal(estimate, slo_s)
+
+    def _refusal(self, estimate: TtftEstimate, slo_s: float) -> SloUnattainable:
+        retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
+        return SloUnattainable(late_message(estimate, slo_s, self.config.max_lateness, retry), retry)
 
     def _is_late_for_load(self, estimate: TtftEstimate, slo_s: float) -> bool:
         """Past the margin, unless no load is to blame: a request whose own cheapest run is past it

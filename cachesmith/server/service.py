@@ -37,6 +37,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.calibration.packaged import serving_profile
 from cachesmith.calibration.shadow import shadow_calibrator
+from cachesmith.calibration.chunk_prefill import time_chunk_prefills
 from cachesmith.request import RequestResult, check_fits, check_max_tokens, check_slo
 from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
@@ -82,6 +83,9 @@ class Service:
         self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
         self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped,
                                shedding=config.shedding)
+        if config.shedding.is_on:  # new documents priced at this machine's pace from the first request
+            for num_tokens, seconds in time_chunk_prefills(self.pipeline.model):
+                self.loop.deadlines.pricer.observe_prefill(num_tokens, seconds)
         self.started_at = time.time()
         self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid", "slo_unattainable"
         self.estimate_errors = EstimateErrors()  # admitted requests: measured / estimated TTFT
