@@ -128,11 +128,18 @@ def phase_of(rec: Record, windows: list[dict], open_end_s: float = float("inf"))
 STORE_FAULTS = ("redis_down", "disk_readonly")
 
 
-def is_store_refusal(rec: Record, phase: str) -> bool:
-    """A 503 `store_unavailable` while a store tier is down or read-only: the server refusing what
-    that tier would have to do (a delete it cannot carry there), the entry kept, with Retry-After.
-    Expected in those windows, so not among the unexpected 5xx; anywhere else it is one."""
-    return rec.status == "503" and rec.code == "store_unavailable" and phase in STORE_FAULTS
+TIER_RETRY_S = 5.0  # a tier that failed is retried after this (the redis tier's back-off)
+
+
+def is_store_refusal(rec: Record, windows: list[dict]) -> bool:
+    """A 503 `store_unavailable` while a store tier is down or read-only, or within the tier's
+    back-off after it (the server tries the tier again only then): the server refusing what that
+    tier would have to do (a delete it cannot carry there), the entry kept, with Retry-After.
+    Expected there, so not among the unexpected 5xx; anywhere else it is one."""
+    if rec.status != "503" or rec.code != "store_unavailable":
+        return False
+    return any(w["name"] in STORE_FAULTS and rec.end_s >= w["start_s"]
+               and (w["end_s"] is None or rec.start_s <= w["end_s"] + TIER_RETRY_S) for w in windows)
 
 
 def _example(rec: Record, phase: str) -> dict:
@@ -147,8 +154,8 @@ def summarize_requests(records: list[Record], windows: list[dict]) -> dict:
         by_phase.setdefault(phase, Counter())[rec.status] += 1
         by_kind.setdefault(rec.kind, Counter())[rec.status] += 1
     outside = [(r, p) for r, p in zip(records, phases) if p != "server_killed"]
-    refusals = [(r, p) for r, p in outside if is_store_refusal(r, p)]
-    server_errors = [(r, p) for r, p in outside if is_5xx(r) and not is_store_refusal(r, p)]
+    refusals = [(r, p) for r, p in outside if is_store_refusal(r, windows)]
+    server_errors = [(r, p) for r, p in outside if is_5xx(r) and not is_store_refusal(r, windows)]
     dropped = [(r, p) for r, p in outside if r.status in CONNECTION_FAILURES]
     return {"num_requests": len(records), "by_status": dict(Counter(r.status for r in records)),
             "by_phase": {p: dict(c) for p, c in by_phase.items()}, "by_kind": {k: dict(c) for k, c in by_kind.items()},

@@ -3,8 +3,8 @@ this machine's pace before any document was served.
 
 In: a `Decoder`. Out: (tokens, seconds) of each timed prefill of a synthetic chunk, after one
 untimed run (the first call pays one-time costs: allocation, kernel selection). The cost model
-prices a chunk from the recompute runner's layer costs; a chunk's plain forward pass runs 1.6-4x
-slower than that price on the packaged model on 2 cores (128-1000 tokens), so a burst's first
+prices a chunk from the recompute runner's layer costs; a chunk's plain forward pass runs 1.6-3.7x
+slower than that price on the packaged model on 2 cores (100-1000 tokens), so a burst's first
 estimates, made before any of its documents finished prefilling, would admit several times too
 many requests.
 """

@@ -271,13 +271,30 @@ class ChunkStore:
         stops the delete where the faster copies still agree with it. Returns the names of the tiers
         that could not (empty: gone everywhere, and announced to the other stores)."""
         validate_key(key)
+        deleted: list[Tier] = []
         for tier in reversed(self.tiers):
             if not tier.delete(key):
+                self._restore(tier, key, deleted)
                 return [tier.name]
+            deleted.append(tier)
         self._missed.forget(key)
         for tier in self._shared():
             tier.announce_delete(key)
         return []
+
+    def _restore(self, holder: Tier, key: str, deleted: list[Tier]) -> None:
+        """A delete stopped at `holder` (read-only, down): put the entry back into the slower tiers it
+        was already deleted from, from the copy `holder` still has, so it stays as durable as it was
+        stored (its client is told it is still stored; a disk tier alone would evict it by quota)."""
+        if not deleted:
+            return
+        source = holder.source(key)
+        if source is None:
+            return
+        try:
+            self._fill(deleted, key, source)
+        finally:
+            source.close()
 
     def demote(self, key: str) -> bool:
         """Drop `key` from the fastest tier where a slower tier keeps it, so the next read comes from

@@ -102,14 +102,16 @@ def test_failures_inside_the_killed_window_are_expected_and_outside_it_counted()
     assert out["ttft"]["server_p50_s"] == 0.4
 
 
-def test_a_store_refusal_is_expected_only_inside_a_store_fault():
+def test_a_store_refusal_is_expected_only_inside_a_store_fault_and_its_back_off():
     refused = dict(code="store_unavailable", kind="delete_own")
     records = [rec("503", 30, 31, **refused),  # redis down: the delete it cannot carry there, refused
+               rec("503", 41, 41.1, **refused),  # redis back, the tier still backing off (5 s)
                rec("503", 1, 2, **refused),  # steady: a store tier refusing for no injected reason
+               rec("503", 50, 51, **refused),  # steady, past the back-off
                rec("503", 32, 33, kind="delete_own", code="shutting_down")]  # in the fault, another cause
     out = summarize_requests(records, [REDIS, KILLED])
-    assert out["num_503_store_unavailable_in_store_faults"] == 1
-    assert out["num_5xx_outside_killed_window"] == 2
+    assert out["num_503_store_unavailable_in_store_faults"] == 2
+    assert out["num_5xx_outside_killed_window"] == 3
     assert {(e["phase"], e["code"]) for e in out["examples_5xx_outside_killed_window"]} == {
         ("steady", "store_unavailable"), ("redis_down", "shutting_down")}
 

@@ -185,3 +185,14 @@ def test_a_delete_a_tier_cannot_do_stops_before_the_faster_copies(model):
     assert store.tiers[0].contains(key) and store.get(key, model) is not None  # the store as it was
     flaky.is_down = False
     assert store.delete(key) == [] and not store.contains(key)
+
+
+def test_a_delete_stopped_by_a_faster_tier_puts_the_slower_copies_back(model):
+    shared, readonly = _Flaky(), _Flaky()  # a redis tier, and a disk tier gone read-only
+    store = ChunkStore(tiers=[MemoryTier(1 << 30), readonly, shared])
+    key = store.put(prefill_chunk(model, _ids()))
+    readonly.delete = lambda k: False  # it still holds the entry and cannot delete it now
+    assert store.delete(key) == [readonly.name]
+    # the slowest copy, deleted first, is back: the entry is as durable as when it was stored
+    assert shared.contains(key) and shared.source(key).size == readonly.source(key).size
+    assert torch.equal(ChunkStore(tiers=[shared]).get(key, model).keys, store.get(key, model).keys)
