@@ -78,12 +78,8 @@ class ChunkCatalog:
                 is_request: bool = True) -> None:
         """Refuse (`StoreQuotaExceeded`) before anything is written when storing `entries` would
         pass a request's token cap (`is_request`) or the tenant's byte cap; else count them."""
-        num_tokens = sum(e.num_tokens for e in entries)
-        limit = self.config.max_store_tokens_per_request
-        if is_request and num_tokens > limit:
-            raise StoreQuotaExceeded(f"{what}: {num_tokens} tokens not yet stored exceed the limit of {limit} "
-                                     f"new tokens a request may store (--max-store-tokens-per-request); "
-                                     f"send fewer or shorter new documents per request")
+        if is_request:
+            self.check_new_tokens(entries, what)
         if self.config.tenant_max_bytes is None:
             return
         for namespace in {e.namespace for e in entries}:
@@ -91,6 +87,16 @@ class ChunkCatalog:
                 continue  # a public corpus belongs to no tenant: the disk quota bounds it
             new = {e.key: e.num_tokens * self.bytes_per_token for e in entries if e.namespace == namespace}
             self.usage.reserve(namespace, new, self.config.tenant_max_bytes, what)
+
+    def check_new_tokens(self, entries: Sequence[NewEntry], what: str) -> None:
+        """`StoreQuotaExceeded` when `entries` pass the new tokens one request may store: checked
+        before any other refusal, since no retry would pass it."""
+        num_tokens = sum(e.num_tokens for e in entries)
+        limit = self.config.max_store_tokens_per_request
+        if num_tokens > limit:
+            raise StoreQuotaExceeded(f"{what}: {num_tokens} tokens not yet stored exceed the limit of {limit} "
+                                     f"new tokens a request may store (--max-store-tokens-per-request); "
+                                     f"send fewer or shorter new documents per request")
 
     # -- pins ----------------------------------------------------------------------------------
     def pin(self, keys: Sequence[str], pinned: list[str]) -> None:

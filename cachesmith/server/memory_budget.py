@@ -22,16 +22,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from cachesmith.errors import ConfigError
+from cachesmith.kvstore import StoreConfig
 from cachesmith.kvstore.store import DEFAULT_MEMORY_BYTES
+from cachesmith.kvstore.tiers import MemoryTier
 from cachesmith.model import device as accel
-from cachesmith.model.config import ModelConfig
+from cachesmith.model import resolve_model
+from cachesmith.model.config import ModelConfig, load_hf_config
+from cachesmith.model.decoder import resolve_device, resolve_dtype
 from cachesmith.model.kv_cache import MAX_POOL_BYTES
+from cachesmith.pipeline import RagPipeline
 from cachesmith.scheduler import SchedulerConfig
 
 KV_FRACTION = 0.40
@@ -240,3 +245,24 @@ def _check_fits(explicit: ExplicitSizes, weights: int, set_kv: int | None, set_t
         named = " + ".join(f"{what} {human_bytes(n)}" for what, n in shares)
         raise ConfigError(f"memory does not fit: {named} = {human_bytes(need)}, more than the "
                           f"{human_bytes(near)} available ({source}); lower the flags named or free memory")
+
+
+def service_budget(sizes: ExplicitSizes, model: str, device: str, dtype: str, pipeline: RagPipeline | None,
+                   read_memory: MemoryReader) -> MemoryBudget:
+    """A server's budget by the rule: from the model's config before its weights load (a
+    configuration that cannot fit is refused before they do); for a caller's pipeline, from its
+    loaded model, its store's memory tier counting as set."""
+    if pipeline is None:
+        where = resolve_device(device)
+        config = ModelConfig.from_hf(load_hf_config(resolve_model(model)))
+        return plan_memory(config, resolve_dtype(dtype), where, read_memory(where), sizes)
+    loaded = pipeline.model
+    tier = next((t for t in pipeline.store.tiers if isinstance(t, MemoryTier)), None)
+    sizes = replace(sizes, memory_bytes=tier and tier.max_bytes, has_memory_tier=tier is not None)
+    return plan_memory(loaded.config, loaded.dtype, loaded.device, read_memory(loaded.device), sizes,
+                       is_weights_loaded=True)
+
+
+def sized_store(store: StoreConfig, budget: MemoryBudget) -> StoreConfig:
+    """The store's config with its memory tier at the budget's size (unless it has none)."""
+    return replace(store, memory_bytes=budget.tier_bytes) if budget.tier_bytes else store

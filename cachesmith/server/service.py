@@ -27,12 +27,8 @@ from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine
 from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture, Slot
 from cachesmith.errors import InputError
-from cachesmith.kvstore import ChunkStore, StoreConfig, StoredEntry, StoredPrompt
-from cachesmith.kvstore.tiers import MemoryTier
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt
 from cachesmith.kvstore.keys import validate_key
-from cachesmith.model import ModelConfig, resolve_model
-from cachesmith.model.config import load_hf_config
-from cachesmith.model.decoder import resolve_device, resolve_dtype
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import Profile
 from cachesmith.calibration.packaged import serving_profile
@@ -44,7 +40,7 @@ from cachesmith.scoring import Expected
 from cachesmith.shedding import SloUnattainable, EstimateErrors
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.jobs import BackgroundJobs
-from cachesmith.server.memory_budget import MemoryBudget, MemoryReader, plan_memory, read_available
+from cachesmith.server.memory_budget import MemoryReader, read_available, service_budget, sized_store
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
 from cachesmith.server.tenancy import Caller, Namespaces, StoreQuotaExceeded
 from cachesmith.server.streaming import answer_text
@@ -68,9 +64,10 @@ class Service:
                  profile: Profile | None = None, read_memory: MemoryReader = read_available) -> None:
         self.config = config = config or ServiceConfig()
         # sized before the weights load, so a configuration that cannot fit is refused at once
-        self.memory = _memory_budget(config, pipeline, read_memory)
+        self.memory = service_budget(config.memory_sizes, config.model, config.device, config.dtype, pipeline,
+                                     read_memory)
         self.pipeline = pipeline or RagPipeline(config.model, config.device, config.dtype,
-                                                store=ChunkStore(_sized_store(config.store, self.memory)))
+                                                store=ChunkStore(sized_store(config.store, self.memory)))
         self.pipeline.model.kv_pool.max_bytes = self.memory.pool_bytes
         self.pipeline.model.is_decode_graphed = config.is_decode_graphed
         self.profile_source = "given"
@@ -202,6 +199,7 @@ class Service:
         entries = [None if ids is None else self.chunks.entry(ids, spaces.chunks) for ids in frame.document_ids]
         prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
         missing = self.chunks.new_entries([e for e in entries if e is not None])
+        self.chunks.check_new_tokens(missing, "documents")  # a cap no retry passes is said first
         self._check_deadline(slot, slo_s, frame, missing, prefix)
         self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
@@ -403,24 +401,6 @@ class Service:
         self._turn_stores.close()
         self.store.close()
         return drained
-
-
-def _memory_budget(config: ServiceConfig, pipeline: RagPipeline | None, read_memory: MemoryReader) -> MemoryBudget:
-    """The budget (`memory_budget`'s rule) from the model's config, before its weights load; for a
-    caller's pipeline, from its loaded model, its store's memory tier counting as set."""
-    if pipeline is None:
-        device = resolve_device(config.device)
-        model_config = ModelConfig.from_hf(load_hf_config(resolve_model(config.model)))
-        return plan_memory(model_config, resolve_dtype(config.dtype), device, read_memory(device), config.memory_sizes)
-    model = pipeline.model
-    tier = next((t for t in pipeline.store.tiers if isinstance(t, MemoryTier)), None)
-    sizes = replace(config.memory_sizes, memory_bytes=tier and tier.max_bytes, has_memory_tier=tier is not None)
-    return plan_memory(model.config, model.dtype, model.device, read_memory(model.device), sizes,
-                       is_weights_loaded=True)
-
-
-def _sized_store(store: StoreConfig, budget: MemoryBudget) -> StoreConfig:
-    return replace(store, memory_bytes=budget.tier_bytes) if budget.tier_bytes else store
 
 
 def _reason(exc: Exception) -> str:

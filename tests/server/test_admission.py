@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.shedding import SloUnattainable
 from cachesmith.server import ServerConfig
 from cachesmith.server.run import CONNECTION_MARGIN, max_connections
 from tests.server.test_app import body, error_of
@@ -244,3 +245,19 @@ def test_a_request_the_work_ahead_alone_makes_late_is_refused_before_it_is_token
     assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "0.00 s of its own" in err["message"]
     assert tokenized == [] and shed_count(srv, "arrival") == 1
     assert service.queue_depth == 0  # its place was given back
+
+
+def test_a_cap_no_retry_passes_is_said_before_lateness(server_for):
+    srv = server_for(max_store_tokens_per_request=200)
+    service = srv.server.config.app.state.service
+
+    def always_late(slot, view, new_tokens):  # as if the work ahead made every request late
+        raise SloUnattainable("slo_ms=50: late", 2.0)
+
+    service.loop.check_deadline = always_late
+    over = [" ".join([passage(i)] * 8) for i in range(3)]  # more new tokens than a request may store
+    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=over, slo_ms=50), timeout=60)
+    assert answer.status_code == 429 and error_of(answer)["code"] == "store_quota_exceeded"
+    assert "Retry-After" not in answer.headers  # waiting would not help
+    within = httpx.post(srv.url + "/v1/completions", json=body(documents=[passage(1)], slo_ms=50), timeout=60)
+    assert within.status_code == 429 and error_of(within)["code"] == "slo_unattainable"
