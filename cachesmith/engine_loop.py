@@ -253,12 +253,13 @@ class EngineLoop:
         """Caller holds the condition: the queued requests shed as past saving, and the next batch
         (None: nothing to run now)."""
         shed = self._take_expired()
+        views = {view.request_id: view for view in self.engine.queued_views()}
         decided = self.engine.next_decision()
         self._is_prefilling = decided is not None
         self._num_in_batch = 0 if decided is None else len(decided[1])
         if decided is not None:
-            self.deadlines.forget(decided[0].request_ids)
-            self.deadlines.batch_ends_s = self.engine.clock.now() + decided[0].budget_s
+            self.deadlines.start_batch([views[i] for i in decided[0].request_ids if i in views],
+                                       self.engine.clock.now())
             self._note(f"prefill {self._num_decoding}")
         return shed, decided
 
@@ -305,6 +306,7 @@ class EngineLoop:
             with self._cond:
                 self._is_prefilling = False
                 self._num_in_batch = 0
+                self.deadlines.end_batch()
                 self._note("prefilled")
                 self._cond.notify_all()
             return
@@ -312,6 +314,7 @@ class EngineLoop:
             gen.tag = (prefilled, gen.tag)
         with self._cond:
             self._is_prefilling = False
+            self.deadlines.end_batch()
             self._note("prefilled")
             if self.is_decode_overlapped:
                 self._handed += gens

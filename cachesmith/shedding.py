@@ -59,7 +59,7 @@ class DeadlineAdmission:
         self._admitting: dict[int, tuple[float, float, float]] = {}  # slot id -> (prefill s, run s, since)
         self._cheapest: dict[int, float] = {}  # queued request id -> its batch alone at full reuse
         self._alone_late: set[int] = set()  # admitted past the margin with nothing ahead: not shed
-        self.batch_ends_s = 0.0  # clock time the running batch is priced to end
+        self.batch_ends_s = 0.0  # clock time the batch prefilling now ends at its cheapest (0: none runs)
 
     def busy_s(self, now: float, request_id: int | None = None) -> float:
         """Work promised before anything new can start: the rest of the running batch, and each
@@ -108,6 +108,16 @@ class DeadlineAdmission:
         if not self.config.is_unattainable(estimate.ttft_s, slo_s):
             return False
         return estimate.start_s > 0 or not self.config.is_unattainable(estimate.own_s, slo_s)
+
+    def start_batch(self, batch: Sequence[QueuedRequest], now: float) -> None:
+        """A batch of these requests starts prefilling: its cheapest price is work ahead of every
+        arrival until it ends (its budget would count the slack the planner may spend, and a batch
+        that ends early would go on counting it)."""
+        self.batch_ends_s = now + (self.pricer.cheapest_s(batch) if batch else 0.0)
+        self.forget([r.request_id for r in batch])
+
+    def end_batch(self) -> None:
+        self.batch_ends_s = 0.0
 
     def settle(self, request_id: int) -> None:
         """The admission ended (queued, or refused): its documents are stored or never will be."""

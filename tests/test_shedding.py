@@ -95,3 +95,12 @@ def test_estimate_errors_are_ratios_over_a_window():
     assert errors.num_observed == 5  # a zero estimate is not a ratio
     q = errors.quantiles((0.5, 0.9))
     assert q == {"0.5": 4.0, "0.9": 8.0}  # the window holds 2, 1.5, 4, 8
+
+
+def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
+    adm = admission()
+    batch = [view(i) for i in range(3)]
+    adm.start_batch(batch, now=10.0)
+    assert adm.busy_s(10.0) == pytest.approx(adm.pricer.cheapest_s(batch))
+    adm.end_batch()  # a batch that ends early stops counting at once
+    assert adm.busy_s(10.0) == 0.0

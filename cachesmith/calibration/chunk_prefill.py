@@ -1,5 +1,5 @@
 """A chunk prefill timed when a server starts, so deadline-aware admission prices new documents at
-this machine's pace before any document was served.
+the serving machine's pace before any document was served.
 
 In: a `Decoder`. Out: (tokens, seconds) of each timed prefill of a synthetic chunk, after one
 untimed run (the first call pays one-time costs: allocation, kernel selection). The cost model

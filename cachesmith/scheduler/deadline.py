@@ -6,7 +6,7 @@ the batch running now and of the admissions in progress (their new documents bei
 the request itself with the token counts of its documents not yet stored. Out: a `TtftEstimate`,
 when its own work can start at the earliest and what that work costs at its cheapest plan.
 
-Every price is the planner's cost model at the pace the planner has learned on this machine, at
+Every price is the planner's cost model at the pace the planner has learned on the serving machine, at
 the cheapest plan there is (full reuse: no row recomputed), with the requests ahead batched as
 densely as the scheduler may (`max_batch_size`, in deadline order). So the estimate errs early: a
 request it says is late could not be on time even if every plan ahead of it were its cheapest.

@@ -80,7 +80,7 @@ class Service:
         self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
         self.loop = EngineLoop(self.engine, config.max_queue, config.is_decode_overlapped,
                                shedding=config.shedding)
-        if config.shedding.is_on:  # new documents priced at this machine's pace from the first request
+        if config.shedding.is_on:  # new documents priced at the serving machine's pace from the first request
             for num_tokens, seconds in time_chunk_prefills(self.pipeline.model):
                 self.loop.deadlines.pricer.observe_prefill(num_tokens, seconds)
         self.started_at = time.time()
