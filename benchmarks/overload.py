@@ -30,10 +30,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
+from serve_load import warm_setting  # noqa: E402
 
-from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noqa: E402
 from cachesmith.bench.setting import BenchConfig, instances  # noqa: E402
-from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
 from cachesmith.engine import EngineConfig  # noqa: E402
 from cachesmith.gates import make_gate  # noqa: E402
 from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
@@ -196,14 +195,7 @@ def setup(args) -> tuple[RagPipeline, object, list, float]:
     pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=8 << 30)))
     config = BenchConfig("mix", None, None, args.num_requests, "poisson", 1.0, 1.0, (args.slo_scale,),
                          (args.method,), "task", args.seed, max_batch_size=args.max_batch_size)
-    insts = instances(config)
-    profile, source = find_profile(pipe)
-    print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
-    base, factor = measure_base(pipe, insts[:8], profile)
-    if source == "packaged":
-        profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
-    for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
-        pipe.precompute(inst.documents, inst.question, inst.prefix or None)
+    insts, profile, _, base, _ = warm_setting(pipe, config)
     return pipe, profile, insts, base
 
 

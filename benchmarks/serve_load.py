@@ -121,6 +121,21 @@ def live_rows(records: list[dict], method: str, slo_scale: float, stats: EngineS
     return rows
 
 
+def warm_setting(pipe: RagPipeline, config: BenchConfig):
+    """The setting's instances, the profile (the packaged one rescaled to this run's measured speed,
+    as serving rescales it), its source, the base SLO and the speed factor; every instance's chunk
+    KV stored, so the runs see a warm store."""
+    insts = instances(config)
+    profile, source = find_profile(pipe)
+    print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
+    base, factor = measure_base(pipe, insts[:8], profile)
+    if source == "packaged":
+        profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
+    for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
+        pipe.precompute(inst.documents, inst.question, inst.prefix or None)
+    return insts, profile, source, base, factor
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=100)
@@ -137,14 +152,7 @@ def main() -> None:
     pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=8 << 30)))
     config = BenchConfig("mix", None, None, args.num_requests, "poisson", args.utilization, 1.0, (args.slo_scale,),
                          (args.method,), "task", args.seed, max_batch_size=args.max_batch_size)
-    insts = instances(config)
-    profile, source = find_profile(pipe)
-    print(f"measuring the base SLO ({source} profile) ...", file=sys.stderr, flush=True)
-    base, factor = measure_base(pipe, insts[:8], profile)
-    if source == "packaged":
-        profile = rescaled(profile, factor, reuse_factor(profile, reuse_probes(pipe, insts[:8])))
-    for inst in tqdm(insts, desc="store chunk KV", unit="inst"):
-        pipe.precompute(inst.documents, inst.question, inst.prefix or None)
+    insts, profile, source, base, factor = warm_setting(pipe, config)
     requests, _ = build_requests(pipe, config, insts, base, args.slo_scale)
     sched = SchedulerConfig(max_batch_size=args.max_batch_size)
 

@@ -156,7 +156,7 @@ class Engine:
         """Schedule the next batch and take its requests off the queue (the part of a step that
         must not overlap a submit: `EngineLoop` holds its lock around this only)."""
         self._apply_verdicts()
-        decision = self.scheduler.next_batch([view for _, view in self._queue.values()], self.clock.now())
+        decision = self.scheduler.next_batch(self.queued_views(), self.clock.now())
         if decision is None:
             return None
         self.clock.advance(decision.decision_s)

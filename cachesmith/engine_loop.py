@@ -36,55 +36,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from cachesmith.engine import Engine, PrefilledBatch
-from cachesmith.errors import CachesmithError, ConfigError, InputError
-from cachesmith.kvstore import StoredPrompt
+from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Generation
-from cachesmith.model.sampling import GREEDY, SamplingParams
+from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest
 from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
-from cachesmith.scoring import Expected
 from cachesmith.shedding import SHED_KIND, DeadlineAdmission
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(CachesmithError):
-    def __init__(self, depth: int, limit: int, retry_after_s: float) -> None:
-        super().__init__(f"queue is full ({depth} requests waiting, max_queue={limit}); "
-                         f"retry after {retry_after_s:.1f} s")
-        self.retry_after_s = retry_after_s
-
-
-class EngineClosed(CachesmithError):
-    """The loop is shutting down and takes no new requests."""
-
-
-class RequestFuture(Future):
-    """The future result of one submitted request, which `EngineLoop.cancel` takes by its id."""
-
-    def __init__(self, request_id: int) -> None:
-        super().__init__()
-        self.request_id = request_id
-
-
-class Slot:
-    """One place in the queue, held by a request from its acceptance until it is queued or refused.
-    `release` gives it back; only the first call counts, so every path may call it (try/finally)."""
-
-    def __init__(self, loop: "EngineLoop", request_id: int, arrival_s: float) -> None:
-        self.request_id = request_id  # the id of the request this place is for
-        self.arrival_s = arrival_s  # when the request was accepted: its TTFT starts here
-        self.is_released = False
-        self._loop = loop
-
-    def request(self, prompt: StoredPrompt, slo_s: float, max_new_tokens: int = 16,
-                sampling: SamplingParams = GREEDY, expected: Expected = Expected()) -> Request:
-        """The request this place is for: its id, its arrival (when the place was taken)."""
-        return Request(self.request_id, prompt, slo_s, max_new_tokens, self.arrival_s, sampling, expected)
-
-    def release(self) -> None:
-        self._loop._give_back(self)
 
 
 class EngineLoop:
@@ -252,8 +212,9 @@ class EngineLoop:
     def _decide(self) -> tuple[list[RequestResult], tuple | None]:
         """Caller holds the condition: the queued requests shed as past saving, and the next batch
         (None: nothing to run now)."""
-        shed = self._take_expired()
-        views = {view.request_id: view for view in self.engine.queued_views()}
+        queued = self.engine.queued_views()
+        shed = self._take_expired(queued)
+        views = {view.request_id: view for view in queued}
         decided = self.engine.next_decision()
         self._is_prefilling = decided is not None
         self._num_in_batch = 0 if decided is None else len(decided[1])
@@ -263,10 +224,10 @@ class EngineLoop:
             self._note(f"prefill {self._num_decoding}")
         return shed, decided
 
-    def _take_expired(self) -> list[RequestResult]:
+    def _take_expired(self, queued: list[QueuedRequest]) -> list[RequestResult]:
         """Caller holds the condition: the queued requests past saving by the shedding margin, taken
         off the queue and answered refused (their clients are told now, not served late)."""
-        expired = self.deadlines.expired(self.engine.queued_views(), self.engine.clock.now())
+        expired = self.deadlines.expired(queued, self.engine.clock.now())
         results = []
         for view, message in expired:
             request = self.engine.cancel(view.request_id)

@@ -9,7 +9,8 @@ import pytest
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import Engine, EngineConfig
-from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture
+from cachesmith.engine_loop import EngineLoop
+from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.instance import WorkloadInstance
 from cachesmith.model.sampling import GREEDY, SamplingParams

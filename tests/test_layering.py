@@ -39,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods",),
     ("executor", "shadow_work"),
     ("engine",),
-    ("shedding",),  # what deadline-aware admission refuses, priced by the scheduler's cost model
+    # what deadline-aware admission refuses (priced by the scheduler's cost model); a queue place
+    ("shedding", "queue_places"),
     ("engine_loop",),
     # the profile a server serves with and what it measures itself (costs at a first start, demand on
     # served requests in idle time)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from cachesmith.engine_loop import EngineClosed, QueueFull
+from cachesmith.queue_places import EngineClosed, QueueFull
 from cachesmith.errors import InputError
 from cachesmith.kvstore import StoreWriteFailed
 from cachesmith.server.specs import ChunkInUse, SharedChunk, StoreUnavailable, UnknownChunk

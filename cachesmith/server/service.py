@@ -21,11 +21,12 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from cachesmith.clock import LiveClock
 from cachesmith.engine import MAX_AWAITING_VERDICTS, Engine
-from cachesmith.engine_loop import EngineClosed, EngineLoop, QueueFull, RequestFuture, Slot
+from cachesmith.engine_loop import EngineLoop
+from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.errors import InputError
 from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt
 from cachesmith.kvstore.keys import validate_key
@@ -34,11 +35,12 @@ from cachesmith.planner import Profile
 from cachesmith.calibration.packaged import serving_profile
 from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.calibration.chunk_prefill import time_chunk_prefills
-from cachesmith.request import RequestResult, check_fits, check_max_tokens, check_slo
+from cachesmith.request import RequestResult, check_max_tokens, check_slo
 from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
 from cachesmith.shedding import SloUnattainable, EstimateErrors
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
+from cachesmith.server.prompt_frame import PromptFrame, tokenize_frame
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.memory_budget import MemoryReader, read_available, service_budget, sized_store
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
@@ -48,15 +50,6 @@ from cachesmith.server.turns import conversation_key, turn_prefixes
 
 log = logging.getLogger(__name__)
 MAX_PENDING_TURN_STORES = 64  # chat exchanges waiting to be stored; past it a turn is answered unstored
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """A completion's prompt, tokenized once: the frame around the documents and each document."""
-    prefix_ids: list[int]
-    document_ids: list[list[int] | None]  # None: a stored chunk named by id
-    num_document_tokens: tuple[int, ...]
-    suffix_ids: list[int]
 
 
 class Service:
@@ -195,7 +188,8 @@ class Service:
         store (and pin) every chunk and the prefix. Returns the stored prompt and how many prefix
         tokens were stored before this request."""
         spaces = self.chunks.namespaces(spec.caller)
-        frame = self._tokenize(spec, max_tokens, spaces)
+        frame = tokenize_frame(spec, max_tokens, self.pipeline, lambda key, field: self.chunks.check_known(
+            key, spaces, field))
         entries = [None if ids is None else self.chunks.entry(ids, spaces.chunks) for ids in frame.document_ids]
         prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
         missing = self.chunks.new_entries([e for e in entries if e is not None])
@@ -212,7 +206,7 @@ class Service:
             StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
         return StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix), num_prefix_stored
 
-    def _check_deadline(self, slot: Slot, slo_s: float, frame: _Frame, missing: list[NewEntry],
+    def _check_deadline(self, slot: Slot, slo_s: float, frame: PromptFrame, missing: list[NewEntry],
                         prefix: NewEntry | None) -> None:
         """Price the request against the work ahead before any of its documents is prefilled (the
         loop refuses it with `SloUnattainable` past the shedding margin); keep its estimate."""
@@ -224,33 +218,6 @@ class Service:
         estimate = self.loop.check_deadline(slot, view, new_tokens)
         self._estimates[slot.request_id] = estimate.ttft_s
 
-    def _tokenize(self, spec: CompletionSpec, max_tokens: int, spaces: Namespaces) -> _Frame:
-        """Token ids of the prompt's frame and its text documents (None for stored ones), checked
-        with `max_tokens` against the model's positions before any chunk is prefilled."""
-        document_ids: list[list[int] | None] = []
-        counts = []
-        for i, doc in enumerate(spec.documents):
-            if (doc.text is None) == (doc.chunk_id is None):
-                raise InputError(f"documents[{i}]: give a text or a chunk id, exactly one")
-            if doc.chunk_id is not None:
-                validate_key(doc.chunk_id, field=f"documents[{i}].id")
-                counts.append(self.chunks.check_known(doc.chunk_id, spaces, f"documents[{i}].id"))
-                document_ids.append(None)
-                continue
-            if not doc.text.strip():
-                raise InputError(f"documents[{i}]: text must not be empty")
-            document_ids.append(self.pipeline.tokenizer.chunk_ids(doc.text, field=f"documents[{i}]"))
-            counts.append(len(document_ids[-1]))
-        limit = self.pipeline.model.config.max_positions
-        prefix_ids, suffix_ids = self.pipeline.tokenizer.frame_ids(
-            spec.question, spec.system or self.pipeline.system, spec.answer_prefix, spec.history)
-        num_frame = len(prefix_ids) + len(suffix_ids)
-        # the documents are at fault only where the rest of the prompt fits without them
-        is_rest_long = num_frame + max_tokens > limit
-        check_fits(num_frame + sum(counts), max_tokens, limit,
-                   "documents" if spec.documents and not is_rest_long else spec.text_field, "max_tokens")
-        return _Frame(prefix_ids, document_ids, tuple(counts), suffix_ids)
-
     def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None], missing_keys: set[str],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:
         """Each document's chunk key, and whether its KV was prefilled now (for this request). Only
@@ -261,7 +228,7 @@ class Service:
             is_new = False
             if entry is None:
                 key = doc.chunk_id
-                self.chunks.pin([key], pinned)  # known (`_tokenize`); a delete since is caught at staging
+                self.chunks.pin([key], pinned)  # known (`tokenize_frame`); a delete since is caught at staging
             else:
                 key = entry.key
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
@@ -286,7 +253,7 @@ class Service:
         system = spec.system or self.pipeline.system
         if spec.history:  # the previous turn's exchange may still be waiting to be stored: now, here
             self._turn_stores.take_over(conversation_key(spaces.own, system, spec.history))
-        # within the window (`_tokenize`); rendered and tokenized outside the admission lock
+        # within the window (`tokenize_frame`); rendered and tokenized outside the admission lock
         earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)[1] if spec.history else []
         self.chunks.pin([prefix.key], pinned)
         with self.loop.admission():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.engine import EngineConfig
-from cachesmith.engine_loop import EngineClosed
+from cachesmith.queue_places import EngineClosed
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.pipeline import RagPipeline
