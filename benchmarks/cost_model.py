@@ -1,4 +1,16 @@
-"""How well the shipped profile prices the real engine: every batch of replays of three MIX traces
+"""How well the profile a server plans with prices the batches the engine serves.
+
+The default check (about 5-8 minutes on 2 cores): MIX prompts stored as a server stores them, then
+`--batches` batches per plan family of 1-3 requests each, families interleaved so a machine's drift
+reaches them alike, each timed on the serving path (staging to the first tokens) and priced by the
+profile a server would plan with (`calibration.packaged.serving_profile`: the packaged one
+calibrated to this machine at start, or a measured one), term by term
+(`calibration.batch_check`). Target, for every family with >= 20 batches: median |relative
+error| <= 5% and p90 <= 15%. The payload (`--out`) carries its commit and wall time.
+
+`--full`: the long check below, on replays of whole traces.
+
+How well the shipped profile prices the real engine: every batch of replays of three MIX traces
 (Poisson, and bursty Gamma CV 2 and CV 3, at one utilization and SLO scale, trace seeds the profile
 never saw), measured batch TTFT (`batch_s`: staging to the first tokens, as serving times it)
 against the profile's prediction for that batch's shape, plan and final coverages, the profile
@@ -222,8 +234,71 @@ def run_path(runs_dir: Path, config: BenchConfig) -> Path:
     return runs_dir / config.name / "runs" / f"{config.digest()}-{config.methods[0].replace('@', '_')}-x{scale:g}.json"
 
 
+FAST_PLANS = (("cacheblend@0.15",), ("epic@0.15", "full_reuse"), ("full_prefill",), ("prophetkv@0.15",),
+              ("fusionrag@0.15",), ("kv_dev", 1, 1, (0.1, 0.3, 0.5)))  # a family's plans, served in turn
+FAST_SIZES = (1, 2, 3)  # requests a batch, in turn (replayed batches were mostly one request)
+FAST_COLUMNS = ["family", "batches", "median_abs_rel_err", "p90_abs_rel_err", "median_rel_err", "worst_term",
+                "worst_term_share", "is_within"]
+
+
+def fast_plans(num_layers: int, index: int) -> list:
+    """One plan of each family for the `index`-th round."""
+    from cachesmith.methods import parse_method
+    from cachesmith.recompute import RecomputeConfig
+
+    plans = []
+    for entry in FAST_PLANS:
+        if len(entry) == 4:
+            signal, w, p, coverages = entry
+            plans.append(RecomputeConfig(signal, w, p, coverages[index % len(coverages)]))
+        else:
+            plans.append(parse_method(entry[index % len(entry)]).plan(num_layers))
+    return plans
+
+
+def fast_main(args) -> None:
+    """The default check: batches timed now on the serving path, priced by the serving profile."""
+    import random
+    import time
+
+    from tqdm import tqdm
+
+    from cachesmith.calibration.batch_check import check_batch, summary as term_summary
+    from cachesmith.calibration.packaged import serving_profile
+
+    began = time.perf_counter()
+    pipe = RagPipeline()
+    profile, source = serving_profile(pipe)
+    print(f"profile: {source}", file=sys.stderr, flush=True)
+    config = BenchConfig("mix", None, None, args.num_prompts, "poisson", 1.0, 1.0, (2.0,), ("cachesmith",),
+                         "task", args.seed)
+    prompts = [pipe.stored_prompt(instance_prompt(pipe, inst))
+               for inst in tqdm(instances(config), desc="store prompts", unit="prompt")]
+    rng, cost, checked = random.Random(args.seed), CostModel(profile), []
+    rounds = tqdm(range(args.batches), desc="timed batches (a batch per family each)", unit="round")
+    for i in rounds:
+        size = FAST_SIZES[i % len(FAST_SIZES)]
+        for plan in fast_plans(pipe.model.num_layers, i):
+            checked.append(check_batch(pipe, cost, rng.sample(prompts, size), plan))
+    families = term_summary(checked, MIN_BATCHES)
+    for row in families:
+        row["is_within"] = _is_within(row, row["batches"])
+    payload = {"check": "batches timed on the serving path", "profile_source": source,
+               "num_prompts": args.num_prompts, "batches_per_family": args.batches, "families": families,
+               "batches": [b.to_dict() for b in checked], "wall_s": time.perf_counter() - began,
+               "targets": {"min_batches": MIN_BATCHES, "median_abs_rel_err": TARGET_MEDIAN,
+                           "p90_abs_rel_err": TARGET_P90}}
+    emit(payload, args.json, args.out, lambda: (
+        print_table(families, FAST_COLUMNS),
+        print(f"{len(checked)} batches in {payload['wall_s'] / 60:.1f} min")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--full", action="store_true", help="the long check on replays of whole traces (hours)")
+    ap.add_argument("--batches", type=int, default=20, help="batches per plan family (default check)")
+    ap.add_argument("--num-prompts", type=int, default=24, help="MIX prompts the batches draw from (default check)")
+    ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--num-requests", type=int, default=56)
     ap.add_argument("--utilization", type=float, default=0.7)
     ap.add_argument("--slo-scale", type=float, default=2.0)
@@ -239,6 +314,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON payload here")
     args = ap.parse_args()
+    if not (args.full or args.quick):
+        fast_main(args)
+        return
 
     methods = QUICK_METHODS if args.quick else tuple(args.methods.split(","))
     num_requests = 12 if args.quick else args.num_requests

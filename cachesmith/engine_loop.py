@@ -41,7 +41,7 @@ from cachesmith.model import Generation
 from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest
-from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
+from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.shedding import SHED_KIND, DeadlineAdmission
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,12 @@ class EngineLoop:
             ahead = self.engine.queued_views()
             return self.deadlines.admit(view, self.engine.clock.now(), ahead, num_new_tokens)
 
-    def check_arrival(self, slot: Slot, slo_s: float) -> None:
-        """Before any work for the request in `slot`: `SloUnattainable` when the work ahead alone
-        is past the shedding margin of `slo_s`."""
+    def check_arrival(self, slot: Slot, slo_s: float, size: PromptSize | None = None) -> None:
+        """Before any work for the request in `slot`: `SloUnattainable` when the work ahead and its
+        own, sized from its text, are past the shedding margin of `slo_s`."""
         with self._cond:
             self.deadlines.check_arrival(slot.request_id, slot.arrival_s, slo_s, self.engine.clock.now(),
-                                         self.engine.queued_views())
+                                         self.engine.queued_views(), size)
 
     def _give_back(self, slot: Slot) -> bool:
         """Caller may hold the condition. Give `slot` back, once: False if it was already."""

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from cachesmith.errors import CachesmithError
-from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
+from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.scheduler.types import QueuedRequest
 
 SHED_KIND = "slo_unattainable"  # a refused result's `error_kind`, the API's error code
@@ -85,21 +85,32 @@ class DeadlineAdmission:
         return estimate
 
     def check_arrival(self, request_id: int, arrival_s: float, slo_s: float, now: float,
-                      ahead: Sequence[QueuedRequest]) -> None:
-        """Before the request is even tokenized: `SloUnattainable` when the work ahead of it alone
-        (no work of its own priced) is past the margin; its own work can only make it later."""
+                      ahead: Sequence[QueuedRequest], size: PromptSize | None = None) -> None:
+        """Before the request is even tokenized: `SloUnattainable` when the work ahead of it and its
+        own, sized from its text (`size`; None: no work of its own), are past the margin. Admitted,
+        its guessed work is promised ahead of later arrivals until `admit` prices it exactly, so a
+        burst is refused here in order and not only after each request was tokenized."""
         if not self.config.is_on:
             return
         deadline = arrival_s + slo_s
         due = [r for r in ahead if r.deadline_s <= deadline]
+        own_s, run_s = 0.0, 0.0
+        if size is not None:
+            view, own_s = self.pricer.guessed(request_id, arrival_s, slo_s, size)
+            run_s = self.pricer.cheapest_s([view])
         estimate = TtftEstimate(max(now - arrival_s, 0.0), self.busy_s(now, request_id) + self.pricer.cheapest_s(due),
-                                0.0)
-        if self.config.is_unattainable(estimate.ttft_s, slo_s):
-            raise self._refusal(estimate, slo_s)
+                                own_s)
+        if self._is_late_for_load(estimate, slo_s):
+            raise self._refusal(estimate, slo_s, is_guessed=size is not None)
+        if size is not None:
+            self._admitting[request_id] = (own_s - run_s, run_s, now)
 
-    def _refusal(self, estimate: TtftEstimate, slo_s: float) -> SloUnattainable:
+    def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool = False) -> SloUnattainable:
         retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
-        return SloUnattainable(late_message(estimate, slo_s, self.config.max_lateness, retry), retry)
+        message = late_message(estimate, slo_s, self.config.max_lateness, retry)
+        if is_guessed:
+            message += " (its own work sized from its text's length, before tokenizing)"
+        return SloUnattainable(message, retry)
 
     def _is_late_for_load(self, estimate: TtftEstimate, slo_s: float) -> bool:
         """Past the margin, unless no load is to blame: a request whose own cheapest run is past it

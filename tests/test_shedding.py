@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.planner import Planner
-from cachesmith.scheduler.deadline import DeadlinePricer, SheddingConfig, TtftEstimate
+from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.scheduler.types import QueuedRequest
 from cachesmith.shedding import DeadlineAdmission, EstimateErrors, SloUnattainable, retry_after_s
 from tests.planner.synthetic_profile import make_profile
@@ -104,3 +104,32 @@ def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
     assert adm.busy_s(10.0) == pytest.approx(adm.pricer.cheapest_s(batch))
     adm.end_batch()  # a batch that ends early stops counting at once
     assert adm.busy_s(10.0) == 0.0
+
+
+def test_an_arrival_sized_from_its_text_is_promised_ahead_of_later_arrivals_until_it_is_priced():
+    adm = admission()
+    size = PromptSize((4000, 4000), 200)  # two documents of about 1,000 tokens, none stored yet
+    adm.check_arrival(0, 0.0, 60.0, 0.0, [], size)
+    guessed = adm.busy_s(0.0, request_id=1)
+    _, own = adm.pricer.guessed(0, 0.0, 60.0, size)
+    assert guessed == pytest.approx(own) and guessed > adm.pricer.prefill_s([1000])  # its prefill and batch
+    # a burst behind it is refused in order, before anyone is tokenized
+    small = PromptSize((), 40)  # nothing of its own to prefill
+    slo = (own + adm.pricer.guessed(1, 0.0, 1.0, small)[1]) / 1.5 + 1e-3
+    adm.check_arrival(1, 0.0, slo, 0.0, [], small)  # in time behind the first
+    with pytest.raises(SloUnattainable, match="sized from its text"):
+        adm.check_arrival(2, 0.0, slo, 0.0, [], size)
+    exact = adm.admit(view(0, slo=60.0), 0.0, [], [])  # tokenized: every document was stored after all
+    assert adm.busy_s(0.0, request_id=9) - adm.busy_s(0.0, request_id=0) == pytest.approx(exact.own_s)
+    adm.settle(0)
+    adm.settle(1)
+    assert adm.busy_s(0.0, request_id=9) == 0.0
+
+
+def test_the_size_guess_learns_characters_per_token_and_the_share_of_documents_not_stored():
+    sizes = admission().pricer.sizes
+    docs, other, new = sizes.guess(PromptSize((400, 0), 40))  # a stored chunk by id counts nothing
+    assert docs == (100, 0) and other == 10 and new == [100]  # the defaults: 4 characters a token, all new
+    sizes.observe(3000, 1000, 250)
+    docs, other, new = sizes.guess(PromptSize((600,), 30))
+    assert docs == (200,) and other == 10 and new == [50]

@@ -31,6 +31,8 @@ FULL_PREFILL = "position"  # the signal a full prefill is priced (and paced) as
 PREFILL_WINDOW = 64  # chunk prefills the measured prefill pace is the median of
 MIN_PREFILLS = 2  # measured before their pace replaces the planner's
 MIN_PREFILL_PACE, MAX_PREFILL_PACE = 0.25, 8.0  # one page-fault storm must not swing every estimate
+SIZE_WINDOW = 64  # prompts the size guess at arrival learns from
+DEFAULT_CHARS_PER_TOKEN = 4.0  # English text on a BPE vocabulary, until the server has tokenized a prompt
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,45 @@ class SheddingConfig:
 
 
 @dataclass(frozen=True)
+class PromptSize:
+    """What a request's text says of its size before it is tokenized."""
+    num_document_chars: tuple[int, ...]  # each text document's characters (a stored chunk named by id: 0)
+    num_other_chars: int  # the question, system prompt, earlier turns and answer prefix
+
+
+class SizeGuess:
+    """Token counts guessed from characters, for pricing a request on arrival before it is
+    tokenized: characters per token, and the share of text documents' tokens found not yet stored,
+    both over the latest prompts tokenized. Until the first is seen, `DEFAULT_CHARS_PER_TOKEN` and
+    every text document new (a server's first requests bring the documents it has not stored)."""
+
+    def __init__(self, window: int = SIZE_WINDOW) -> None:
+        self._seen: deque[tuple[int, int, int]] = deque(maxlen=window)  # (chars, tokens, new tokens)
+
+    def observe(self, num_chars: int, num_tokens: int, num_new_tokens: int) -> None:
+        """A prompt's text documents tokenized: their characters, tokens and tokens not yet stored."""
+        if num_chars > 0 and num_tokens > 0:
+            self._seen.append((num_chars, num_tokens, min(num_new_tokens, num_tokens)))
+
+    @property
+    def chars_per_token(self) -> float:
+        chars, tokens = sum(s[0] for s in self._seen), sum(s[1] for s in self._seen)
+        return chars / tokens if tokens else DEFAULT_CHARS_PER_TOKEN
+
+    @property
+    def new_share(self) -> float:
+        tokens = sum(s[1] for s in self._seen)
+        return sum(s[2] for s in self._seen) / tokens if tokens else 1.0
+
+    def guess(self, size: PromptSize) -> tuple[tuple[int, ...], int, list[int]]:
+        """Each document's tokens, the rest of the prompt's, and the documents' tokens to prefill."""
+        per_token = self.chars_per_token
+        docs = tuple(round(c / per_token) for c in size.num_document_chars)
+        share = self.new_share
+        return docs, max(1, round(size.num_other_chars / per_token)), [round(n * share) for n in docs if n]
+
+
+@dataclass(frozen=True)
 class TtftEstimate:
     waited_s: float  # from arrival to the estimate (tokenizing, waiting for the front)
     start_s: float  # from the estimate until the request's own work can start: the work ahead
@@ -71,6 +112,7 @@ class DeadlinePricer:
     def __init__(self, planner: Planner, max_batch_size: int) -> None:
         self.planner, self.max_batch_size = planner, max_batch_size
         self._prefill_paces: deque[float] = deque(maxlen=PREFILL_WINDOW)  # measured / priced, per chunk
+        self.sizes = SizeGuess()
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A chunk prefill the store ran (`num_tokens`, measured `seconds`): the cost model prices a
@@ -112,6 +154,13 @@ class DeadlinePricer:
         recompute runner's layer loop that a chunk's plain forward pass does not run, at the pace
         measured on the chunks prefilled so far (`observe_prefill`)."""
         return self.prefill_pace * sum(self._raw_prefill_s(n) for n in num_new_tokens if n)
+
+    def guessed(self, request_id: int, arrival_s: float, slo_s: float, size: PromptSize) -> tuple[QueuedRequest, float]:
+        """A request not yet tokenized: its view with guessed token counts, and its own work (its
+        guessed new documents' prefill, then its batch at full reuse)."""
+        docs, other, new = self.sizes.guess(size)
+        view = QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0)
+        return view, self.prefill_s(new) + self.cheapest_s([view])
 
     def estimate(self, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest], busy_s: float,
                  num_new_tokens: Sequence[int] = ()) -> TtftEstimate:

@@ -1,5 +1,7 @@
 """A completion's prompt tokenized once, before anything is stored or priced.
 
+Also a prompt's size in characters (`prompt_size`), for pricing it before it is tokenized.
+
 In: a `CompletionSpec` (documents as texts or stored chunk ids, the question, the system prompt,
 earlier turns), its `max_tokens`, the pipeline (tokenizer, model positions) and a lookup of a
 stored chunk's token count for the caller. Out: a `PromptFrame`: the frame's token ids around the
@@ -15,6 +17,7 @@ from cachesmith.errors import InputError
 from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.request import check_fits
+from cachesmith.scheduler.deadline import PromptSize
 from cachesmith.server.specs import CompletionSpec
 
 
@@ -24,6 +27,16 @@ class PromptFrame:
     document_ids: list[list[int] | None]  # None: a stored chunk named by id
     num_document_tokens: tuple[int, ...]
     suffix_ids: list[int]
+
+
+def prompt_size(spec: CompletionSpec) -> PromptSize:
+    """The prompt's size in characters, before it is tokenized or checked (a field of the wrong
+    type counts nothing here and is named by `tokenize_frame`)."""
+    def chars(text) -> int:
+        return len(text) if isinstance(text, str) else 0
+    turns = sum(chars(turn[1]) for turn in spec.history if isinstance(turn, tuple) and len(turn) == 2)
+    return PromptSize(tuple(chars(doc.text) for doc in spec.documents),
+                      chars(spec.question) + chars(spec.system) + chars(spec.answer_prefix) + turns)
 
 
 def tokenize_frame(spec: CompletionSpec, max_tokens: int, pipeline: RagPipeline,

@@ -40,7 +40,7 @@ from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
 from cachesmith.shedding import SloUnattainable, EstimateErrors
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
-from cachesmith.server.prompt_frame import PromptFrame, tokenize_frame
+from cachesmith.server.prompt_frame import PromptFrame, prompt_size, tokenize_frame
 from cachesmith.server.jobs import BackgroundJobs
 from cachesmith.server.memory_budget import MemoryReader, read_available, service_budget, sized_store
 from cachesmith.server.specs import ChunkRecord, CompletionSpec, ServiceConfig
@@ -112,7 +112,7 @@ class Service:
         if not isinstance(slo_s, (int, float)) or not math.isfinite(slo_s) or slo_s <= 0:
             return
         try:
-            self.loop.check_arrival(slot, slo_s)
+            self.loop.check_arrival(slot, slo_s, prompt_size(spec))
         except SloUnattainable:
             slot.release()
             self.num_rejected["slo_unattainable"] += 1
@@ -194,7 +194,7 @@ class Service:
         prefix = self.chunks.entry(frame.prefix_ids, spaces.own) if frame.prefix_ids else None
         missing = self.chunks.new_entries([e for e in entries if e is not None])
         self.chunks.check_new_tokens(missing, "documents")  # a cap no retry passes is said first
-        self._check_deadline(slot, slo_s, frame, missing, prefix)
+        self._check_deadline(spec, slot, slo_s, frame, missing, prefix)
         self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
@@ -206,8 +206,8 @@ class Service:
             StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
         return StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix), num_prefix_stored
 
-    def _check_deadline(self, slot: Slot, slo_s: float, frame: PromptFrame, missing: list[NewEntry],
-                        prefix: NewEntry | None) -> None:
+    def _check_deadline(self, spec: CompletionSpec, slot: Slot, slo_s: float, frame: PromptFrame,
+                        missing: list[NewEntry], prefix: NewEntry | None) -> None:
         """Price the request against the work ahead before any of its documents is prefilled (the
         loop refuses it with `SloUnattainable` past the shedding margin); keep its estimate."""
         view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, sum(frame.num_document_tokens),
@@ -215,6 +215,9 @@ class Service:
         new_tokens = [e.num_tokens for e in missing]
         if prefix is not None and self.chunks.new_entries([prefix]):
             new_tokens.append(prefix.num_tokens)
+        text_docs = [(len(d.text), n) for d, n in zip(spec.documents, frame.num_document_tokens) if d.text is not None]
+        self.loop.deadlines.pricer.sizes.observe(sum(c for c, _ in text_docs), sum(n for _, n in text_docs),
+                                                 sum(e.num_tokens for e in missing))
         estimate = self.loop.check_deadline(slot, view, new_tokens)
         self._estimates[slot.request_id] = estimate.ttft_s
 

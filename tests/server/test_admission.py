@@ -242,7 +242,7 @@ def test_a_request_the_work_ahead_alone_makes_late_is_refused_before_it_is_token
     gate.set()
     ahead.join(60)
     err = error_of(answer)
-    assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "0.00 s of its own" in err["message"]
+    assert answer.status_code == 429 and err["code"] == "slo_unattainable" and "sized from its text" in err["message"]
     assert tokenized == [] and shed_count(srv, "arrival") == 1
     assert service.queue_depth == 0  # its place was given back
 
