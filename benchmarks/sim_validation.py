@@ -1,6 +1,11 @@
 """Validate the simulator against the replay clock: the same MIX traces served by the
 real engine on the replay clock and by the simulator (cost-model time, outcome-table verdicts).
 
+The default check takes about 10 minutes on 2 cores: traces of `--num-requests` 16, one seed per
+setting, one calibration trace, no second replay for the noise floor. `--full` is the long check
+described below (96 requests, three seeds, two calibration traces, the noise replay: hours). Every
+payload carries its commit and wall time.
+
 Settings: one Poisson and two bursty (Gamma CV 2 and 3) traces at the same utilization, each
 replayed on traces of three seeds (--seeds) with CacheSmith and a static baseline. Both sides share
 the instances (the table's measured ones, written as a workload file whose lines the requests
@@ -26,6 +31,7 @@ import argparse
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,17 +82,22 @@ def table_path(pipe: RagPipeline) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--full", action="store_true", help="the long check: 96 requests, three seeds, the noise replay")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests a trace (default 16; --full 96)")
     ap.add_argument("--utilization", type=float, default=0.7)
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--methods", default="cachesmith,cacheblend@0.15")
-    ap.add_argument("--seeds", default=SEEDS, help="trace seeds per setting (comma-separated)")
+    ap.add_argument("--seeds", default=None, help="trace seeds per setting (comma-separated; default 0, --full 0,1,2)")
     ap.add_argument("--table", type=Path, default=None,
                     help="outcome table (default: the measured one, else the committed docs/results one)")
     ap.add_argument("--out", type=Path, default=cachesmith_home() / "sim_validation", help="replay runs (cached)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args()
+    began = time.perf_counter()
+    args.num_requests = args.num_requests or (96 if args.full else 16)
+    args.seeds = args.seeds or (SEEDS if args.full else "0")
+    calibration_traces, noise_traces = (CALIBRATION, NOISE) if args.full else (CALIBRATION[:1], ())
 
     pipe = RagPipeline()
     table = OutcomeTable.load(args.table or table_path(pipe))
@@ -101,7 +112,7 @@ def main() -> None:
 
     # calibrate the simulator's machine on traces of their own: each plan family's pace, single and
     # in batches of several, and the reuse time per placed row (other families: single requests timed here)
-    calib_runs = [run_bench(pipe, c, args.out / c.name) for c in (config_of(*x) for x in CALIBRATION)]
+    calib_runs = [run_bench(pipe, c, args.out / c.name) for c in (config_of(*x) for x in calibration_traces)]
     packaged, source = find_profile(pipe)
     print(f"profile: {source}" + (" (rescaled to each replay's speed factor)" if source == "packaged" else ""),
           file=sys.stderr, flush=True)
@@ -148,7 +159,7 @@ def main() -> None:
     factors = [r.speed_factor for rs in runs.values() for r in rs]
     bases = [r.base_slo_s for rs in runs.values() for r in rs]
     noise = []  # the same trace replayed twice, compared with the same bars
-    for pattern, cv, seed in NOISE:
+    for pattern, cv, seed in noise_traces:
         config = config_of(pattern, cv, seed)
         first = run_bench(pipe, config, args.out / config.name)
         again_dir = args.out / (config.name + "-again")
@@ -162,7 +173,8 @@ def main() -> None:
           "speed_factors": factors, "base_slo_s": bases, "machine": machine.to_dict(),
           "pace_calibration": calibration, "residuals": by_setting,
           "num_within": sum(r["is_within"] for r in rows), "rows": rows, "per_seed": per_seed,
-          "cross_validated": cross, "num_within_cross": sum(r["is_within"] for r in cross), "replay_noise": noise},
+          "cross_validated": cross, "num_within_cross": sum(r["is_within"] for r in cross), "replay_noise": noise,
+          "mode": "full" if args.full else "default", "wall_s": time.perf_counter() - began},
          args.json, args.out_json, lambda: print_table(per_seed + rows + cross + noise, COLUMNS))
 
 

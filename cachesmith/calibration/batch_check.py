@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachesmith.kvstore import StoredPrompt
+from cachesmith.kvstore import StoredPrompt, TransferEngine
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel, execution_steps, phase_seconds, step_features
-from cachesmith.recompute import HookChain, LayerStatsRecorder, RecomputeConfig
+from cachesmith.recompute import BatchRunner, HookChain, LayerStatsRecorder, RecomputeConfig
 
 BETWEEN = "between passes"  # staging, assembly, selection and the per-batch work around the passes
 STALL = "KV load wait"
@@ -57,15 +57,17 @@ def shape_of(prompts: Sequence[StoredPrompt]) -> BatchShape:
                       tuple(p.num_prefix_tokens for p in prompts))
 
 
-def time_batch(pipe: RagPipeline, prompts: Sequence[StoredPrompt], plan: RecomputeConfig,
-               max_new_tokens: int = 16) -> tuple[float, float, list[float], list[int]]:
+def time_batch(transfer: TransferEngine, runner: BatchRunner, prompts: Sequence[StoredPrompt],
+               plan: RecomputeConfig, max_new_tokens: int = 16) -> tuple[float, float, list[float], list[int]]:
     """(seconds from staging to the first tokens, of them waiting on KV loads, each layer pass's
     seconds, context rows each request recomputed) of one batch, run as `BatchExecutor` runs a
-    static plan; its caches are released after, as serving does once it has decoded."""
-    rec = LayerStatsRecorder(pipe.model.device)
+    static plan: staged from the store by the transfer engine, whose loader threads share the
+    cores with the passes they overlap. Its caches are released after, as serving does once it
+    has decoded."""
+    rec = LayerStatsRecorder(runner.model.device)
     start = time.perf_counter()
-    with pipe.transfer.stage(list(prompts), plan, [max_new_tokens] * len(prompts)) as staged:
-        outs = pipe.runner.run(staged.requests, plan, HookChain(staged, rec))
+    with transfer.stage(list(prompts), plan, [max_new_tokens] * len(prompts)) as staged:
+        outs = runner.run(staged.requests, plan, HookChain(staged, rec))
         for out in outs:
             out.first_token  # reading the argmax synchronizes with the device
         total, stall = time.perf_counter() - start, staged.stall_s
@@ -93,7 +95,7 @@ def check_batch(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredProm
                 plan: RecomputeConfig) -> CheckedBatch:
     """One batch timed on the serving path and priced by `cost`, term by term."""
     shape = shape_of(prompts)
-    total, stall, passes, selected = time_batch(pipe, prompts, plan)
+    total, stall, passes, selected = time_batch(pipe.transfer, pipe.runner, prompts, plan)
     coverages = (np.asarray(selected, float) / np.maximum(np.asarray(shape.context_tokens, float), 1))[None, :]
     steps = execution_steps(plan.signal.value, plan.warmup, plan.probe, cost.num_layers)
     if len(steps) != len(passes):
@@ -113,13 +115,17 @@ def _abs_quantile(errs: Sequence[float], q: float) -> float:
     return float(np.quantile(np.abs(errs), q)) if errs else float("nan")
 
 
-def summary(batches: Sequence[CheckedBatch], min_batches: int = 1) -> list[dict]:
+def summary(batches: Sequence[CheckedBatch], min_batches: int = 1,
+            paced: Sequence[float] | None = None) -> list[dict]:
     """Per family: batches, median and p90 |relative error|, the signed median, and the term whose
-    (predicted - measured) moves the TTFT most, as a share of the measured TTFT (its median)."""
+    (predicted - measured) moves the TTFT most, as a share of the measured TTFT (its median).
+    `paced`: each batch's error at the price the serving planner would put on it (the cost model
+    times the pace it learned from the batches before), summarized beside."""
     rows = []
     for name in sorted({b.family for b in batches}):
         mine = [b for b in batches if b.family == name]
         errs = [b.rel_err for b in mine]
+        learned = [e for b, e in zip(batches, paced or ()) if b.family == name]
         shares = {term: statistics.median((b.terms[term][1] - b.terms[term][0]) / b.measured_s
                                           for b in mine if term in b.terms)
                   for term in {t for b in mine for t in b.terms}}
@@ -128,5 +134,7 @@ def summary(batches: Sequence[CheckedBatch], min_batches: int = 1) -> list[dict]
                      "p90_abs_rel_err": _abs_quantile(errs, 0.9), "median_rel_err": float(np.median(errs)),
                      "worst_term": worst, "worst_term_share": shares[worst],
                      "term_shares": {t: round(v, 4) for t, v in sorted(shares.items())},
+                     "paced_median_abs_rel_err": _abs_quantile(learned, 0.5),
+                     "paced_p90_abs_rel_err": _abs_quantile(learned, 0.9),
                      "is_counted": len(mine) >= min_batches})
     return rows

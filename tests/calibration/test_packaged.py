@@ -72,13 +72,11 @@ def test_calibrate_recovers_a_machines_two_speed_factors(tmp_path, monkeypatch):
     machine = CostModel(rescaled(profile, 2.0, 3.0))
     shapes = []
 
-    def timed_on_machine(pipe, request, plan):
-        n = sum(c.num_tokens for c in request.chunks)
-        shape = BatchShape((n,), (len(request.suffix_ids),), (0,))
+    def timed_on_machine(transfer, runner, prompt, plan):
+        n = prompt.num_context_tokens
+        shape = BatchShape((n,), (len(prompt.suffix_ids),), (0,))
         shapes.append(shape)
-        selected = round(plan.coverage * n)
-        if plan.coverage >= 1.0:
-            return machine.full_prefill_ttft(shape), n
+        selected = n if plan.coverage >= 1.0 else round(plan.coverage * n)
         return float(machine.ttft(shape, plan.signal.value, plan.warmup, plan.probe, [selected / n])[0]), selected
 
     monkeypatch.setattr(packaged, "_timed", timed_on_machine)
