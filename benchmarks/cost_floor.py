@@ -129,16 +129,18 @@ def fit_rows(batches: list[dict], shipped: dict[tuple, float]) -> dict[str, dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=Path("docs/bench/cost_model"), help="cost_model.py's replays")
+    ap.add_argument("--judged", type=Path, default=Path("docs/bench/cost_model_replays.json"),
+                    help="cost_model.py --full's payload of those replays")
     ap.add_argument("--repeats", type=int, default=8, help="times each identical batch is timed")
     ap.add_argument("--skip-repeat", action="store_true", help="only the fit rows (no timing)")
     ap.add_argument("--store", type=Path, default=None, help="the timing chunk store (default $CACHESMITH_HOME)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    priced, judged = args.runs / "batches.json", args.runs.with_suffix(".json")
+    priced, judged = args.runs / "batches.json", args.judged
     if not (priced.exists() and judged.exists()):
         raise SystemExit(f"no priced replays under {args.runs} (batches.json) or no {judged}: "
-                         f"run benchmarks/cost_model.py --runs {args.runs} --out {judged} first")
+                         f"run benchmarks/cost_model.py --full --runs {args.runs} --out {judged} first")
     factors = {s["setting"]: s["speed_factor"] for s in json.loads(judged.read_text())["settings"]}
     shipped = {(b["setting"], b["method"], b["batch_id"]): 1 + b["rel_err"] for b in json.loads(priced.read_text())}
     num_layers = Profile.load(PACKAGED_DIR / "smollm2-135m-float32-cpu.json").num_layers  # the replays' model

@@ -86,6 +86,7 @@ BURST_ON = ("rows", {"run": "burst of 40, new documents", "shedding": "1.5x"})
 
 
 COST = "docs/bench/cost_model.json"
+SIM_CHECK = "docs/bench/sim_check.json"
 
 
 def _family(name: str, field: str) -> tuple:
@@ -113,6 +114,12 @@ QUOTES: tuple[Quote, ...] = (
           scale=100),
     Quote("docs/measurements.md", "| position/0/0 | 20 | {}% |", COST, _family("position/0/0", "median_abs_rel_err"),
           ".1f", scale=100),
+    Quote("docs/measurements.md", "| poisson | cachesmith | {}% |", SIM_CHECK,
+          ("rows", {"setting": "measured-instances-poisson-u0.7-n16", "method": "cachesmith"}, "qsa_replay"), ".1f",
+          scale=100),
+    Quote("docs/measurements.md", "| gamma-cv2 | cacheblend@0.15 | 37.5% | 37.5% | 1.92 | 2.29, {}% |", SIM_CHECK,
+          ("rows", {"setting": "measured-instances-gamma-cv2-u0.7-n16", "method": "cacheblend@0.15"}, "p99_rel_err"),
+          "+.1f", scale=100),
     Quote("docs/measurements.md", "2K-token entry: int8 {}x float32's", KV_CODEC,
           ("bytes", {"dtype": "float32", "codec": "int8"}, "vs_none"), ".3f"),
     Quote("docs/measurements.md", "x float32's and {}x bfloat16's", KV_CODEC,
