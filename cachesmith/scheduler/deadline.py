@@ -11,7 +11,10 @@ the cheapest plan there is (full reuse: no row recomputed), with the requests ah
 densely as the scheduler may (`max_batch_size`, in deadline order). So the estimate errs early: a
 request it says is late could not be on time even if every plan ahead of it were its cheapest.
 What it leaves out (decode steps between batches, recomputation the planner buys with slack) only
-makes the real first token later. The server compares it with the SLO (`SheddingConfig`).
+makes the real first token later. One exception: at arrival, before tokenizing, a request's own
+token counts are guessed from its text (`SizeGuess`, learned from recent prompts), and a guess can
+err either way until the exact price replaces it. The server compares it with the SLO
+(`SheddingConfig`).
 """
 from __future__ import annotations
 
@@ -155,7 +158,8 @@ class DeadlinePricer:
         measured on the chunks prefilled so far (`observe_prefill`)."""
         return self.prefill_pace * sum(self._raw_prefill_s(n) for n in num_new_tokens if n)
 
-    def guessed(self, request_id: int, arrival_s: float, slo_s: float, size: PromptSize) -> tuple[QueuedRequest, float]:
+    def guessed(self, request_id: int, arrival_s: float, slo_s: float,
+                size: PromptSize) -> tuple[QueuedRequest, float]:
         """A request not yet tokenized: its view with guessed token counts, and its own work (its
         guessed new documents' prefill, then its batch at full reuse)."""
         docs, other, new = self.sizes.guess(size)
