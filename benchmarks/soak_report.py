@@ -15,6 +15,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cachesmith.kvstore.tiers import REDIS_RETRY_AFTER_S
+
+
 @dataclass
 class Record:
     kind: str
@@ -128,7 +131,7 @@ def phase_of(rec: Record, windows: list[dict], open_end_s: float = float("inf"))
 STORE_FAULTS = ("redis_down", "disk_readonly")
 
 
-TIER_RETRY_S = 5.0  # a tier that failed is retried after this (the redis tier's back-off)
+TIER_RETRY_S = REDIS_RETRY_AFTER_S  # a tier that failed is tried again only after its back-off
 
 
 def is_store_refusal(rec: Record, windows: list[dict]) -> bool:

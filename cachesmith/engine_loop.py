@@ -120,7 +120,7 @@ class EngineLoop:
             if depth >= self.max_queue:
                 raise QueueFull(depth, self.max_queue, self.retry_after_s())
             self._num_admitting += 1
-            return Slot(self, next(self._ids), self.engine.clock.now())
+            return Slot(self._give_back, next(self._ids), self.engine.clock.now())
 
     def check_deadline(self, slot: Slot, view: QueuedRequest, num_new_tokens: list[int]) -> TtftEstimate:
         """Price the request in `slot` (`view`, with its documents not yet stored) against the work
@@ -130,7 +130,7 @@ class EngineLoop:
             ahead = self.engine.queued_views()
             return self.deadlines.admit(view, self.engine.clock.now(), ahead, num_new_tokens)
 
-    def check_arrival(self, slot: Slot, slo_s: float, size: PromptSize | None = None) -> None:
+    def check_arrival(self, slot: Slot, slo_s: float, size: PromptSize) -> None:
         """Before any work for the request in `slot`: `SloUnattainable` when the work ahead and its
         own, sized from its text, are past the shedding margin of `slo_s`."""
         with self._cond:
@@ -214,12 +214,12 @@ class EngineLoop:
         (None: nothing to run now)."""
         queued = self.engine.queued_views()
         shed = self._take_expired(queued)
-        views = {view.request_id: view for view in queued}
         decided = self.engine.next_decision()
         self._is_prefilling = decided is not None
         self._num_in_batch = 0 if decided is None else len(decided[1])
         if decided is not None:
-            self.deadlines.start_batch([views[i] for i in decided[0].request_ids if i in views],
+            batch_ids = set(decided[0].request_ids)
+            self.deadlines.start_batch([view for view in queued if view.request_id in batch_ids],
                                        self.engine.clock.now())
             self._note(f"prefill {self._num_decoding}")
         return shed, decided

@@ -1,25 +1,20 @@
 """A request's place in the live loop's queue, and what the loop answers with.
 
-In: the loop that handed out the place. Out: `Slot` (held from a request's acceptance until it is
-queued or refused; it builds the engine's `Request` with its id and arrival), `RequestFuture` (a
-submitted request's result, by its id), and the refusals `QueueFull` (with a retry-after
-estimate) and `EngineClosed`.
+In: how the loop that handed out a place takes it back. Out: `Slot` (held from a request's
+acceptance until it is queued or refused; it builds the engine's `Request` with its id and
+arrival), `RequestFuture` (a submitted request's result, by its id), and the refusals `QueueFull`
+(with a retry-after estimate) and `EngineClosed`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
 
 from cachesmith.errors import CachesmithError
 from cachesmith.kvstore import StoredPrompt
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request
 from cachesmith.scoring import Expected
-
-class PlaceOwner(Protocol):
-    """The loop a place belongs to (`EngineLoop`): it takes a place back once."""
-
-    def _give_back(self, slot: Slot) -> bool: ...
 
 
 class QueueFull(CachesmithError):
@@ -45,11 +40,11 @@ class Slot:
     """One place in the queue, held by a request from its acceptance until it is queued or refused.
     `release` gives it back; only the first call counts, so every path may call it (try/finally)."""
 
-    def __init__(self, loop: PlaceOwner, request_id: int, arrival_s: float) -> None:
+    def __init__(self, give_back: Callable[["Slot"], bool], request_id: int, arrival_s: float) -> None:
         self.request_id = request_id  # the id of the request this place is for
         self.arrival_s = arrival_s  # when the request was accepted: its TTFT starts here
         self.is_released = False
-        self._loop = loop
+        self._give_back = give_back  # the loop's: it takes a place back once
 
     def request(self, prompt: StoredPrompt, slo_s: float, max_new_tokens: int = 16,
                 sampling: SamplingParams = GREEDY, expected: Expected = Expected()) -> Request:
@@ -57,4 +52,4 @@ class Slot:
         return Request(self.request_id, prompt, slo_s, max_new_tokens, self.arrival_s, sampling, expected)
 
     def release(self) -> None:
-        self._loop._give_back(self)
+        self._give_back(self)

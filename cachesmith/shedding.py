@@ -74,38 +74,33 @@ class DeadlineAdmission:
               num_new_tokens: Sequence[int]) -> TtftEstimate:
         """The request's estimate, counted as work ahead of later arrivals until it is queued; raises
         `SloUnattainable` (counting nothing) when it is past the margin and shedding is on."""
-        estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
-        if self._is_late_for_load(estimate, view.slo_s):
-            raise self._refusal(estimate, view.slo_s)
-        run_s = self.pricer.cheapest_s([view])
-        self._admitting[view.request_id] = (estimate.own_s - run_s, run_s, now)
-        self._cheapest[view.request_id] = run_s
+        estimate = self._promise(view, now, ahead, num_new_tokens, is_guessed=False)
+        self._cheapest[view.request_id] = estimate.run_s
         if self.config.is_unattainable(estimate.own_s, view.slo_s):
             self._alone_late.add(view.request_id)
         return estimate
 
     def check_arrival(self, request_id: int, arrival_s: float, slo_s: float, now: float,
-                      ahead: Sequence[QueuedRequest], size: PromptSize | None = None) -> None:
-        """Before the request is even tokenized: `SloUnattainable` when the work ahead of it and its
-        own, sized from its text (`size`; None: no work of its own), are past the margin. Admitted,
-        its guessed work is promised ahead of later arrivals until `admit` prices it exactly, so a
-        burst is refused here in order and not only after each request was tokenized."""
-        if not self.config.is_on:
-            return
-        deadline = arrival_s + slo_s
-        due = [r for r in ahead if r.deadline_s <= deadline]
-        own_s, run_s = 0.0, 0.0
-        if size is not None:
-            view, own_s = self.pricer.guessed(request_id, arrival_s, slo_s, size)
-            run_s = self.pricer.cheapest_s([view])
-        estimate = TtftEstimate(max(now - arrival_s, 0.0), self.busy_s(now, request_id) + self.pricer.cheapest_s(due),
-                                own_s)
-        if self._is_late_for_load(estimate, slo_s):
-            raise self._refusal(estimate, slo_s, is_guessed=size is not None)
-        if size is not None:
-            self._admitting[request_id] = (own_s - run_s, run_s, now)
+                      ahead: Sequence[QueuedRequest], size: PromptSize) -> None:
+        """Before the request is even tokenized, priced as `admit` prices it with its size guessed
+        from its text: `SloUnattainable` past the margin; admitted, its guessed work is promised ahead
+        of later arrivals until `admit` prices it exactly, so a burst is refused here in order and
+        not only after each request was tokenized."""
+        if self.config.is_on:
+            view, new_tokens = self.pricer.guessed(request_id, arrival_s, slo_s, size)
+            self._promise(view, now, ahead, new_tokens, is_guessed=True)
 
-    def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool = False) -> SloUnattainable:
+    def _promise(self, view: QueuedRequest, now: float, ahead: Sequence[QueuedRequest],
+                 num_new_tokens: Sequence[int], is_guessed: bool) -> TtftEstimate:
+        """Price the request against the work ahead: refused past the margin, else its own work is
+        promised ahead of later arrivals (replacing what it promised before)."""
+        estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
+        if self._is_late_for_load(estimate, view.slo_s):
+            raise self._refusal(estimate, view.slo_s, is_guessed)
+        self._admitting[view.request_id] = (estimate.prefill_s, estimate.run_s, now)
+        return estimate
+
+    def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool) -> SloUnattainable:
         retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
         message = late_message(estimate, slo_s, self.config.max_lateness, retry)
         if is_guessed:
@@ -154,7 +149,7 @@ class DeadlineAdmission:
             run_s = self._cheapest.get(view.request_id)
             if run_s is None:  # queued without an estimate (submitted to the loop directly)
                 run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
-            estimate = TtftEstimate(now - view.arrival_s, 0.0, run_s)
+            estimate = TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
             if self.config.is_unattainable(estimate.ttft_s, view.slo_s):
                 out.append((view, f"slo_ms={view.slo_s * 1e3:.0f}: this request waited {estimate.waited_s:.2f} s in "
                                   f"the queue; with its own {run_s:.2f} s at its cheapest plan its first token "

@@ -82,9 +82,9 @@ def test_a_queued_request_past_saving_is_listed_with_its_message():
 
 
 def test_a_request_too_large_to_be_on_time_alone_is_told_when_the_queue_drains():
-    estimate = TtftEstimate(0.0, 4.0, 10.0)
+    estimate = TtftEstimate(0.0, 4.0, 0.0, 10.0)
     assert retry_after_s(estimate, slo_s=2.0, max_lateness=1.5) == 4.0
-    assert retry_after_s(TtftEstimate(0.0, 4.0, 1.0), 2.0, 1.5) == pytest.approx(2.0)
+    assert retry_after_s(TtftEstimate(0.0, 4.0, 0.0, 1.0), 2.0, 1.5) == pytest.approx(2.0)
 
 
 def test_estimate_errors_are_ratios_over_a_window():
@@ -111,11 +111,13 @@ def test_an_arrival_sized_from_its_text_is_promised_ahead_of_later_arrivals_unti
     size = PromptSize((4000, 4000), 200)  # two documents of about 1,000 tokens, none stored yet
     adm.check_arrival(0, 0.0, 60.0, 0.0, [], size)
     guessed = adm.busy_s(0.0, request_id=1)
-    _, own = adm.pricer.guessed(0, 0.0, 60.0, size)
+    view0, new0 = adm.pricer.guessed(0, 0.0, 60.0, size)
+    assert view0.context_tokens == 2000 and new0 == [1000, 1000]  # 4 characters a token, all new
+    own = adm.pricer.prefill_s(new0) + adm.pricer.cheapest_s([view0])
     assert guessed == pytest.approx(own) and guessed > adm.pricer.prefill_s([1000])  # its prefill and batch
     # a burst behind it is refused in order, before anyone is tokenized
     small = PromptSize((), 40)  # nothing of its own to prefill
-    slo = (own + adm.pricer.guessed(1, 0.0, 1.0, small)[1]) / 1.5 + 1e-3
+    slo = (own + adm.pricer.cheapest_s([adm.pricer.guessed(1, 0.0, 1.0, small)[0]])) / 1.5 + 1e-3
     adm.check_arrival(1, 0.0, slo, 0.0, [], small)  # in time behind the first
     with pytest.raises(SloUnattainable, match="sized from its text"):
         adm.check_arrival(2, 0.0, slo, 0.0, [], size)

@@ -29,6 +29,7 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchShape, CostModel, Profile
 from cachesmith.planner.cost_model import execution_steps
 from cachesmith.planner.pace import PaceBook
+from cachesmith.calibration.batch_check import family
 from cachesmith.calibration.costs import fit_relative
 from cachesmith.calibration.packaged import rescaled
 from cachesmith.recompute import RecomputeConfig, parse_label, preset
@@ -36,10 +37,6 @@ from cachesmith.instance import WorkloadInstance
 from cachesmith.workloads.prompts import instance_prompt
 
 PLANNER_PLANS = ((1, 1, 0.3), (1, 1, 0.7), (2, 4, 0.4))  # (w, p, r) the planner typically picks
-
-
-def family(signal: str, warmup: int, probe: int) -> str:
-    return f"{signal}/{min(warmup, 1)}/{min(probe, 1)}"
 
 
 def calibration_plans(num_layers: int) -> list[RecomputeConfig]:

@@ -26,10 +26,9 @@ BETWEEN = "between passes"  # staging, assembly, selection and the per-batch wor
 STALL = "KV load wait"
 
 
-def family_of(plan: RecomputeConfig, num_layers: int) -> str:
-    """A plan's family as the replays name it: signal/warm-up/probe, with every-layer depths as 1."""
-    w = min(plan.warmup, 1) if plan.warmup < num_layers else 1
-    return f"{plan.signal.value}/{w}/{min(plan.probe, 1)}"
+def family(signal: str, warmup: int, probe: int) -> str:
+    """A plan family's name: signal/warm-up/probe, each depth as 0 or 1 (full prefill: position/1/0)."""
+    return f"{signal}/{min(warmup, 1)}/{min(probe, 1)}"
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,8 @@ def check_batch(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredProm
     predicted_between = max(ttft - sum(per_pass), 0.0)  # overhead, selection, and link waits it prices
     terms[BETWEEN] = (max(total - sum(passes) - stall, 0.0), predicted_between)
     terms[STALL] = (stall, 0.0)
-    return CheckedBatch(family_of(plan, cost.num_layers), plan.label(), shape, total, ttft, terms)
+    name = family(plan.signal.value, plan.warmup, plan.probe)
+    return CheckedBatch(name, plan.label(), shape, total, ttft, terms)
 
 
 def _abs_quantile(errs: Sequence[float], q: float) -> float:

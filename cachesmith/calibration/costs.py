@@ -32,8 +32,9 @@ from cachesmith.model import Decoder
 from cachesmith.planner.cost_model import (NUM_FEATURES, BatchShape, CostModel, execution_steps, overhead_features,
                                            step_features)
 from cachesmith.planner.profile import LAYER_KINDS, PASS_KINDS, PhaseCost, Profile
+from cachesmith.calibration.batch_check import time_batch
 from cachesmith.calibration.quiet import QuietRun
-from cachesmith.recompute import BatchRunner, HookChain, LayerStatsRecorder, RecomputeConfig
+from cachesmith.recompute import BatchRunner, RecomputeConfig
 
 ALL = 10_000  # warmup / probe depth meaning "every layer"
 # (signal, warmup, probe, coverage), every layer kind and every serving family: full prefill,
@@ -177,20 +178,10 @@ class TimingBench:
         """One batch timed as `BatchExecutor._timed_run` times it, with the layer passes recorded."""
         prompts, shape = self.requests(contexts, seed)
         plan = plan_config(spec, self.model.num_layers)
-        rec = LayerStatsRecorder(self.model.device)
-        start = time.perf_counter()
-        with self.transfer.stage(prompts, plan, [DECODE_ROWS] * len(prompts)) as staged:
-            outs = self.runner.run(staged.requests, plan, HookChain(staged, rec))
-            for out in outs:
-                out.first_token  # reading the argmax synchronizes with the device
-            total = time.perf_counter() - start
-            stall = staged.stall_s
-        selected = tuple(int(out.selected.numel()) for out in outs)
-        for out in outs:
-            out.cache.release()  # as serving does after decoding: the slabs serve the next batch
-        return RunTiming(shape, tuple(spec), total, rec.total_seconds(),
-                         _samples(shape, spec, self.model.num_layers, [s.seconds for s in rec.stats], selected),
-                         stall, selected, self.process)
+        total, stall, passes, selected = time_batch(self.transfer, self.runner, prompts, plan, DECODE_ROWS)
+        return RunTiming(shape, tuple(spec), total, sum(passes),
+                         _samples(shape, spec, self.model.num_layers, passes, tuple(selected)),
+                         stall, tuple(selected), self.process)
 
 
 def timed_quietly(bench: TimingBench, contexts, spec: tuple, seed: int, gate: Callable[[], QuietRun] | None,

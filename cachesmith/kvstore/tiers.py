@@ -27,6 +27,7 @@ __all__ = ["BytesSource", "DiskTier", "FileSource", "MemoryTier", "RedisTier", "
 
 log = logging.getLogger(__name__)
 DEFAULT_REDIS_TTL_S = 7 * 24 * 3600  # an entry nobody read for a week is recomputed when next needed
+REDIS_RETRY_AFTER_S = 5.0  # a redis tier that failed is tried again after this
 
 
 class Tier(ABC):
@@ -261,7 +262,7 @@ class RedisTier(Tier):
     PREFIX = "cachesmith:kv:"
     DELETED = "cachesmith:kv-deleted"  # pub/sub channel: keys deleted through any server
 
-    def __init__(self, url: str, retry_after_s: float = 5.0, timeout_s: float = 2.0,
+    def __init__(self, url: str, retry_after_s: float = REDIS_RETRY_AFTER_S, timeout_s: float = 2.0,
                  ttl_s: int | None = DEFAULT_REDIS_TTL_S, max_bytes: int | None = None) -> None:
         import redis
 

@@ -100,7 +100,12 @@ class SizeGuess:
 class TtftEstimate:
     waited_s: float  # from arrival to the estimate (tokenizing, waiting for the front)
     start_s: float  # from the estimate until the request's own work can start: the work ahead
-    own_s: float  # its new documents' prefill, then its batch alone at full reuse
+    prefill_s: float  # its own work: its new documents' prefill,
+    run_s: float  # then its batch alone at full reuse
+
+    @property
+    def own_s(self) -> float:
+        return self.prefill_s + self.run_s
 
     @property
     def ttft_s(self) -> float:
@@ -159,17 +164,16 @@ class DeadlinePricer:
         return self.prefill_pace * sum(self._raw_prefill_s(n) for n in num_new_tokens if n)
 
     def guessed(self, request_id: int, arrival_s: float, slo_s: float,
-                size: PromptSize) -> tuple[QueuedRequest, float]:
-        """A request not yet tokenized: its view with guessed token counts, and its own work (its
-        guessed new documents' prefill, then its batch at full reuse)."""
+                size: PromptSize) -> tuple[QueuedRequest, list[int]]:
+        """A request not yet tokenized: its view with token counts guessed from its text, and its
+        documents' tokens guessed not yet stored."""
         docs, other, new = self.sizes.guess(size)
-        view = QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0)
-        return view, self.prefill_s(new) + self.cheapest_s([view])
+        return QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0), new
 
     def estimate(self, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest], busy_s: float,
                  num_new_tokens: Sequence[int] = ()) -> TtftEstimate:
         """`ahead`: the queued requests, of which those due no later than `request` are counted;
         `busy_s`: seconds left of the batch running and the admissions in progress."""
         due = [r for r in ahead if r.deadline_s <= request.deadline_s and r.request_id != request.request_id]
-        own = self.prefill_s(num_new_tokens) + self.cheapest_s([request])
-        return TtftEstimate(max(now - request.arrival_s, 0.0), busy_s + self.cheapest_s(due), own)
+        return TtftEstimate(max(now - request.arrival_s, 0.0), busy_s + self.cheapest_s(due),
+                            self.prefill_s(num_new_tokens), self.cheapest_s([request]))

@@ -211,7 +211,7 @@ async def _submit(service: Service, spec: CompletionSpec, stream: TokenStream | 
     admit it in a worker thread; a request refused or failed while admitting is answered now."""
     slot = service.reserve()
     try:
-        service.check_arrival(slot, spec)  # the work ahead alone: a 429 before any thread or tokenizing
+        service.check_arrival(slot, spec)  # sized from its text: a 429 before any thread or tokenizing
         future = await run_in_threadpool(service.submit, spec, stream.on_token if stream else None, slot)
     finally:
         slot.release()  # a no-op once the request is queued

@@ -74,12 +74,10 @@ class ChunkCatalog:
         """The entry of `token_ids` in `namespace`: keyed here, once for the whole request."""
         return NewEntry(namespace, self.key_for(token_ids, namespace), len(token_ids))
 
-    def reserve(self, entries: Sequence[NewEntry], spaces: Namespaces, what: str,
-                is_request: bool = True) -> None:
+    def reserve(self, entries: Sequence[NewEntry], spaces: Namespaces, what: str) -> None:
         """Refuse (`StoreQuotaExceeded`) before anything is written when storing `entries` would
-        pass a request's token cap (`is_request`) or the tenant's byte cap; else count them."""
-        if is_request:
-            self.check_new_tokens(entries, what)
+        pass the tenant's byte cap; else count them. A request's own token cap is
+        `check_new_tokens`, which its caller says first."""
         if self.config.tenant_max_bytes is None:
             return
         for namespace in {e.namespace for e in entries}:

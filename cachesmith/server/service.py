@@ -197,7 +197,7 @@ class Service:
         self._check_deadline(spec, slot, slo_s, frame, missing, prefix)
         self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
-            self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field, is_request=False)
+            self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field)
         keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, {e.key for e in missing}, pinned)
         num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
         chunks = tuple(StoredEntry(key, n, None if e is None else tuple(ids), "" if e is None else e.namespace, not f)
@@ -298,8 +298,7 @@ class Service:
         if self.config.tenant_max_bytes is not None:
             spaces = Namespaces(namespace, namespace)
             try:
-                self.chunks.reserve(self.chunks.new_entries([self.chunks.entry(ids, namespace)]), spaces,
-                                    "messages", is_request=False)
+                self.chunks.reserve(self.chunks.new_entries([self.chunks.entry(ids, namespace)]), spaces, "messages")
             except StoreQuotaExceeded:
                 self._dropped_turn_store()
                 return
@@ -330,7 +329,9 @@ class Service:
                 ids.append(self.pipeline.tokenizer.chunk_ids(text, field=f"documents[{i}]"))
                 self.pipeline.model.as_token_tensor(ids[-1], field=f"documents[{i}]")  # positions limit
             entries = [self.chunks.entry(t, spaces.chunks) for t in ids]
-            self.chunks.reserve(self.chunks.new_entries(entries), spaces, "documents")
+            new = self.chunks.new_entries(entries)
+            self.chunks.check_new_tokens(new, "documents")
+            self.chunks.reserve(new, spaces, "documents")
             records = []
             for token_ids, entry in zip(ids, entries):
                 with self.loop.admission():

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from cachesmith.calibration.batch_check import BETWEEN, STALL, CheckedBatch, check_batch, family_of, summary
+from cachesmith.calibration.batch_check import BETWEEN, STALL, CheckedBatch, check_batch, family, summary
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.methods import parse_method
 from cachesmith.pipeline import RagPipeline
@@ -45,10 +45,10 @@ def test_the_terms_add_up_to_the_measured_and_the_priced_ttft(tiny):
 
 
 def test_families_are_named_as_the_replays_name_them():
-    assert family_of(RecomputeConfig("position", 30, 0, 1.0), 30) == "position/1/0"
-    assert family_of(RecomputeConfig("qci", 0, 30, 0.15), 30) == "qci/0/1"
-    assert family_of(RecomputeConfig("kv_dev", 1, 1, 0.3), 30) == "kv_dev/1/1"
-    assert family_of(RecomputeConfig("position", 0, 0, 0.0), 30) == "position/0/0"
+    assert family("position", 30, 0) == "position/1/0"
+    assert family("qci", 0, 30) == "qci/0/1"
+    assert family("kv_dev", 1, 1) == "kv_dev/1/1"
+    assert family("position", 0, 0) == "position/0/0"
 
 
 def test_the_summary_names_the_term_that_moves_a_family_most():
