@@ -131,9 +131,6 @@ def phase_of(rec: Record, windows: list[dict], open_end_s: float = float("inf"))
 STORE_FAULTS = ("redis_down", "disk_readonly")
 
 
-TIER_RETRY_S = REDIS_RETRY_AFTER_S  # a tier that failed is tried again only after its back-off
-
-
 def is_store_refusal(rec: Record, windows: list[dict]) -> bool:
     """A 503 `store_unavailable` while a store tier is down or read-only, or within the tier's
     back-off after it (the server tries the tier again only then): the server refusing what that
@@ -142,7 +139,7 @@ def is_store_refusal(rec: Record, windows: list[dict]) -> bool:
     if rec.status != "503" or rec.code != "store_unavailable":
         return False
     return any(w["name"] in STORE_FAULTS and rec.end_s >= w["start_s"]
-               and (w["end_s"] is None or rec.start_s <= w["end_s"] + TIER_RETRY_S) for w in windows)
+               and (w["end_s"] is None or rec.start_s <= w["end_s"] + REDIS_RETRY_AFTER_S) for w in windows)
 
 
 def _example(rec: Record, phase: str) -> dict:
