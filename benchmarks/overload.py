@@ -4,7 +4,9 @@ shedding on and off, and a burst of requests with new documents.
 Setup (one process, loopback): the packaged model, a MIX workload whose chunk KV is stored first,
 the base SLO measured here (a request's full-prefill TTFT alone), and the server's capacity
 measured as a saturating burst at the runs' SLO served with shedding off (requests / seconds to the
-last answer). The client runs in a process of its own.
+last answer). The client runs in a process of its own, as a load generator: every request
+serialized before the first is due, each sent on a connection of its own opened when it is due
+(`lean_http`), its times running from that connect to the response read.
 Each load level sends `--num-requests` Poisson arrivals at that multiple of the capacity, each
 with SLO = `--slo-scale` x base, as streaming chat completions, once with `--shed-late 1.5` and
 once with `off`, each on a fresh server (same store). The burst sends `--burst` requests at once,
@@ -24,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, print_table  # noqa: E402
+from lean_http import Exchange  # noqa: E402
 from serve_load import warm_setting  # noqa: E402
 
 from cachesmith.bench.setting import BenchConfig, instances  # noqa: E402
@@ -45,7 +47,7 @@ from cachesmith.server.run import BackgroundServer  # noqa: E402
 
 GATE = make_gate("task")
 COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
-           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50"]
+           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio"]
 
 
 def body(inst, slo_s: float, model: str, documents=None) -> dict:
@@ -57,16 +59,16 @@ def body(inst, slo_s: float, model: str, documents=None) -> dict:
             "max_tokens": inst.max_new_tokens, "slo_ms": 1e3 * slo_s, "gold": list(inst.gold), "task": inst.task}
 
 
-async def one(client: httpx.AsyncClient, payload: dict, at_s: float, start: float) -> dict:
+async def one(exchange: Exchange, slo_s: float, at_s: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
     sent, first, code, pieces, final = time.perf_counter(), None, None, [], None
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
-        if r.status_code != 200:
-            error = json.loads(await r.aread())["error"]
-            return {"status": r.status_code, "code": error["code"], "refusal_s": time.perf_counter() - sent,
-                    "message": error["message"],
-                    "retry_after": r.headers.get("retry-after"), "slo_s": payload["slo_ms"] / 1e3}
-        async for line in r.aiter_lines():
+    async with exchange:
+        status, headers = await exchange.response()
+        if status != 200:
+            error = json.loads(await exchange.body())["error"]
+            return {"status": status, "code": error["code"], "refusal_s": time.perf_counter() - sent,
+                    "message": error["message"], "retry_after": headers.get("retry-after"), "slo_s": slo_s}
+        async for line in exchange.lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: "):])
@@ -77,7 +79,7 @@ async def one(client: httpx.AsyncClient, payload: dict, at_s: float, start: floa
             first = first or time.perf_counter()
             pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
             final = event.get("cachesmith", final)
-    record = {"status": 200, "code": code, "slo_s": payload["slo_ms"] / 1e3}
+    record = {"status": 200, "code": code, "slo_s": slo_s}
     if code is not None:
         record.update(message=record_message, refusal_s=time.perf_counter() - sent)
     if code is None and first is not None:
@@ -86,13 +88,15 @@ async def one(client: httpx.AsyncClient, payload: dict, at_s: float, start: floa
 
 
 async def _drive(url: str, sends: list[tuple[dict, float]], desc: str) -> list[dict]:
-    limits = httpx.Limits(max_connections=len(sends) + 4, max_keepalive_connections=len(sends) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(one(client, p, at, start)) for p, at in sends]
-        for done in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=desc, unit="req"):
-            await done
-        return [t.result() for t in tasks]
+    """As a load generator sends: every request serialized before the first is due, each on a
+    connection of its own opened when it is due (`lean_http`), so a request's time is the server's
+    and the connection's, not the client's own work."""
+    exchanges = [Exchange(url, "/v1/chat/completions", p) for p, _ in sends]
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(one(ex, p["slo_ms"] / 1e3, at, start)) for ex, (p, at) in zip(exchanges, sends)]
+    for done in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=desc, unit="req"):
+        await done
+    return [t.result() for t in tasks]
 
 
 def drive(url: str, sends: list[tuple[dict, object, float]], desc: str) -> list[dict]:
@@ -123,7 +127,8 @@ def serve(pipe, profile, args, shedding: float | None, sends, desc: str) -> tupl
     with BackgroundServer(service, ServerConfig(port=0, log_level="error")) as srv:
         records = drive(srv.url, sends, desc)
         counts = {"shed_arrival": service.num_rejected["slo_unattainable"], "shed_queued": service.loop.num_shed_queued,
-                  "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9))}
+                  "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9)),
+                  "lateness_ratio": service.estimate_errors.lateness_ratio}
     return records, counts
 
 
@@ -140,7 +145,7 @@ def summary(run: str, shedding: float | None, records: list[dict], counts: dict)
             "refusal_ms_p50": statistics.median(refusals) if refusals else 0.0,
             "ttft_p99_s": float(np.quantile(ttfts, 0.99)) if len(ttfts) else 0.0,
             "ttft_p99_vs_slo": float(np.quantile(ttfts / slos, 0.99)) if len(ttfts) else 0.0,
-            "estimate_ratio_p50": counts["estimate_ratio"].get("0.5", 0.0),
+            "estimate_ratio_p50": counts["estimate_ratio"].get("0.5", 0.0), "lateness_ratio": counts["lateness_ratio"],
             "other_errors": sum(r["status"] == 200 and r["code"] not in (None, "slo_unattainable") or
                                 r["status"] not in (200, 429) for r in records)}
 
@@ -172,7 +177,8 @@ def small_machine(args) -> dict:
     with BackgroundServer(service, ServerConfig(port=0, log_level="error")) as srv:
         records = drive(srv.url, burst_sends(insts, args, "small"), "small machine")
         counts = {"shed_arrival": service.num_rejected["slo_unattainable"], "shed_queued": service.loop.num_shed_queued,
-                  "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9))}
+                  "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9)),
+                  "lateness_ratio": service.estimate_errors.lateness_ratio}
     budget = service.memory
     stated = budget.weights_bytes + budget.kv_bytes + budget.pool_bytes + budget.tier_bytes
     peak = peak_rss_bytes()

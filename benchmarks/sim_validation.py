@@ -13,7 +13,10 @@ cycle through) and the base SLO; the simulator plans with the profile the replay
 (the packaged one at the replay's measured speed factor). Its machine (`bench.pace.MachinePace`)
 runs each plan family at this machine's pace plus a reuse cost per cached row a Patch pass places,
 both fit to the batches of replays of traces of their own (Gamma CV 2.5, seeds 1 and 2); families
-those never ran take the pace of single requests measured here, scaled to the traces' level.
+those never ran take the pace of single requests measured here, scaled to the traces' level. The
+paces are measured / priced at each replay's own speed factors (measured at its start, as a server
+measures them), and the simulator applies them at the speed of the replay it is compared with: the
+machine drifts 5-10% between replays, and paces carried from one replay to another would carry it.
 Every validation trace is held out. The replay runs are cached under --out (a stopped run resumes).
 
 Bars, on each setting's means over its seeds: |QSA difference| <= 3 points and P99 TTFT within
@@ -121,24 +124,28 @@ def main() -> None:
         """The profile the replay's engine planned with: the packaged one at the run's speed factors."""
         return rescaled(packaged, run.speed_factor, run.reuse_factor) if source == "packaged" else packaged
 
-    reference = profile_of(calib_runs[0])  # the machine's paces are relative to this profile
+    # the machine's paces are measured / priced by the profile at each replay's own measured speed, so
+    # they hold what the speed factors leave out, not the drift between replays (which the factors,
+    # measured at each replay's start as a server measures them, already price)
+    reference = profile_of(calib_runs[0])
     isolated = measure_paces(pipe, reference, [generate("mix", o.seed) for o in table.outcomes[:4]],
                              args.out / "paces.json")
-    calib_batches = [b for run in calib_runs for b in trace_batches(run.records, table.outcomes, reference)]
+    calib_batches = [b for run in calib_runs for b in trace_batches(run.records, table.outcomes, profile_of(run))]
     machine = fit_machine(calib_batches, isolated)
     calibration = {"settings": [r.config.name for r in calib_runs], "isolated": isolated,
                    "residuals": residuals(calib_batches, machine)}
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = {(pattern, cv): [run_bench(pipe, c, args.out / c.name) for c in (config_of(pattern, cv, s) for s in seeds)]
             for pattern, cv in SETTINGS}
-    batches = {k: [trace_batches(r.records, table.outcomes, reference) for r in rs] for k, rs in runs.items()}
+    batches = {k: [trace_batches(r.records, table.outcomes, profile_of(r)) for r in rs] for k, rs in runs.items()}
 
     def against(setting, fitted) -> tuple[list[dict], list[dict]]:
         """(per-seed rows, mean rows) of one setting's replays against the simulator on `fitted`;
-        the simulator plans with each replay's profile, as the replay's engine did."""
+        the simulator plans with each replay's profile, as the replay's engine did, and its machine
+        runs at that replay's measured speed."""
         sims = [{r["method"]: r for r in simulate(table, profile_of(run), run.config, run.base_slo_s,
                                                   pool=table.outcomes, machine=fitted,
-                                                  machine_profile=reference).rows} for run in runs[setting]]
+                                                  machine_profile=profile_of(run)).rows} for run in runs[setting]]
         replays = [{r["method"]: r for r in run.rows} for run in runs[setting]]
         name = runs[setting][0].config.name.rsplit("-s", 1)[0]
         per = [{**compare([rp[m]], [sm[m]], run.config.name), "seeds": str(run.config.seed)}

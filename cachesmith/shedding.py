@@ -3,11 +3,14 @@ queued to be answered late.
 
 In (from the live loop, under its lock): a request's scheduler view and the token counts of its
 documents not yet stored, at arrival, before any of them is prefilled; the queue at each batch
-boundary; the batch each decision starts. Out: a `TtftEstimate` for a request admitted (its
-promise, so the server can report how good the estimates are), `SloUnattainable` for one refused
-at arrival, and the queued requests whose deadline has passed by the margin, to be answered
-refused instead of run. Prices come from `scheduler.deadline`: the cheapest plan of everything
-ahead, so a refusal means that even the cheapest service would be later than the margin allows.
+boundary; the batch each decision starts; each admitted request's measured TTFT. Out: a
+`TtftEstimate` for a request admitted (its promise, so the server can report how good the
+estimates are), `SloUnattainable` for one refused at arrival, and the queued requests whose
+deadline has passed by the margin, to be answered refused instead of run. Prices come from
+`scheduler.deadline`: the cheapest plan of everything ahead, a lower bound, times how much later
+than that bound the requests served at their cheapest plan really came (`EstimateErrors`), so a
+refusal means that even the cheapest service would, as this server runs, be later than the margin
+allows, and an admitted request lands within it.
 
 Why refuse rather than queue: a first token past its SLO is useless to its client, and a request
 served late makes every request behind it later still (Clockwork, OSDI '20, drops what cannot meet
@@ -16,7 +19,9 @@ its deadline for the same reason).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 from cachesmith.errors import CachesmithError
@@ -24,6 +29,9 @@ from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingCo
 from cachesmith.scheduler.types import QueuedRequest
 
 SHED_KIND = "slo_unattainable"  # a refused result's `error_kind`, the API's error code
+CHEAPEST_WINDOW = 64  # requests served at their cheapest plan the lateness ratio is the median of
+MIN_CHEAPEST = 4  # measured before the ratio applies (until then: 1, the bound as priced)
+MAX_LATENESS_RATIO = 2.0  # a burst of slow batches (page faults, a busy machine) must not refuse all
 
 
 class SloUnattainable(CachesmithError):
@@ -42,12 +50,16 @@ def retry_after_s(estimate: TtftEstimate, slo_s: float, max_lateness: float) -> 
     return max(estimate.start_s - room, 0.0) if room > 0 else estimate.start_s
 
 
-def late_message(estimate: TtftEstimate, slo_s: float, max_lateness: float, retry_s: float) -> str:
+def late_message(estimate: TtftEstimate, slo_s: float, max_lateness: float, retry_s: float,
+                 ratio: float = 1.0) -> str:
+    """`estimate`: as expected here (the priced bound times `ratio`, `EstimateErrors.lateness_ratio`)."""
     alone = estimate.own_s > max_lateness * slo_s
     why = ("even alone on an idle server its cheapest plan takes longer: raise slo_ms or send fewer new "
            "documents" if alone else f"retry after {math.ceil(max(retry_s, 1.0))} s, when the work ahead has drained")
+    paced = "" if ratio == 1.0 else (f" (the cheapest plans' price x {ratio:.2f}, how much later requests served "
+                                     f"at their cheapest plan came here)")
     return (f"slo_ms={slo_s * 1e3:.0f}: this request cannot be answered in time: its first token would come at "
-            f"the earliest after {estimate.describe()}, past {max_lateness:g}x its SLO (--shed-late); {why}")
+            f"the earliest after {estimate.describe()}{paced}, past {max_lateness:g}x its SLO (--shed-late); {why}")
 
 
 class DeadlineAdmission:
@@ -56,6 +68,7 @@ class DeadlineAdmission:
 
     def __init__(self, pricer: DeadlinePricer, config: SheddingConfig) -> None:
         self.pricer, self.config = pricer, config
+        self.errors = EstimateErrors()  # admitted requests' measured / estimated TTFT
         self._admitting: dict[int, tuple[float, float, float]] = {}  # slot id -> (prefill s, run s, since)
         self._cheapest: dict[int, float] = {}  # queued request id -> its batch alone at full reuse
         self._alone_late: set[int] = set()  # admitted past the margin with nothing ahead: not shed
@@ -95,14 +108,16 @@ class DeadlineAdmission:
         """Price the request against the work ahead: refused past the margin, else its own work is
         promised ahead of later arrivals (replacing what it promised before)."""
         estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
-        if self._is_late_for_load(estimate, view.slo_s):
-            raise self._refusal(estimate, view.slo_s, is_guessed)
+        ratio = self.errors.lateness_ratio
+        expected = estimate.scaled(ratio)
+        if self._is_late_for_load(expected, view.slo_s):
+            raise self._refusal(expected, view.slo_s, is_guessed, ratio)
         self._admitting[view.request_id] = (estimate.prefill_s, estimate.run_s, now)
         return estimate
 
-    def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool) -> SloUnattainable:
+    def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool, ratio: float) -> SloUnattainable:
         retry = retry_after_s(estimate, slo_s, self.config.max_lateness)
-        message = late_message(estimate, slo_s, self.config.max_lateness, retry)
+        message = late_message(estimate, slo_s, self.config.max_lateness, retry, ratio)
         if is_guessed:
             message += " (its own work sized from its text's length, before tokenizing)"
         return SloUnattainable(message, retry)
@@ -162,22 +177,42 @@ class EstimateErrors:
     """How the admitted requests' estimates compared with their measured TTFTs: measured / estimated
     over the latest `window` requests. The estimate prices the cheapest plans, so a ratio near 1
     means the margin refuses what was truly late; well above 1, the work ahead runs slower than its
-    price (decoding beside prefill, a busy machine) and the refusals come late."""
+    price (decoding beside prefill, a busy machine) and the refusals come late.
+
+    `lateness_ratio` is the same ratio over the requests that ran their cheapest plan (full reuse,
+    nothing recomputed): for them the estimate priced what really ran, so what is left is what the
+    bound leaves out (decode steps between batches, admissions' prefills sharing the cores). The
+    others' ratios also hold the recomputation the planner bought with their slack, which the
+    server chose and would not have spent on a request with less."""
 
     def __init__(self, window: int = 512) -> None:
         self.window = window
         self._ratios: list[float] = []
+        self._cheapest: deque[float] = deque(maxlen=CHEAPEST_WINDOW)
         self.num_observed = 0
         self._lock = threading.Lock()  # results resolve on the prefill and decode threads
 
-    def observe(self, estimated_s: float, measured_s: float) -> None:
+    def observe(self, estimated_s: float, measured_s: float, is_cheapest: bool = False) -> None:
         if estimated_s <= 0:
             return
         with self._lock:
             self._ratios.append(measured_s / estimated_s)
             if len(self._ratios) > self.window:
                 del self._ratios[: len(self._ratios) - self.window]
+            if is_cheapest:
+                self._cheapest.append(measured_s / estimated_s)
             self.num_observed += 1
+
+    @property
+    def lateness_ratio(self) -> float:
+        """Median measured / estimated TTFT of the latest requests served at their cheapest plan,
+        within [1, MAX_LATENESS_RATIO]; 1 until MIN_CHEAPEST were. Never below 1: the estimate
+        stays a bound, so a refusal still means even the cheapest plan would be late."""
+        with self._lock:
+            ratios = list(self._cheapest)
+        if len(ratios) < MIN_CHEAPEST:
+            return 1.0
+        return min(max(statistics.median(ratios), 1.0), MAX_LATENESS_RATIO)
 
     def quantiles(self, qs: Sequence[float] = (0.5, 0.9)) -> dict[str, float]:
         """{"0.5": ratio, ...} over the window; empty before any request was measured."""

@@ -97,6 +97,39 @@ def test_estimate_errors_are_ratios_over_a_window():
     assert q == {"0.5": 4.0, "0.9": 8.0}  # the window holds 2, 1.5, 4, 8
 
 
+def test_the_lateness_ratio_learns_only_from_requests_served_at_their_cheapest_plan():
+    errors = EstimateErrors()
+    for _ in range(10):
+        errors.observe(1.0, 6.0)  # the planner spent slack on recomputation: not the estimate's error
+    assert errors.lateness_ratio == 1.0
+    for measured in (1.1, 1.2, 1.3):
+        errors.observe(1.0, measured, is_cheapest=True)
+    assert errors.lateness_ratio == 1.0  # too few yet
+    errors.observe(1.0, 1.25, is_cheapest=True)
+    assert errors.lateness_ratio == pytest.approx(1.225)
+    for _ in range(8):
+        errors.observe(1.0, 0.5, is_cheapest=True)  # an estimate that erred high keeps the bound as priced
+    assert errors.lateness_ratio == 1.0
+    for _ in range(64):
+        errors.observe(1.0, 9.0, is_cheapest=True)
+    assert errors.lateness_ratio == 2.0  # capped: slow batches must not refuse everything
+
+
+def test_a_request_admitted_at_the_priced_bound_is_refused_at_the_measured_lateness():
+    adm = admission()
+    ahead = [view(i, slo=0.001) for i in range(1, 9)]  # due first: all ahead
+    bound = adm.pricer.estimate(view(0, slo=1.0), 0.0, ahead, 0.0).ttft_s
+    slo = bound / 1.4  # priced at 1.4x its SLO: within the 1.5x margin
+    adm.admit(view(0, slo=slo), 0.0, ahead, [])
+    adm.settle(0)
+    for _ in range(4):
+        adm.errors.observe(1.0, 1.2, is_cheapest=True)  # requests here land 1.2x later than priced
+    with pytest.raises(SloUnattainable, match=r"x 1\.20") as refused:
+        adm.admit(view(0, slo=slo), 0.0, ahead, [])
+    assert f"{1.2 * bound:.2f} s" in str(refused.value)
+    assert adm.busy_s(0.0) == 0.0
+
+
 def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
     adm = admission()
     batch = [view(i) for i in range(3)]

@@ -219,4 +219,8 @@ class CostModel:
         return ends[-1] if len(ends) else np.zeros(np.atleast_2d(coverages).shape[0])
 
     def full_prefill_ttft(self, shape: BatchShape) -> float:
-        return float(self.ttft(shape, "position", self.num_layers, 0, np.zeros(shape.num_requests))[0])
+        """The per-batch overhead, then every layer's full pass with nothing to load: `ttft` of a full
+        prefill in closed form (admission prices each new document with it, on the event loop)."""
+        feats = step_features("full", shape, np.zeros((1, shape.num_requests)), places=False)
+        per_layer = float(phase_seconds(self.profile.layer_costs["full"], feats)[0])
+        return self.overhead_seconds(shape) + self.num_layers * per_layer

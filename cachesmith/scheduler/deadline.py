@@ -115,6 +115,10 @@ class TtftEstimate:
         return (f"{self.ttft_s:.2f} s = {self.waited_s:.2f} s waited + {self.start_s:.2f} s of work ahead + "
                 f"{self.own_s:.2f} s of its own at its cheapest plan")
 
+    def scaled(self, factor: float) -> "TtftEstimate":
+        """The work still to come times `factor` (the time already waited is measured, not priced)."""
+        return TtftEstimate(self.waited_s, self.start_s * factor, self.prefill_s * factor, self.run_s * factor)
+
 
 class DeadlinePricer:
     def __init__(self, planner: Planner, max_batch_size: int) -> None:

@@ -196,6 +196,9 @@ def _load_metrics(svc: Service, model: str):
     yield _by(GaugeMetricFamily, model, "ttft_estimate_ratio", "Measured / estimated TTFT of admitted requests "
               "(the estimate deadline-aware admission refuses by), over the latest 512, by quantile", "quantile",
               svc.estimate_errors.quantiles())
+    yield _single(GaugeMetricFamily, model, "ttft_lateness_ratio", "Measured / estimated TTFT of the latest "
+                  "requests served at their cheapest plan, within [1, 2] (1 until 4 were): admission refuses "
+                  "by the estimate times this", svc.estimate_errors.lateness_ratio)
     yield _single(CounterMetricFamily, model, "turn_stores_dropped", "Chat turns answered without storing their "
                   "conversation for the next turn: the store queue was full", svc.num_turn_stores_dropped)
     yield _by(CounterMetricFamily, model, "feedback", "Verdicts clients sent on completions (POST "

@@ -36,6 +36,13 @@ def test_vectorized_grid_equals_the_layer_walk(signal):
         np.testing.assert_allclose(fast[j], slow, rtol=1e-12)
 
 
+def test_full_prefill_in_closed_form_equals_the_layer_walk():
+    model = CostModel(make_profile(gbps=0.05))
+    for shape in (BatchShape((700, 1500), (24, 40), (16, 16)), BatchShape((0,), (1,), (0,))):
+        walk = model.ttft(shape, "position", model.num_layers, 0, np.zeros(shape.num_requests))[0]
+        assert model.full_prefill_ttft(shape) == pytest.approx(walk, rel=1e-12)
+
+
 def test_ttft_grows_with_coverage_and_band_is_ordered(planner):
     shape = planner.shape(batch())
     t = planner.cost.ttft(shape, "qci", 2, 2, np.array([[0.0, 0.0], [0.2, 0.2], [0.8, 0.8]]))

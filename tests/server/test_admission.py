@@ -208,6 +208,8 @@ def test_a_request_that_cannot_be_on_time_is_refused_at_arrival_and_stores_nothi
     metrics = httpx.get(srv.url + "/metrics").text  # the served requests' estimates against their TTFTs
     ratio = next(x for x in metrics.splitlines() if x.startswith("cachesmith:ttft_estimate_ratio") and '"0.5"' in x)
     assert float(ratio.rsplit(" ", 1)[1]) > 0
+    lateness = next(x for x in metrics.splitlines() if x.startswith("cachesmith:ttft_lateness_ratio"))
+    assert 1.0 <= float(lateness.rsplit(" ", 1)[1]) <= 2.0
 
 
 def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
