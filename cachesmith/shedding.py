@@ -107,6 +107,8 @@ class DeadlineAdmission:
                  num_new_tokens: Sequence[int], is_guessed: bool) -> TtftEstimate:
         """Price the request against the work ahead: refused past the margin, else its own work is
         promised ahead of later arrivals (replacing what it promised before)."""
+        # a queued request past saving is shed at the next batch boundary, not run: no work ahead
+        ahead = [r for r in ahead if self._past_saving(r, now) is None]
         estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
         ratio = self.errors.lateness_ratio
         expected = estimate.scaled(ratio)
@@ -159,18 +161,25 @@ class DeadlineAdmission:
             return []
         out = []
         for view in queue:
-            if view.request_id in self._alone_late:
-                continue
-            run_s = self._cheapest.get(view.request_id)
-            if run_s is None:  # queued without an estimate (submitted to the loop directly)
-                run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
-            estimate = TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
-            if self.config.is_unattainable(estimate.ttft_s, view.slo_s):
+            estimate = self._past_saving(view, now)
+            if estimate is not None:
                 out.append((view, f"slo_ms={view.slo_s * 1e3:.0f}: this request waited {estimate.waited_s:.2f} s in "
-                                  f"the queue; with its own {run_s:.2f} s at its cheapest plan its first token "
-                                  f"would come past {self.config.max_lateness:g}x its SLO (--shed-late), so it "
-                                  f"was not run"))
+                                  f"the queue; with its own {estimate.run_s:.2f} s at its cheapest plan its first "
+                                  f"token would come past {self.config.max_lateness:g}x its SLO (--shed-late), so "
+                                  f"it was not run"))
         return out
+
+    def _past_saving(self, view: QueuedRequest, now: float) -> TtftEstimate | None:
+        """A queued request's estimate if, started now alone at its cheapest plan, its first token
+        would be past the margin (None: it can still be served within it, or it was admitted late
+        with nothing ahead, which no load caused)."""
+        if not self.config.is_on or view.request_id in self._alone_late:
+            return None
+        run_s = self._cheapest.get(view.request_id)
+        if run_s is None:  # queued without an estimate (submitted to the loop directly)
+            run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
+        estimate = TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
+        return estimate if self.config.is_unattainable(estimate.ttft_s, view.slo_s) else None
 
 
 class EstimateErrors:

@@ -117,7 +117,8 @@ def test_the_lateness_ratio_learns_only_from_requests_served_at_their_cheapest_p
 
 def test_a_request_admitted_at_the_priced_bound_is_refused_at_the_measured_lateness():
     adm = admission()
-    ahead = [view(i, slo=0.001) for i in range(1, 9)]  # due first: all ahead
+    ahead = [view(i, slo=0.1) for i in range(1, 9)]  # due first, and none past saving: all ahead
+    assert adm.expired(ahead, 0.0) == []
     bound = adm.pricer.estimate(view(0, slo=1.0), 0.0, ahead, 0.0).ttft_s
     slo = bound / 1.4  # priced at 1.4x its SLO: within the 1.5x margin
     adm.admit(view(0, slo=slo), 0.0, ahead, [])
@@ -128,6 +129,16 @@ def test_a_request_admitted_at_the_priced_bound_is_refused_at_the_measured_laten
         adm.admit(view(0, slo=slo), 0.0, ahead, [])
     assert f"{1.2 * bound:.2f} s" in str(refused.value)
     assert adm.busy_s(0.0) == 0.0
+
+
+def test_queued_requests_past_saving_are_not_work_ahead_they_are_shed_not_run():
+    adm = admission()
+    doomed = [view(i, arrival=-10.0, slo=0.5) for i in range(1, 40)]  # waited 10 s against 0.75 s allowed
+    assert len(adm.expired(doomed, 0.0)) == len(doomed)
+    alone = adm.admit(view(0, slo=0.2), 0.0, [], [])
+    adm.settle(0)
+    behind = adm.admit(view(0, slo=0.2), 0.0, doomed, [])  # due later than all of them, and admitted
+    assert behind.start_s == pytest.approx(alone.start_s) and behind.ttft_s == pytest.approx(alone.ttft_s)
 
 
 def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
