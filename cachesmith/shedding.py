@@ -25,7 +25,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from cachesmith.errors import CachesmithError
-from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
+from cachesmith.recompute import parse_label
+from cachesmith.scheduler.deadline import FULL_REUSE, DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.scheduler.types import QueuedRequest
 
 SHED_KIND = "slo_unattainable"  # a refused result's `error_kind`, the API's error code
@@ -180,6 +181,12 @@ class DeadlineAdmission:
             run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
         estimate = TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
         return estimate if self.config.is_unattainable(estimate.ttft_s, view.slo_s) else None
+
+
+def is_full_reuse(plan: str, num_recomputed: int) -> bool:
+    """Whether a request ran the plan its estimate priced: full reuse, no warm-up, no probe, no row
+    recomputed (`plan`: its batch's label, "" when it never ran)."""
+    return bool(plan) and parse_label(plan)[:3] == FULL_REUSE and num_recomputed == 0
 
 
 class EstimateErrors:

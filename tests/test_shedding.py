@@ -7,7 +7,7 @@ import pytest
 from cachesmith.planner import Planner
 from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.scheduler.types import QueuedRequest
-from cachesmith.shedding import DeadlineAdmission, EstimateErrors, SloUnattainable, retry_after_s
+from cachesmith.shedding import DeadlineAdmission, EstimateErrors, SloUnattainable, is_full_reuse, retry_after_s
 from tests.planner.synthetic_profile import make_profile
 
 
@@ -113,6 +113,14 @@ def test_the_lateness_ratio_learns_only_from_requests_served_at_their_cheapest_p
     for _ in range(64):
         errors.observe(1.0, 9.0, is_cheapest=True)
     assert errors.lateness_ratio == 2.0  # capped: slow batches must not refuse everything
+
+
+def test_only_a_request_that_ran_full_reuse_ran_the_plan_its_estimate_priced():
+    assert is_full_reuse("(position,0,0,0%)", 0)
+    assert not is_full_reuse("(position,0,0,15%)", 120)  # EPIC recomputes rows
+    assert not is_full_reuse("(kv_dev,1,0,0%)", 0)  # a warm-up layer of full prefill
+    assert not is_full_reuse("(qci,0,1,0%)", 0)  # a probe pass
+    assert not is_full_reuse("", 0)  # never ran
 
 
 def test_a_request_admitted_at_the_priced_bound_is_refused_at_the_measured_lateness():

@@ -36,11 +36,9 @@ from cachesmith.calibration.packaged import serving_profile
 from cachesmith.calibration.shadow import shadow_calibrator
 from cachesmith.calibration.chunk_prefill import time_chunk_prefills
 from cachesmith.request import RequestResult, check_max_tokens, check_slo
-from cachesmith.recompute import parse_label
 from cachesmith.scheduler import QueuedRequest
-from cachesmith.scheduler.deadline import FULL_REUSE
 from cachesmith.scoring import Expected
-from cachesmith.shedding import SloUnattainable
+from cachesmith.shedding import SloUnattainable, is_full_reuse
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.prompt_frame import PromptFrame, prompt_size, tokenize_frame
 from cachesmith.server.jobs import BackgroundJobs
@@ -270,8 +268,7 @@ class Service:
         result = future.result()
         estimated_s = self._estimates.pop(result.request_id, None)
         if estimated_s is not None and result.ttft_s is not None:
-            is_cheapest = bool(result.plan) and parse_label(result.plan)[:3] == FULL_REUSE and not result.num_recomputed
-            self.estimate_errors.observe(estimated_s, result.ttft_s, is_cheapest)
+            self.estimate_errors.observe(estimated_s, result.ttft_s, is_full_reuse(result.plan, result.num_recomputed))
         # KV prefilled while admitting this request was computed for it, not served from the store:
         # it does not count as cached (this runs before any reader of the result is called back)
         result.num_cached_prefix = min(result.num_cached_prefix, num_prefix_stored)
