@@ -61,7 +61,7 @@ def body(inst, slo_s: float, model: str, documents=None) -> dict:
 
 async def one(exchange: Exchange, slo_s: float, at_s: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
-    sent, first, code, pieces, final = time.perf_counter(), None, None, [], None
+    sent, first, code, pieces = time.perf_counter(), None, None, []
     async with exchange:
         status, headers = await exchange.response()
         if status != 200:
@@ -78,7 +78,6 @@ async def one(exchange: Exchange, slo_s: float, at_s: float, start: float) -> di
                 continue
             first = first or time.perf_counter()
             pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
-            final = event.get("cachesmith", final)
     record = {"status": 200, "code": code, "slo_s": slo_s}
     if code is not None:
         record.update(message=record_message, refusal_s=time.perf_counter() - sent)

@@ -16,7 +16,7 @@ both fit to the batches of replays of traces of their own (Gamma CV 2.5, seeds 1
 those never ran take the pace of single requests measured here, scaled to the traces' level. The
 paces are measured / priced at each replay's own speed factors (measured at its start, as a server
 measures them), and the simulator applies them at the speed of the replay it is compared with: the
-machine drifts 5-10% between replays, and paces carried from one replay to another would carry it.
+machine's speed moved by 5-30% between replays, and paces carried from one replay to another would carry it.
 Every validation trace is held out. The replay runs are cached under --out (a stopped run resumes).
 
 Bars, on each setting's means over its seeds: |QSA difference| <= 3 points and P99 TTFT within

@@ -202,8 +202,7 @@ class EstimateErrors:
     server chose and would not have spent on a request with less."""
 
     def __init__(self, window: int = 512) -> None:
-        self.window = window
-        self._ratios: list[float] = []
+        self._ratios: deque[float] = deque(maxlen=window)
         self._cheapest: deque[float] = deque(maxlen=CHEAPEST_WINDOW)
         self.num_observed = 0
         self._lock = threading.Lock()  # results resolve on the prefill and decode threads
@@ -211,12 +210,11 @@ class EstimateErrors:
     def observe(self, estimated_s: float, measured_s: float, is_cheapest: bool = False) -> None:
         if estimated_s <= 0:
             return
+        ratio = measured_s / estimated_s
         with self._lock:
-            self._ratios.append(measured_s / estimated_s)
-            if len(self._ratios) > self.window:
-                del self._ratios[: len(self._ratios) - self.window]
+            self._ratios.append(ratio)
             if is_cheapest:
-                self._cheapest.append(measured_s / estimated_s)
+                self._cheapest.append(ratio)
             self.num_observed += 1
 
     @property
