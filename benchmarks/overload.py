@@ -47,7 +47,8 @@ from cachesmith.server.run import BackgroundServer  # noqa: E402
 
 GATE = make_gate("task")
 COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
-           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio"]
+           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio", "late_doomed"]
+LOAD_COLUMNS = ["load", "repeats", "sent", "on_time_on", "on_time_off", "qsa_on", "qsa_off", "repeats_fewer_on_time"]
 
 
 def body(inst, slo_s: float, model: str, documents=None) -> dict:
@@ -123,11 +124,14 @@ def serve(pipe, profile, args, shedding: float | None, sends, desc: str) -> tupl
     config = ServiceConfig(engine=EngineConfig(args.method, "live", scheduler=sched), max_queue=len(sends) + 8,
                            max_tokens_limit=512, shedding=SheddingConfig(shedding))
     service = Service(config, pipe, profile)
+    late_doomed = []  # answered past their SLO from a batch of requests the scheduler held doomed
+    service.listeners.append(lambda r: late_doomed.append(r.request_id) if r.mode == "full_reuse" and r.first_token_s
+                             is not None and r.first_token_s - r.arrival_s > r.slo_s else None)
     with BackgroundServer(service, ServerConfig(port=0, log_level="error")) as srv:
         records = drive(srv.url, sends, desc)
         counts = {"shed_arrival": service.num_rejected["slo_unattainable"], "shed_queued": service.loop.num_shed_queued,
                   "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9)),
-                  "lateness_ratio": service.estimate_errors.lateness_ratio}
+                  "lateness_ratio": service.estimate_errors.lateness_ratio, "late_doomed": len(late_doomed)}
     return records, counts
 
 
@@ -145,8 +149,23 @@ def summary(run: str, shedding: float | None, records: list[dict], counts: dict)
             "ttft_p99_s": float(np.quantile(ttfts, 0.99)) if len(ttfts) else 0.0,
             "ttft_p99_vs_slo": float(np.quantile(ttfts / slos, 0.99)) if len(ttfts) else 0.0,
             "estimate_ratio_p50": counts["estimate_ratio"].get("0.5", 0.0), "lateness_ratio": counts["lateness_ratio"],
+            "late_doomed": counts.get("late_doomed", 0),
             "other_errors": sum(r["status"] == 200 and r["code"] not in (None, "slo_unattainable") or
                                 r["status"] not in (200, 429) for r in records)}
+
+
+def by_load(rows: list[dict]) -> list[dict]:
+    """Per load level, the repeats summed: on time and QSA with shedding on and off, and how many
+    repeats shedding answered fewer on time (the goal: none at 2x and 4x)."""
+    out = []
+    for load in sorted({r["load"] for r in rows if r["load"] is not None}):
+        on = [r for r in rows if r["load"] == load and r["shedding"] != "off"]
+        off = [r for r in rows if r["load"] == load and r["shedding"] == "off"]
+        out.append({"load": load, "repeats": len(on), "sent": sum(r["sent"] for r in on),
+                    "on_time_on": sum(r["on_time"] for r in on), "on_time_off": sum(r["on_time"] for r in off),
+                    "qsa_on": statistics.mean(r["qsa"] for r in on), "qsa_off": statistics.mean(r["qsa"] for r in off),
+                    "repeats_fewer_on_time": sum(a["on_time"] < b["on_time"] for a, b in zip(on, off))})
+    return out
 
 
 def burst_sends(insts, args, tag: str) -> list[tuple[dict, object, float]]:
@@ -218,6 +237,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the small machine's process
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)  # the client's process
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="arrival traces per load level (seeds --seed, --seed + 1, ...), each on and off")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -238,13 +259,17 @@ def main() -> None:
         start = time.perf_counter()
         serve(pipe, profile, args, None, saturating, "capacity")
         capacity = len(saturating) / (time.perf_counter() - start)
-    for load in args.loads:
-        arrivals = poisson(args.num_requests, load * capacity, args.seed)
+    for repeat, load in ((k, load) for k in range(args.repeats) for load in args.loads):
+        # each repeat its own arrival trace, the same for shedding on and off (a paired comparison)
+        arrivals = poisson(args.num_requests, load * capacity, args.seed + repeat)
         sends = [(body(inst, slo, "smollm2-135m"), inst, at) for inst, at in zip(insts, arrivals)]
         for shedding in (1.5, None):
-            records, counts = serve(pipe, profile, args, shedding, sends, f"{load:g}x {shedding or 'off'}")
-            rows.append({"load": load, **summary(f"{load:g}x capacity", shedding, records, counts)})
-            records_by_run[f"{load:g}x {rows[-1]['shedding']}"] = compact(records)
+            desc = f"{load:g}x {shedding or 'off'} #{repeat + 1}"
+            records, counts = serve(pipe, profile, args, shedding, sends, desc)
+            rows.append({"load": load, "repeat": repeat + 1, **summary(f"{load:g}x capacity", shedding, records,
+                                                                      counts)})
+            suffix = f" #{repeat + 1}" if args.repeats > 1 else ""
+            records_by_run[f"{load:g}x {rows[-1]['shedding']}{suffix}"] = compact(records)
     for shedding in (1.5, None) if args.burst else ():
         tag = "on" if shedding else "off"  # new text each run: every document is prefilled on arrival
         sends = burst_sends(insts, args, tag)
@@ -259,10 +284,12 @@ def main() -> None:
         rows.append({"load": None, **small["row"]})
     payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson", "method": args.method,
                "base_slo_s": base, "slo_scale": args.slo_scale, "slo_s": slo, "capacity_rps": capacity,
-               "burst_slo_ms": args.burst_slo_ms, "rows": rows, "small_machine": small, "records": records_by_run, "wall_s": time.perf_counter() - began}
+               "burst_slo_ms": args.burst_slo_ms, "repeats": args.repeats, "rows": rows, "by_load": by_load(rows),
+               "small_machine": small, "records": records_by_run, "wall_s": time.perf_counter() - began}
     emit(payload, args.json, args.out, lambda: (
         print(f"capacity {capacity:.3f} req/s; SLO {slo:.2f} s ({args.slo_scale:g}x base {base:.2f} s)"),
         print_table(rows, COLUMNS),
+        args.repeats > 1 and print_table(payload["by_load"], LOAD_COLUMNS),
         small and print(f"small machine: {small['budget']}; peak resident {small['peak']} "
                         f"({small['peak_vs_available']:.0%} of the memory available)")))
 

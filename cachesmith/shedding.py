@@ -108,8 +108,10 @@ class DeadlineAdmission:
                  num_new_tokens: Sequence[int], is_guessed: bool) -> TtftEstimate:
         """Price the request against the work ahead: refused past the margin, else its own work is
         promised ahead of later arrivals (replacing what it promised before)."""
-        # a queued request past saving is shed at the next batch boundary, not run: no work ahead
-        ahead = [r for r in ahead if self._past_saving(r, now) is None]
+        # a queued request that would be late even started now alone is doomed: the scheduler serves
+        # it only when that costs no request still on time, and past saving it is shed unrun, so
+        # neither is work ahead of an arrival (counting them refused arrivals that were in time)
+        ahead = [r for r in ahead if not self._is_doomed(r, now)]
         estimate = self.pricer.estimate(view, now, ahead, self.busy_s(now, view.request_id), num_new_tokens)
         ratio = self.errors.lateness_ratio
         expected = estimate.scaled(ratio)
@@ -176,11 +178,19 @@ class DeadlineAdmission:
         with nothing ahead, which no load caused)."""
         if not self.config.is_on or view.request_id in self._alone_late:
             return None
+        estimate = self._alone_now(view, now)
+        return estimate if self.config.is_unattainable(estimate.ttft_s, view.slo_s) else None
+
+    def _is_doomed(self, view: QueuedRequest, now: float) -> bool:
+        """Started now alone at its cheapest plan, its first token would still be past its SLO (the
+        scheduler's floor prices more work than that, so the scheduler holds it doomed too)."""
+        return view.request_id in self._alone_late or self._alone_now(view, now).ttft_s > view.slo_s
+
+    def _alone_now(self, view: QueuedRequest, now: float) -> TtftEstimate:
         run_s = self._cheapest.get(view.request_id)
         if run_s is None:  # queued without an estimate (submitted to the loop directly)
             run_s = self._cheapest[view.request_id] = self.pricer.cheapest_s([view])
-        estimate = TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
-        return estimate if self.config.is_unattainable(estimate.ttft_s, view.slo_s) else None
+        return TtftEstimate(now - view.arrival_s, 0.0, 0.0, run_s)
 
 
 def is_full_reuse(plan: str, num_recomputed: int) -> bool:

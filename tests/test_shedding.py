@@ -149,6 +149,21 @@ def test_queued_requests_past_saving_are_not_work_ahead_they_are_shed_not_run():
     assert behind.start_s == pytest.approx(alone.start_s) and behind.ttft_s == pytest.approx(alone.ttft_s)
 
 
+def test_a_queued_request_late_even_alone_is_not_work_ahead_though_it_is_not_shed_yet():
+    """The scheduler holds a doomed request back while anyone can still be on time, so an arrival
+    is priced without it; a queued request still in time is work ahead."""
+    adm = admission()
+    run_s = adm.pricer.cheapest_s([view(1)])
+    doomed = view(1, arrival=-0.2 * run_s, slo=run_s)  # 1.2x its SLO even if started now: within the margin
+    in_time = view(2, arrival=0.0, slo=10 * run_s)
+    assert adm.expired([doomed, in_time], 0.0) == []  # not past saving: it is kept, not shed
+    alone = adm.admit(view(0, slo=20 * run_s), 0.0, [], [])
+    adm.settle(0)
+    assert adm.admit(view(0, slo=20 * run_s), 0.0, [doomed], []).start_s == pytest.approx(alone.start_s)
+    adm.settle(0)
+    assert adm.admit(view(0, slo=20 * run_s), 0.0, [in_time], []).start_s == pytest.approx(alone.start_s + run_s)
+
+
 def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
     adm = admission()
     batch = [view(i) for i in range(3)]

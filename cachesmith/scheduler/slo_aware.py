@@ -3,7 +3,8 @@ its budget that let the most requests of the whole queue meet their SLO inside t
 
 In: the queue of `QueuedRequest`s, the current time and a `Planner` (for budget bands; it never
 touches tensors). Out: a `ScheduleDecision`. Requests that cannot meet their SLO even at their
-floor alone are "doomed": held apart and served at full reuse when that costs no one else.
+floor alone are "doomed": held apart and served at full reuse when that costs no one else, in
+batches that end before the next arrival is predicted.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class SloAwareScheduler:
             if wide[0] > best[0]:  # only when it places more requests on time
                 best, window = wide, self.window_layers
         if doomed:  # serve the doomed first only if no live request loses its chance by it
-            wait, _ = self.full_reuse_s(doomed[: self.config.max_batch_size])
+            wait, _ = self.full_reuse_s(self._doomed_members(doomed, now))
             later = self._pick(self._price(live, floors, now + wait, spans), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
                 return self._doomed_batch(doomed, now, start)
@@ -132,8 +133,22 @@ class SloAwareScheduler:
             return False
         return any(sum(r.num_tokens for r in b) > self.config.kv_capacity_tokens for b in buckets)
 
+    def _doomed_members(self, doomed: list[QueuedRequest], now: float) -> list[QueuedRequest]:
+        """The doomed batch: the earliest arrivals, as many as end before the predicted next arrival
+        (at least one). A batch runs to its end once started, so a long doomed batch makes every
+        request arriving meanwhile wait behind work that is late anyway; under sustained overload
+        that wait turns the next arrivals doomed in turn."""
+        ordered = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
+        gap = self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
+        if not np.isfinite(gap):
+            return ordered
+        size = 1
+        while size < len(ordered) and self.full_reuse_s(ordered[: size + 1])[0] <= gap:
+            size += 1
+        return ordered[:size]
+
     def _doomed_batch(self, doomed: list[QueuedRequest], now: float, start: float) -> ScheduleDecision:
-        batch = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
+        batch = self._doomed_members(doomed, now)
         ttft, coverage = self.full_reuse_s(batch)
         return ScheduleDecision(tuple(r.request_id for r in batch), ttft, "full_reuse", full_reuse(), coverage,
                                 decision_s=time.perf_counter() - start,

@@ -64,6 +64,24 @@ def test_only_doomed_requests_run_at_full_reuse_with_free_coverage(scheduler):
     assert d.static_plan.warmup == 0 and 0.0 <= d.coverage <= 1.0
 
 
+def test_a_doomed_batch_ends_before_the_predicted_next_arrival():
+    """Requests arriving faster than a doomed batch runs: one doomed request at a time, so each
+    arrival waits behind at most one; with arrivals further apart than the whole batch, one batch."""
+    doomed = [QueuedRequest(i, 0.0, 0.01, 2048, 32) for i in range(3)]
+    one, two, whole = (SloAwareScheduler(Planner(make_profile())).full_reuse_s(doomed[:k])[0] for k in (1, 2, 3))
+
+    def doomed_batch(gap_s: float) -> tuple[int, ...]:
+        sched = SloAwareScheduler(Planner(make_profile()))
+        for i in range(20):  # past arrivals every gap_s, the latest just now
+            sched.arrivals.observe(100 + i, 10.0 - gap_s * (19 - i), 1.0, 0.5)
+        return sched.next_batch(doomed, 10.0).request_ids
+
+    assert one < two < whole
+    assert doomed_batch(0.5 * one) == (0,)
+    assert doomed_batch(0.5 * (two + whole)) == (0, 1)  # as many as end before it
+    assert doomed_batch(2.0 * whole) == (0, 1, 2)
+
+
 def test_relaxed_queue_is_served_in_one_batch(scheduler):
     queue = [QueuedRequest(i, 0.0, 1000.0, 512, 32) for i in range(5)]
     d = scheduler.next_batch(queue, 0.0)
