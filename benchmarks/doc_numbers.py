@@ -98,7 +98,7 @@ def _level(load: float, field: str) -> tuple:
 
 
 QUOTES: tuple[Quote, ...] = (
-Quote("docs/measurements.md", "shedding answered {} on time against 168", OVERLOAD, _level(2.0, "on_time_on"), ".0f"),
+    Quote("docs/measurements.md", "shedding answered {} on time against 168", OVERLOAD, _level(2.0, "on_time_on"), ".0f"),
     Quote("docs/measurements.md", "on time against {} without", OVERLOAD, _level(2.0, "on_time_off"), ".0f"),
     Quote("docs/measurements.md", "**4x:** {} against 129", OVERLOAD, _level(4.0, "on_time_on"), ".0f"),
     Quote("docs/measurements.md", "**4x:** 121 against {}", OVERLOAD, _level(4.0, "on_time_off"), ".0f"),

@@ -93,7 +93,7 @@ class SloAwareScheduler:
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
         if not live:
-            return self._doomed_batch(doomed, now, start)
+            return self._doomed_batch(doomed, self._doomed_members(doomed, now), start)
         priced = self._price(live, floors, now, spans)
         best, window = self._pick(priced, self.config.kv_capacity_tokens), None
         if self._is_burst(priced[0]):
@@ -102,10 +102,10 @@ class SloAwareScheduler:
             if wide[0] > best[0]:  # only when it places more requests on time
                 best, window = wide, self.window_layers
         if doomed:  # serve the doomed first only if no live request loses its chance by it
-            wait, _ = self.full_reuse_s(self._doomed_members(doomed, now))
-            later = self._pick(self._price(live, floors, now + wait, spans), self.config.kv_capacity_tokens)
+            members = self._doomed_members(doomed, now)
+            later = self._pick(self._price(live, floors, now + members[1], spans), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
-                return self._doomed_batch(doomed, now, start)
+                return self._doomed_batch(doomed, members, start)
         on_time, members, budget, limit = best
         num_candidates = len(priced[1]) - 1  # the fallback row is not one
         return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned", limit_s=limit,
@@ -133,23 +133,25 @@ class SloAwareScheduler:
             return False
         return any(sum(r.num_tokens for r in b) > self.config.kv_capacity_tokens for b in buckets)
 
-    def _doomed_members(self, doomed: list[QueuedRequest], now: float) -> list[QueuedRequest]:
-        """The doomed batch: the earliest arrivals, as many as end before the predicted next arrival
-        (at least one). A batch runs to its end once started, so a long doomed batch makes every
-        request arriving meanwhile wait behind work that is late anyway; under sustained overload
-        that wait turns the next arrivals doomed in turn."""
+    def _doomed_members(self, doomed: list[QueuedRequest], now: float) -> tuple[list[QueuedRequest], float, float]:
+        """The doomed batch with its full reuse (TTFT, free coverage): the earliest arrivals, as many
+        as end before the predicted next arrival (at least one). A batch runs to its end once
+        started, so a long doomed batch makes every request arriving meanwhile wait behind work that
+        is late anyway; under sustained overload that wait turns the next arrivals doomed in turn."""
         ordered = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
         gap = self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
-        if not np.isfinite(gap):
-            return ordered
-        size = 1
-        while size < len(ordered) and self.full_reuse_s(ordered[: size + 1])[0] <= gap:
-            size += 1
-        return ordered[:size]
+        size = len(ordered) if not np.isfinite(gap) else 1
+        priced = self.full_reuse_s(ordered[:size])
+        while size < len(ordered):  # one walk per size tried, the first that ends too late the last
+            wider = self.full_reuse_s(ordered[: size + 1])
+            if wider[0] > gap:
+                break
+            size, priced = size + 1, wider
+        return ordered[:size], *priced
 
-    def _doomed_batch(self, doomed: list[QueuedRequest], now: float, start: float) -> ScheduleDecision:
-        batch = self._doomed_members(doomed, now)
-        ttft, coverage = self.full_reuse_s(batch)
+    def _doomed_batch(self, doomed: list[QueuedRequest], members: tuple[list[QueuedRequest], float, float],
+                      start: float) -> ScheduleDecision:
+        batch, ttft, coverage = members
         return ScheduleDecision(tuple(r.request_id for r in batch), ttft, "full_reuse", full_reuse(), coverage,
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
