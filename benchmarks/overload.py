@@ -47,7 +47,8 @@ from cachesmith.server.run import BackgroundServer  # noqa: E402
 
 GATE = make_gate("task")
 COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
-           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio", "late_doomed"]
+           "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio", "late_doomed",
+           "waits", "holding"]
 LOAD_COLUMNS = ["load", "repeats", "sent", "on_time_on", "on_time_off", "qsa_on", "qsa_off", "repeats_fewer_on_time",
                 "on_time_first", "on_time_second"]
 
@@ -140,7 +141,8 @@ def run_server(service: Service, sends, desc: str) -> tuple[list[dict], dict]:
         records = drive(srv.url, sends, desc)
         counts = {"shed_arrival": service.num_rejected["slo_unattainable"], "shed_queued": service.loop.num_shed_queued,
                   "estimate_ratio": service.estimate_errors.quantiles((0.5, 0.9)),
-                  "lateness_ratio": service.estimate_errors.lateness_ratio, "late_doomed": len(late_doomed)}
+                  "lateness_ratio": service.estimate_errors.lateness_ratio, "late_doomed": len(late_doomed),
+                  "waits": service.engine.stats.num_waits, "holding": service.engine.stats.num_holding}
     return records, counts
 
 
@@ -158,7 +160,8 @@ def summary(run: str, shedding: float | None, records: list[dict], counts: dict)
             "ttft_p99_s": float(np.quantile(ttfts, 0.99)) if len(ttfts) else 0.0,
             "ttft_p99_vs_slo": float(np.quantile(ttfts / slos, 0.99)) if len(ttfts) else 0.0,
             "estimate_ratio_p50": counts["estimate_ratio"].get("0.5", 0.0), "lateness_ratio": counts["lateness_ratio"],
-            "late_doomed": counts["late_doomed"],
+            "late_doomed": counts["late_doomed"], "waits": counts["waits"],
+            "holding": counts["holding"],
             "other_errors": sum(r["status"] == 200 and r["code"] not in (None, "slo_unattainable") or
                                 r["status"] not in (200, 429) for r in records)}
 

@@ -74,6 +74,7 @@ class EngineLoop:
         self._token_times: defaultdict[int, list[float]] = defaultdict(list)  # per request, its tokens' times
         self._is_prefilling = False
         self._is_prefill_done = False
+        self._held_depth = 0  # the queue's depth when the scheduler last decided
         # hears "prefill <num decoding>", "prefilled" and "step <num sequences>" as they happen, under
         # the loop's lock
         self.trace: Callable[[str], None] | None = None
@@ -206,6 +207,8 @@ class EngineLoop:
                 self._resolve(shed)
             if is_shadow:
                 self._shadow_unit()
+            elif decided is not None and decided[0].is_wait:
+                self._hold(decided[0])
             elif decided is not None:
                 self._prefill(*decided)
 
@@ -215,14 +218,27 @@ class EngineLoop:
         queued = self.engine.queued_views()
         shed = self._take_expired(queued)
         decided = self.engine.next_decision()
-        self._is_prefilling = decided is not None
-        self._num_in_batch = 0 if decided is None else len(decided[1])
-        if decided is not None:
+        is_batch = decided is not None and not decided[0].is_wait
+        self._is_prefilling = is_batch
+        self._num_in_batch = len(decided[1]) if is_batch else 0
+        self._held_depth = self.engine.queue_depth  # what a wait looks for a change in
+        if is_batch:
             batch_ids = set(decided[0].request_ids)
             self.deadlines.start_batch([view for view in queued if view.request_id in batch_ids],
                                        self.engine.clock.now())
             self._note(f"prefill {self._num_decoding}")
         return shed, decided
+
+    def _hold(self, decision) -> None:
+        """The scheduler runs nothing yet (only requests past saving are queued, and an arrival is due
+        before even one would end): look again once the queue changes, the wait is over, or the
+        first of them is due to be shed, so its client is told then. Closing does not cut a wait
+        short (no arrival comes, so the scheduler's prediction soon runs out and it serves them)."""
+        with self._cond:
+            now = self.engine.clock.now()
+            due = self.deadlines.next_expiry_s(self.engine.queued_views(), now) - now
+            self._cond.wait_for(lambda: self.engine.queue_depth != self._held_depth,
+                                timeout=max(min(decision.wait_s, due), 0.0))
 
     def _take_expired(self, queued: list[QueuedRequest]) -> list[RequestResult]:
         """Caller holds the condition: the queued requests past saving by the shedding margin, taken

@@ -172,6 +172,14 @@ class DeadlineAdmission:
                                   f"it was not run"))
         return out
 
+    def next_expiry_s(self, queue: Sequence[QueuedRequest], now: float) -> float:
+        """The clock time the first of `queue` becomes past saving (`expired`); inf: none will while
+        the queue stays as it is."""
+        if not self.config.is_on or len(queue) < 2:
+            return math.inf
+        return min((view.arrival_s + self.config.max_lateness * view.slo_s - self._alone_now(view, now).run_s
+                    for view in queue if view.request_id not in self._alone_late), default=math.inf)
+
     def _past_saving(self, view: QueuedRequest, now: float) -> TtftEstimate | None:
         """A queued request's estimate if, started now alone at its cheapest plan, its first token
         would be past the margin (None: it can still be served within it, or it was admitted late

@@ -2,6 +2,8 @@
 promised by admissions in progress, queued requests past saving, and the estimates' errors."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cachesmith.planner import Planner
@@ -162,6 +164,17 @@ def test_a_queued_request_late_even_alone_is_not_work_ahead_though_it_is_not_she
     assert adm.admit(view(0, slo=20 * run_s), 0.0, [doomed], []).start_s == pytest.approx(alone.start_s)
     adm.settle(0)
     assert adm.admit(view(0, slo=20 * run_s), 0.0, [in_time], []).start_s == pytest.approx(alone.start_s + run_s)
+
+
+def test_the_next_expiry_is_when_the_first_queued_request_becomes_past_saving():
+    adm = admission()
+    run_s = adm.pricer.cheapest_s([view(1)])
+    a, b = view(1, arrival=0.0, slo=run_s), view(2, arrival=1.0, slo=run_s)
+    due = adm.next_expiry_s([b, a], 0.0)
+    assert due == pytest.approx(1.5 * run_s - run_s)  # a's first token passes 1.5x its SLO from then
+    assert adm.expired([a, b], due - 1e-6) == [] and [v.request_id for v, _ in adm.expired([a, b], due + 1e-6)] == [1]
+    assert adm.next_expiry_s([a], 0.0) == math.inf  # alone, it is never shed
+    assert admission(None).next_expiry_s([a, b], 0.0) == math.inf
 
 
 def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():

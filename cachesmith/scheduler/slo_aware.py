@@ -4,7 +4,8 @@ its budget that let the most requests of the whole queue meet their SLO inside t
 In: the queue of `QueuedRequest`s, the current time and a `Planner` (for budget bands; it never
 touches tensors). Out: a `ScheduleDecision`. Requests that cannot meet their SLO even at their
 floor alone are "doomed": held apart and served at full reuse when that costs no one else, in
-batches that end before the next arrival is predicted.
+batches that end before the next arrival is predicted. With `is_doomed_held`, a doomed request that
+would not end before that arrival even alone waits (a "wait" decision) rather than delay it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from cachesmith.recompute import full_reuse
 from cachesmith.scheduler.arrivals import ArrivalHistory
 from cachesmith.scheduler.buckets import bucketize, compositions
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
+
+MIN_WAIT_S = 0.005  # a wait shorter than a decision takes would only spin the loop
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class SchedulerConfig:
     arrival_window: int = 64  # recent arrivals the prediction is measured on
     # a batch whose budget the waiting queue bounds takes only its share of the room (`_shared_room`)
     is_slack_shared: bool = True
+    # with only doomed requests queued, wait for a predicted arrival that even one of them would
+    # delay: late work then never costs a request still on time. Safe only where something bounds
+    # how long a doomed request can wait (the server's shedding margin answers it refused): under
+    # sustained load it would otherwise wait for as long as arrivals keep coming
+    is_doomed_held: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
@@ -92,8 +100,10 @@ class SloAwareScheduler:
         spans = dict(zip((r.request_id for r in queue), np.maximum(saturation_s - floor_s, 0.0).tolist()))
         doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
         live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
+        gap = self._next_gap(now)
         if not live:
-            return self._doomed_batch(doomed, self._doomed_members(doomed, now), start)
+            members = self._doomed_members(doomed, gap)
+            return self._doomed_batch(doomed, members, start) if members[0] else self._wait(doomed, gap, start)
         priced = self._price(live, floors, now, spans)
         best, window = self._pick(priced, self.config.kv_capacity_tokens), None
         if self._is_burst(priced[0]):
@@ -101,27 +111,32 @@ class SloAwareScheduler:
             wide = self._pick(priced, self.partial_capacity)
             if wide[0] > best[0]:  # only when it places more requests on time
                 best, window = wide, self.window_layers
-        if doomed:  # serve the doomed first only if no live request loses its chance by it
-            members = self._doomed_members(doomed, now)
+        members = self._doomed_members(doomed, gap) if doomed else ([], 0.0, 0.0)
+        if members[0]:  # serve the doomed first only if no live request loses its chance by it
             later = self._pick(self._price(live, floors, now + members[1], spans), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
                 return self._doomed_batch(doomed, members, start)
-        on_time, members, budget, limit = best
+        on_time, batch, budget, limit = best
         num_candidates = len(priced[1]) - 1  # the fallback row is not one
-        return ScheduleDecision(tuple(r.request_id for r in members), budget, "planned", limit_s=limit,
+        return ScheduleDecision(tuple(r.request_id for r in batch), budget, "planned", limit_s=limit,
                                 expected_on_time=on_time, num_candidates=num_candidates,
                                 decision_s=time.perf_counter() - start,
-                                doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window)
+                                doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window,
+                                is_holding=bool(doomed) and not members[0])
 
     def _observe(self, queue: Sequence[QueuedRequest], saturation_s: np.ndarray) -> None:
         for r, s in zip(queue, saturation_s.tolist()):
             self.arrivals.observe(r.request_id, r.arrival_s, r.slo_s, s)  # the first sighting counts
 
+    def _next_gap(self, now: float) -> float:
+        """Seconds to the predicted next arrival; inf when nothing is predicted."""
+        return self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
+
     def _arrival_room(self, now: float, queued_work: np.ndarray) -> np.ndarray:
         """[M] the most budget a batch may take past saturation and still leave the predicted next
         arrival, behind the batch and the waiting queue at floors, its own saturation budget before
         its deadline; inf when nothing is predicted."""
-        gap = self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
+        gap = self._next_gap(now)
         if not np.isfinite(gap):
             return np.full(queued_work.shape, np.inf)
         slo, saturation = self.arrivals.typical()
@@ -133,15 +148,17 @@ class SloAwareScheduler:
             return False
         return any(sum(r.num_tokens for r in b) > self.config.kv_capacity_tokens for b in buckets)
 
-    def _doomed_members(self, doomed: list[QueuedRequest], now: float) -> tuple[list[QueuedRequest], float, float]:
+    def _doomed_members(self, doomed: list[QueuedRequest], gap: float) -> tuple[list[QueuedRequest], float, float]:
         """The doomed batch with its full reuse (TTFT, free coverage): the earliest arrivals, as many
-        as end before the predicted next arrival (at least one). A batch runs to its end once
-        started, so a long doomed batch makes every request arriving meanwhile wait behind work that
-        is late anyway; under sustained overload that wait turns the next arrivals doomed in turn."""
+        as end before the predicted next arrival `gap` seconds away (at least one; none when held and
+        even one would not). A batch runs to its end once started, so a long doomed batch makes every
+        request arriving meanwhile wait behind work that is late anyway; under sustained overload
+        that wait turns the next arrivals doomed in turn."""
         ordered = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
-        gap = self.arrivals.next_gap(now) if self.config.is_arrival_aware else float("inf")
         size = len(ordered) if not np.isfinite(gap) else 1
         priced = self.full_reuse_s(ordered[:size])
+        if self.config.is_doomed_held and priced[0] > gap:
+            return [], 0.0, 0.0
         while size < len(ordered):  # one walk per size tried, the first that ends too late the last
             wider = self.full_reuse_s(ordered[: size + 1])
             if wider[0] > gap:
@@ -155,6 +172,10 @@ class SloAwareScheduler:
         return ScheduleDecision(tuple(r.request_id for r in batch), ttft, "full_reuse", full_reuse(), coverage,
                                 decision_s=time.perf_counter() - start,
                                 doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
+
+    def _wait(self, doomed: list[QueuedRequest], gap: float, start: float) -> ScheduleDecision:
+        return ScheduleDecision((), 0.0, "wait", decision_s=time.perf_counter() - start, wait_s=max(gap, MIN_WAIT_S),
+                                doomed_ids=tuple(r.request_id for r in doomed), is_holding=True)
 
     def _price(self, live: list[QueuedRequest], floors: dict[int, float], now: float,
                spans: dict[int, float] | None = None):

@@ -67,7 +67,9 @@ class Service:
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
         # a learning method calibrates in idle time: the serving front hands the engine that work
-        scheduler = replace(config.engine.scheduler, kv_capacity_tokens=self.memory.kv_capacity_tokens)
+        # the shedding margin bounds how long a doomed request may be held back for arrivals still on time
+        scheduler = replace(config.engine.scheduler, kv_capacity_tokens=self.memory.kv_capacity_tokens,
+                            is_doomed_held=config.shedding.is_on)
         engine_config = replace(config.engine, scheduler=scheduler,
                                 shadow_work=config.engine.shadow_work or shadow_calibrator)
         self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
