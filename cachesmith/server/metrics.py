@@ -213,6 +213,8 @@ def _engine_metrics(svc: Service, model: str):
                   st.stall_s)
     yield _single(CounterMetricFamily, model, "monitor_replans", "Runtime-monitor coverage lowerings",
                   st.num_monitor_replans)
+    yield _single(CounterMetricFamily, model, "scheduler_holds", "Scheduling decisions that held requests past "
+                  "saving back for a predicted arrival (with shedding on)", st.num_holding)
 
 
 def _store_metrics(svc: Service, model: str):
