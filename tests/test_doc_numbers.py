@@ -65,3 +65,11 @@ def test_a_wrong_number_in_a_checkout_makes_the_cli_fail(tmp_path, capsys):
     assert doc_numbers.main(["--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "docs/measurements.md: quotes 5.53" in err and "gives 5.35" in err
+
+
+def test_every_payload_has_a_row_in_the_payloads_index():
+    index = (REPO / "docs/bench/README.md").read_text()
+    payloads = [p.name + ("/` (folder)" if p.is_dir() else "`") for p in (REPO / "docs/bench").iterdir()
+                if p.name != "README.md"]
+    assert len(payloads) >= 30
+    assert [name for name in sorted(payloads) if f"| `{name} |" not in index] == []
