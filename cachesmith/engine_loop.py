@@ -40,7 +40,7 @@ from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Generation
 from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.request import Request, RequestResult
-from cachesmith.scheduler import QueuedRequest
+from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.shedding import SHED_KIND, DeadlineAdmission
 
@@ -229,7 +229,7 @@ class EngineLoop:
             self._note(f"prefill {self._num_decoding}")
         return shed, decided
 
-    def _hold(self, decision) -> None:
+    def _hold(self, decision: ScheduleDecision) -> None:
         """The scheduler runs nothing yet (only requests past saving are queued, and an arrival is due
         before even one would end): look again once the queue changes, the wait is over, or the
         first of them is due to be shed, so its client is told then. Closing does not cut a wait
