@@ -21,7 +21,9 @@ caller prices each request against the work ahead before any of its documents is
 past saving is answered refused instead of run (`cachesmith.shedding`). An admission that raises (any exception)
 resolves its future with an internal error and gives its place back. `cancel` drops a request still
 queued; `close()` stops admissions and drains what is queued. A batch that raises turns into
-per-request errors; the loop keeps serving. Served results carry each token's clock time (for
+per-request errors; the loop keeps serving. When the scheduler decides to wait (only requests past
+saving queued, an arrival due first), the loop sleeps until the queue changes, the wait ends or
+the first of them is due to be shed. Served results carry each token's clock time (for
 end-to-end and inter-token latency).
 """
 from __future__ import annotations
@@ -31,7 +33,6 @@ import logging
 import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -43,6 +44,7 @@ from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
 from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.shedding import SHED_KIND, DeadlineAdmission
+from cachesmith.token_streams import TokenSink, TokenStreams
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
         self._futures: dict[int, Future] = {}
-        self._sinks: dict[int, Callable[[int, int], None]] = {}
+        self._streams = TokenStreams(engine.clock)
         self._ids = itertools.count()
         self._num_admitting = 0
         self._is_closing = False
@@ -71,7 +73,6 @@ class EngineLoop:
         self._handed: list[Generation] = []  # started on the prefill thread, not yet joined
         self._num_decoding = 0  # handed + active, read by the prefill thread for room
         self._num_in_batch = 0  # the batch the prefill thread holds (prefilling, or decoding it whole)
-        self._token_times: defaultdict[int, list[float]] = defaultdict(list)  # per request, its tokens' times
         self._is_prefilling = False
         self._is_prefill_done = False
         self._held_depth = 0  # the queue's depth when the scheduler last decided
@@ -150,7 +151,7 @@ class EngineLoop:
             return True
 
     def _enqueue(self, slot: Slot, request: Request, view: QueuedRequest, future: RequestFuture,
-                 on_token: Callable[[int, int], None] | None) -> None:
+                 on_token: TokenSink | None) -> None:
         """Queue an admitted request and give its slot back in one step, so the depth never dips."""
         with self._cond:
             if not self._give_back(slot):
@@ -160,10 +161,9 @@ class EngineLoop:
                 future.set_result(refused)
                 return
             self._futures[request.request_id] = future
-            if on_token is not None:
-                self._sinks[request.request_id] = on_token
+            self._streams.open(request.request_id, on_token)
 
-    def submit(self, request: Request, on_token: Callable[[int, int], None] | None = None,
+    def submit(self, request: Request, on_token: TokenSink | None = None,
                slot: Slot | None = None) -> RequestFuture:
         """Queue `request` (its arrival starts its TTFT). `slot`: the place taken by `reserve` for
         it (default: one taken now); it is given back here, whatever happens. A request that
@@ -276,7 +276,7 @@ class EngineLoop:
     def _prefill(self, decision, batch) -> None:
         try:
             prefilled = self.engine.prefill_batch(decision, batch)
-            gens = self.engine.start_decoding(prefilled, self._emit)
+            gens = self.engine.start_decoding(prefilled, self._streams.emit)
         except Exception as exc:  # a bad batch must not take the server down with it
             log.exception("batch %s failed", decision.request_ids)
             self._resolve([RequestResult.failed(r, f"internal error while serving: {exc}") for r in batch])
@@ -355,7 +355,7 @@ class EngineLoop:
         results = []
         for gen in gens:
             prefilled, index = gen.tag
-            times = tuple(self._token_times.pop(prefilled.batch[index].request_id, ()))
+            times = self._streams.take_times(prefilled.batch[index].request_id)
             results.append(self.engine.finish_one(prefilled, index, gen, times))
         return results
 
@@ -376,23 +376,10 @@ class EngineLoop:
         if self.trace is not None:
             self.trace(event)
 
-    def _emit(self, request_id: int, index: int, token_id: int) -> None:
-        # one clock read and append per token: end-to-end latency and the gaps between tokens
-        self._token_times[request_id].append(self.engine.clock.now())
-        sink = self._sinks.get(request_id)
-        if sink is None:
-            return
-        try:
-            sink(index, token_id)
-        except Exception:  # a consumer's failure (a client gone) must not stop the others
-            log.exception("token sink of request %d failed; it gets no more tokens", request_id)
-            self._sinks.pop(request_id, None)
-
     def _resolve(self, results: list[RequestResult]) -> None:
         with self._cond:
             for res in results:
-                self._sinks.pop(res.request_id, None)
-                self._token_times.pop(res.request_id, None)  # a batch that failed after some first tokens
+                self._streams.close(res.request_id)
                 self._futures.pop(res.request_id).set_result(res)
 
     def close(self, timeout: float | None = None) -> bool:

@@ -157,15 +157,11 @@ class DeadlineAdmission:
 
     def expired(self, queue: Sequence[QueuedRequest], now: float) -> list[tuple[QueuedRequest, str]]:
         """Queued requests whose first token, even if their batch started now alone at its cheapest
-        plan, would be past the margin, each with the message its client gets. Only while others
-        wait beside them: running a late request alone delays no one waiting (later arrivals are
-        priced behind it), and its own prefill, already paid, may be what made it late."""
-        if not self.config.is_on or len(queue) < 2:
-            return []
+        plan, would be past the margin, each with the message its client gets."""
         out = []
-        for view in queue:
-            estimate = self._past_saving(view, now)
-            if estimate is not None:
+        for view in self._sheddable(queue):
+            estimate = self._alone_now(view, now)
+            if self.config.is_unattainable(estimate.ttft_s, view.slo_s):
                 out.append((view, f"slo_ms={view.slo_s * 1e3:.0f}: this request waited {estimate.waited_s:.2f} s in "
                                   f"the queue; with its own {estimate.run_s:.2f} s at its cheapest plan its first "
                                   f"token would come past {self.config.max_lateness:g}x its SLO (--shed-late), so "
@@ -175,19 +171,17 @@ class DeadlineAdmission:
     def next_expiry_s(self, queue: Sequence[QueuedRequest], now: float) -> float:
         """The clock time the first of `queue` becomes past saving (`expired`); inf: none will while
         the queue stays as it is."""
-        if not self.config.is_on or len(queue) < 2:
-            return math.inf
         return min((view.arrival_s + self.config.max_lateness * view.slo_s - self._alone_now(view, now).run_s
-                    for view in queue if view.request_id not in self._alone_late), default=math.inf)
+                    for view in self._sheddable(queue)), default=math.inf)
 
-    def _past_saving(self, view: QueuedRequest, now: float) -> TtftEstimate | None:
-        """A queued request's estimate if, started now alone at its cheapest plan, its first token
-        would be past the margin (None: it can still be served within it, or it was admitted late
-        with nothing ahead, which no load caused)."""
-        if not self.config.is_on or view.request_id in self._alone_late:
-            return None
-        estimate = self._alone_now(view, now)
-        return estimate if self.config.is_unattainable(estimate.ttft_s, view.slo_s) else None
+    def _sheddable(self, queue: Sequence[QueuedRequest]) -> list[QueuedRequest]:
+        """The queued requests shedding may answer refused: only while others wait beside them
+        (running a late request alone delays no one waiting: later arrivals are priced behind it, and
+        its own prefill, already paid, may be what made it late), and none admitted late with nothing
+        ahead, which no load caused."""
+        if not self.config.is_on or len(queue) < 2:
+            return []
+        return [view for view in queue if view.request_id not in self._alone_late]
 
     def _is_doomed(self, view: QueuedRequest, now: float) -> bool:
         """Started now alone at its cheapest plan, its first token would still be past its SLO (the

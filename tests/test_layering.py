@@ -39,8 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods",),
     ("executor", "shadow_work"),
     ("engine",),
-    # what deadline-aware admission refuses (priced by the scheduler's cost model); a queue place
-    ("shedding", "queue_places"),
+    # what deadline-aware admission refuses (priced by the scheduler's cost model); a queue place;
+    # a live request's token stream
+    ("shedding", "queue_places", "token_streams"),
     ("engine_loop",),
     # the profile a server serves with and what it measures itself (costs at a first start, demand on
     # served requests in idle time)
