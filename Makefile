@@ -52,28 +52,36 @@ test-vllm: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py
 
-# On a machine with an NVIDIA GPU, in its own python3 (torch and transformers installed there, no
-# venv, maybe no network; cachesmith imported from this checkout through PYTHONPATH). First, here:
-# `make gpu-kit` gathers into $(GPU_KIT)/ (git-ignored; carry it with the checkout) everything the
-# two targets below import beyond torch, transformers, safetensors, tqdm and jinja2: the wheels at
-# the lock's versions for CPython 3.11-3.13 on manylinux x86_64 (fastapi, uvicorn, pydantic,
-# prometheus_client, redis, xxhash, pytest, ...: found by importing the server, the check and the
-# CUDA tests, benchmarks/gpu_kit.py), the packaged tokenizer's files (the served requests are
-# tokenized with them; the weights are random) and a MANIFEST. On the GPU machine, both targets
-# install from that folder alone (no index) what its Python lacks into GPU_SITE, put it on
-# PYTHONPATH and check that every module imports, or stop naming what is missing.
+# On a machine with an NVIDIA GPU, in its own python3 (torch installed there, no venv, maybe no
+# network; cachesmith imported from this checkout through PYTHONPATH). First, here: `make gpu-kit`
+# gathers into $(GPU_KIT)/ (git-ignored; carry it with the checkout) everything the two targets
+# below import beyond torch, safetensors, tqdm and jinja2: the wheels at the lock's versions for
+# CPython 3.11-3.13 on manylinux x86_64 (fastapi, uvicorn, pydantic, prometheus_client, redis,
+# xxhash, pytest, ...: found by importing the server, the check and the CUDA tests,
+# benchmarks/gpu_kit.py; and transformers, tokenizers and huggingface-hub with what they require),
+# the packaged tokenizer's files (the served requests are tokenized with them; the weights are
+# random) and a MANIFEST. On the GPU machine, both targets install from that folder alone (no
+# index) what its Python lacks into GPU_SITE, put it on PYTHONPATH and check that every module
+# imports, or stop naming what is missing. The machine's transformers is used only where it is
+# within pyproject.toml's range (else the kit's, with its tokenizers and huggingface-hub): a line
+# per package says whose ran ("transformers 5.x.y: the machine's" or "...: from the kit (why)").
 # `gpu-check` runs the prepared check of benchmarks/gpu_check.py on random weights of Llama-3-8B's
 # shape and writes docs/bench/gpu_check.json (exit status 1 when a bar fails; GPU_CHECK_ARGS adds
 # flags, e.g. --max-minutes 6). `test-cuda` runs the tests marked cuda (the `device` fixture's GPU
-# cases) in CUDA_TESTS, less CUDA_IGNORE: the redis tier's cases, which need a redis-server binary
-# that a bare GPU machine lacks (its device path is the memory tier's, which runs).
+# cases, tests/conftest.py) in CUDA_TESTS: the store and its transfers, the model and its decode
+# steps (eager and CUDA graphs), the recompute runner, the vLLM connector's worker and paged-cache
+# writes (without vLLM); each folder has such cases (tests/test_cuda_collection.py checks). Less
+# CUDA_IGNORE: the redis tier's cases, which need a redis-server binary that a bare GPU machine
+# lacks (its device path is the memory tier's, which runs), and the modules about vLLM itself (its
+# venv and its runs: no device cases). The tiny chat models there borrow the kit's tokenizer files.
 PY_GPU ?= python3
 GPU_KIT ?= gpu-kit
 GPU_SITE ?= /tmp/cachesmith-site
 GPU_TOKENIZER ?= $(GPU_KIT)/tokenizer
 GPU_CHECK_ARGS ?=
-CUDA_TESTS ?= tests/kvstore tests/model tests/recompute
-CUDA_IGNORE ?= tests/kvstore/test_redis.py
+CUDA_TESTS ?= tests/kvstore tests/model tests/recompute tests/integrations
+CUDA_IGNORE ?= tests/kvstore/test_redis.py tests/integrations/test_vllm_connector.py \
+               tests/integrations/test_vllm_install.py tests/integrations/test_vllm_layouts.py
 GPU_INSTALL = $(PY_GPU) benchmarks/gpu_kit.py install --kit $(GPU_KIT) --site $(GPU_SITE)
 
 gpu-kit: $(STAMP)
@@ -86,8 +94,9 @@ gpu-check:
 	  $(GPU_CHECK_ARGS)
 
 test-cuda:
-	@$(GPU_INSTALL)
-	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) -m pytest -q -m cuda $(CUDA_TESTS) $(addprefix --ignore=,$(CUDA_IGNORE))
+	@$(GPU_INSTALL) --need-tokenizer
+	PYTHONPATH=.:$(GPU_SITE) CACHESMITH_TEST_TOKENIZER=$(abspath $(GPU_TOKENIZER)) \
+	  $(PY_GPU) -m pytest -q -m cuda $(CUDA_TESTS) $(addprefix --ignore=,$(CUDA_IGNORE))
 
 # The native kernels' tests against a build with AddressSanitizer and UBSan (any finding aborts the
 # run). The sanitized library lives under a CACHESMITH_HOME of its own (the model and corpus linked

@@ -8,7 +8,8 @@ can tokenize; every other size is the named model's. Random weights (std 0.02, n
 on the device in the target dtype and saved once as an HF-format folder (config.json,
 model.safetensors, the tokenizer's files; in /dev/shm where it has room), which our `Decoder`,
 transformers' `AutoModelForCausalLM` (sdpa) and the server all load: our loader and the model
-identity read the weights from files, so the folder cannot be skipped.
+identity read the weights from files, so the folder cannot be skipped. transformers 4.x or 5.x:
+the spellings that changed between them are the installed one's (hf_compat).
 Out: a table, one line per row, and the JSON payload (--out, stamped by `common.emit` like every
 payload). A row is a dict; one that raised holds `error` (the exception's last line, the traceback
 goes to stderr) and the run goes on; one the clock (--max-minutes) or a missing package stopped
@@ -17,6 +18,13 @@ Rows (timings: median of 3 after a warm-up, synchronized on CUDA; the sizes belo
 8b's, `tiny` runs each leg once at small sizes: SIZES):
   logits   last-position logits of a 2K prompt, ours against transformers': cosine, same top-1,
            top-10 overlap, max |diff|
+  graphs   greedy tokens of 8 streams of 2K (64 each), CUDA-graph decode against eager decode
+           (`Decoding(use_graphs=True/False)`), in the run's dtype: equal, or where not the first
+           differing step and the logit gap there (gpu_paths.tokens_row)
+  kernels  one row per kind of attention call the engine made in those runs and in a CacheBlend
+           recompute (prefill, recompute, decode eager, decode graph; shapes less their lengths):
+           the SDPA kernels torch's checks accept (flash, efficient, cudnn, with their reasons) and
+           the one it picks, for every length seen (device.sdpa_kernels; None on the CPU)
   prefill  our full prefill (`Decoder.prefill`) against transformers' forward, per context
   reuse    full reuse, CacheBlend@15%/30% and EPIC@15% per context, `direct` (chunk KV already on
            the device) and `store` (chunks in a memory-tier `ChunkStore`, staged by the
@@ -28,7 +36,10 @@ Rows (timings: median of 3 after a warm-up, synchronized on CUDA; the sizes belo
   serve    `cachesmith serve` as a child process: 10 RAG requests (4-5 documents drawn from a
            pool of 8, so documents recur in new orders) and one plain chat over loopback (stdlib
            client); each answer's status and `cachesmith` object
-Bars: logits cosine >= 0.995; 10/10 RAG requests answered with a plan; no row errored.
+Bars: logits cosine >= 0.995; 10/10 RAG requests answered with a plan; on a CUDA device, graph
+decode's tokens equal eager decode's (in half precision, a differing step within gpu_paths.TIE_GAP
+logits' std passes: the paths round differently and random weights leave near-ties) and no kind of
+attention call falls to the math kernel; no row errored.
 On the simulated CUDA device (`python -m cachesmith.testing.sim_run benchmarks/gpu_check.py ...`,
 CI: tests/bench/test_gpu_check_sim.py) the server is started under the simulation too (serve_leg).
 Usage: python benchmarks/gpu_check.py --shape 8b   (make gpu-check, after make gpu-kit)
@@ -40,6 +51,7 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
+from importlib.metadata import PackageNotFoundError, version
 import random
 import sys
 import tempfile
@@ -53,7 +65,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_rows import Clock, guarded  # noqa: E402
 from common import emit, median, print_table, random_request, timed  # noqa: E402
-from random_model import (SHAPES, build_model, default_tokenizer_dir, llama_config, scratch_root,  # noqa: E402
+from gpu_paths import SdpaRecorder, TIE_GAP, kernel_row, recompute_calls, tokens_row  # noqa: E402
+from hf_compat import dtype_kwargs, last_logits_kwargs  # noqa: E402
+from random_model import (SHAPES, build_model, config_fields, default_tokenizer_dir, scratch_root,  # noqa: E402
                           weight_bytes)
 from serve_leg import NUM_RAG, serve_row  # noqa: E402
 
@@ -104,11 +118,18 @@ class Timer:
 def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
     """transformers' model from the same folder, sdpa attention, loaded on the host and moved to the
     device: its `device_map` (no host copy first) needs `accelerate`, which neither the lock nor the
-    GPU kit carries (transformers 5 raises without it)."""
+    GPU kit carries (transformers 5 raises without it). The dtype's argument is spelled as the
+    installed transformers spells it (`hf_compat`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa", **dtype_kwargs(dtype))
     return model.to(device).eval()
+
+
+def last_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of the last position of each row of ids [B, T] -> [B, vocab]: only
+    that position's computed where the installed version can be told so (`hf_compat`)."""
+    return hf(ids, **last_logits_kwargs(hf)).logits[:, -1]
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -122,7 +143,7 @@ def logits_row(model: Decoder, hf, short: int, device: torch.device) -> dict:
     ours, cache = model.prefill(ids)
     cache.release()
     with torch.inference_mode():
-        ref = hf(ids.to(device)[None], logits_to_keep=1).logits[0, -1].float()
+        ref = last_logits(hf, ids.to(device)[None])[0].float()
     top_ours, top_ref = ours.topk(10).indices.tolist(), ref.topk(10).indices.tolist()
     cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
     return {"tokens": short, "cosine": cosine, "same_top1": top_ours[0] == top_ref[0],
@@ -134,7 +155,7 @@ def prefill_row(model: Decoder, hf, flat: list[int], timer: Timer) -> dict:
     ids = torch.tensor(flat, device=timer.device)
     engine = timer.ms(lambda: model.prefill(ids)[1].release())
     with torch.inference_mode():
-        ref = timer.ms(lambda: hf(ids[None], logits_to_keep=1))
+        ref = timer.ms(lambda: last_logits(hf, ids[None]))
     return {"tokens": len(flat), "engine_ms": engine, "hf_ms": ref, "hf_over_engine": ref / engine}
 
 
@@ -216,7 +237,7 @@ def batch_row(model: Decoder, hf, runner: BatchRunner, sizes: Sizes, timer: Time
     blend = timer.ms(lambda: release_all(runner.run(reqs, cacheblend(0.15))))
     full = timer.ms(lambda: release_all(runner.run(reqs, full_prefill(model.num_layers))))
     with torch.inference_mode():
-        ref = timer.ms(lambda: hf(ids, logits_to_keep=1))
+        ref = timer.ms(lambda: last_logits(hf, ids))
     return {"batch_size": sizes.batch, "context_tokens": sizes.short, "tokens_each": ids.shape[1],
             "cacheblend_ms": blend, "engine_full_ms": full, "hf_ms": ref, "hf_over_cacheblend": ref / blend,
             "hf_over_engine_full": ref / full}
@@ -265,6 +286,18 @@ def decode_row(model: Decoder, hf, streams: int, sizes: Sizes, timer: Timer) -> 
             "hf_tokens_per_s": ref, "engine_over_hf": ours / ref}
 
 
+def path_rows(rows, clock, reserve_s, model: Decoder, runner: BatchRunner, sizes: Sizes, device) -> None:
+    """Graph decode's tokens against eager decode's, then one row per kind of attention call the
+    engine made meanwhile (and in a CacheBlend run): the SDPA kernels torch gives it (`gpu_paths`)."""
+    recorder, streams = SdpaRecorder(), max(sizes.streams)
+    guarded(rows, clock, "graphs", f"{streams} stream(s) {sizes.short}",
+            lambda: tokens_row(model, sizes.short, streams, sizes.new_tokens, recorder), reserve_s)
+    guarded(rows, clock, "setup", f"recompute calls {sizes.short}",
+            lambda: recompute_calls(model, runner, sizes.short, recorder), reserve_s)
+    for case, calls in recorder.kinds().items():
+        guarded(rows, clock, "kernels", case, lambda: kernel_row(calls, device), reserve_s)
+
+
 def engine_rows(rows: list[dict], clock: Clock, args, model_dir: Path, device, dtype, info: dict) -> None:
     """Every row that runs in this process: our decoder and transformers' side by side."""
     reserve_s = 0.0 if args.skip_serve else min(150.0, 0.35 * clock.budget_s)  # kept for the serve leg
@@ -285,6 +318,7 @@ def engine_rows(rows: list[dict], clock: Clock, args, model_dir: Path, device, d
     sizes = args.sizes
     timer = Timer(device, sizes.repeats)
     guarded(rows, clock, "logits", f"{sizes.short}", lambda: logits_row(model, hf, sizes.short, device), reserve_s)
+    path_rows(rows, clock, reserve_s, model, runner, sizes, device)
     for context in args.contexts:
         context_rows(rows, clock, reserve_s, model, hf, runner, context, timer)
     guarded(rows, clock, "batch", f"{sizes.batch}x{sizes.short} cacheblend@0.15",
@@ -298,17 +332,34 @@ def engine_rows(rows: list[dict], clock: Clock, args, model_dir: Path, device, d
 
 
 # -- the run -----------------------------------------------------------------------------------
-def bars(rows: list[dict], skip_serve: bool) -> list[dict]:
+def device_bars(rows: list[dict], dtype: str) -> list[dict]:
+    """The bars of a CUDA device's paths: graph decode's tokens, the fused attention kernels."""
+    graphs = next((r for r in rows if r["leg"] == "graphs"), {})
+    kernels = [r for r in rows if r["leg"] == "kernels"]
+    near = f", or within {TIE_GAP} logits' std where they differ" if dtype != "float32" else ""
+    return [{"bar": f"graph decode's greedy tokens == eager decode's ({dtype}{near})",
+             "value": graphs.get("tokens_equal"), "passed": bool(graphs.get("passed"))},
+            {"bar": "every kind of engine attention call gets a fused SDPA kernel (not math)",
+             "value": [r["case"] for r in kernels if not r.get("passed")],
+             "passed": bool(kernels) and all(r.get("passed") for r in kernels)}]
+
+
+def bars(rows: list[dict], skip_serve: bool, on_cuda: bool = False, dtype: str = "float32") -> list[dict]:
+    """Each bar, its value and whether it passed; the serve bar unless skipped, the device's paths'
+    bars on a CUDA device (on the CPU both decode paths are eager and the kernels another set)."""
     logits = next((r for r in rows if r["leg"] == "logits"), {})
     serve = next((r for r in rows if r["leg"] == "serve"), {})
     errored = [f"{r['leg']} {r['case']}" for r in rows if "error" in r]
     out = [{"bar": f"logits cosine >= {COSINE_BAR}", "value": logits.get("cosine"),
-            "passed": bool(logits.get("passed"))},
-           {"bar": f"{NUM_RAG}/{NUM_RAG} RAG requests answered with a plan",
-            "value": serve.get("answered_with_plan", "skipped: " + serve["skipped"] if "skipped" in serve else None),
-            "passed": bool(serve.get("passed"))},
-           {"bar": "no row errored", "value": errored, "passed": not errored}]
-    return out[:1] + out[2:] if skip_serve else out
+            "passed": bool(logits.get("passed"))}]
+    if not skip_serve:
+        out.append({"bar": f"{NUM_RAG}/{NUM_RAG} RAG requests answered with a plan",
+                    "value": serve.get("answered_with_plan", "skipped: " + serve["skipped"] if "skipped" in serve
+                                       else None),
+                    "passed": bool(serve.get("passed"))})
+    if on_cuda:
+        out += device_bars(rows, dtype)
+    return out + [{"bar": "no row errored", "value": errored, "passed": not errored}]
 
 
 def _fmt(v, unit: str = "", label: str = "") -> str:
@@ -329,6 +380,10 @@ def display(row: dict) -> dict:
                        _fmt(r.get("hf_over_cacheblend"))),
              "decode": (_fmt(r.get("engine_tokens_per_s"), " tok/s"), _fmt(r.get("hf_tokens_per_s"), " tok/s", "hf "),
                         _fmt(r.get("engine_over_hf"))),
+             "graphs": (_fmt(r.get("tokens_equal"), label="tokens equal "), _fmt(r.get("graph_replays"), " replays"),
+                        _fmt(r.get("dtype"))),
+             "kernels": (_fmt(",".join(r["picked"]) if r.get("picked") else None, label="picked "),
+                         _fmt(r.get("calls"), " calls"), _fmt(r.get("dtype"))),
              "serve": (_fmt(r.get("answered_with_plan"), f"/{NUM_RAG} planned"),
                        _fmt((r.get("chat") or {}).get("status"), label="chat "), _fmt(r.get("startup_s"), " s up"))}
     ours, ref, ratio = shown.get(row["leg"], ("", "", ""))
@@ -337,10 +392,22 @@ def display(row: dict) -> dict:
     return {"leg": row["leg"], "case": r["case"], "ours": ours, "reference": ref, "ratio": ratio, "status": status}
 
 
+STACK = ("transformers", "tokenizers", "huggingface-hub", "safetensors")  # what the rows import beyond torch
+
+
+def installed_version(name: str) -> str | None:
+    """The installed distribution's version, None where it is missing (the rows needing it say so)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def versions(device: torch.device) -> dict:
-    import transformers
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            **accel.describe(device)}
+    """Python, torch, the stack beyond it (None where missing: a torch-only image still writes its
+    rows, each that needs a missing package with its error) and the device."""
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            **{name: installed_version(name) for name in STACK}, **accel.describe(device)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -372,7 +439,7 @@ def main() -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     payload = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "contexts": args.contexts,
                "versions": versions(device), "tokenizer_dir": str(args.tokenizer_dir)}
-    root = scratch_root(weight_bytes(llama_config(args.shape, args.tokenizer_dir), dtype))
+    root = scratch_root(weight_bytes(config_fields(args.shape, args.tokenizer_dir), dtype))
     with tempfile.TemporaryDirectory(prefix="cachesmith-gpu-check-", dir=root) as tmp:
         work, built = Path(tmp), {}
 
@@ -385,7 +452,7 @@ def main() -> int:
             if not args.skip_serve:
                 guarded(rows, clock, "serve", f"{NUM_RAG} RAG + 1 chat",
                         lambda: serve_row(args, built["dir"], work, clock))
-    payload["rows"], payload["bars"] = rows, bars(rows, args.skip_serve)
+    payload["rows"], payload["bars"] = rows, bars(rows, args.skip_serve, accel.is_cuda(device), args.dtype)
     payload["passed"] = all(b["passed"] for b in payload["bars"])
 
     def table():

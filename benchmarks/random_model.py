@@ -28,8 +28,10 @@ from cachesmith.model import DEFAULT_MODEL
 from cachesmith.model.assets import is_complete, models_root
 from cachesmith.model.device import synchronize
 from cachesmith.testing import sim_cuda
+from hf_compat import rope_kwargs
 
 INIT_STD = 0.02  # the Llama family's initializer range
+ROPE_THETA = 500000.0  # Llama 3's base
 SHAPES = {  # the named model's sizes (vocabulary: the tokenizer's)
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=False),
@@ -42,16 +44,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt")
 
 
-def llama_config(shape: str, tokenizer_dir: Path | None):
-    """A LlamaConfig of the named shape, its vocabulary and special ids the tokenizer's."""
-    from transformers import LlamaConfig
-
+def config_fields(shape: str, tokenizer_dir: Path | None) -> dict:
+    """The named shape's config fields, its vocabulary and special ids the tokenizer's, RoPE in both
+    transformers spellings (`hf_compat.rope_kwargs`: 4.x and 5.x then agree with our loader).
+    Plain values: sizing the weights needs no transformers."""
     tok = json.loads((tokenizer_dir / "config.json").read_text()) if tokenizer_dir and \
         (tokenizer_dir / "config.json").is_file() else {}
-    return LlamaConfig(**SHAPES[shape], vocab_size=tok.get("vocab_size", 49152), rms_norm_eps=1e-5,
-                       max_position_embeddings=32768, bos_token_id=tok.get("bos_token_id", 1),
-                       eos_token_id=tok.get("eos_token_id", 2),
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    return dict(**SHAPES[shape], vocab_size=tok.get("vocab_size", 49152), rms_norm_eps=1e-5,
+                max_position_embeddings=32768, bos_token_id=tok.get("bos_token_id", 1),
+                eos_token_id=tok.get("eos_token_id", 2), **rope_kwargs(ROPE_THETA))
+
+
+def llama_config(shape: str, tokenizer_dir: Path | None):
+    """A LlamaConfig of the named shape (`config_fields`)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**config_fields(shape, tokenizer_dir))
 
 
 def generator_device(device: torch.device) -> torch.device:
@@ -116,20 +124,20 @@ def build_model(args, work: Path, device: torch.device, dtype: torch.dtype) -> t
     write_model(cfg, weights, args.tokenizer_dir, work / f"random-{args.shape}")
     num_bytes = sum(w.numel() * w.element_size() for w in weights.values())
     del weights
-    info = {"config": {**SHAPES[args.shape], "vocab_size": cfg.vocab_size, "rope_theta": 500000.0,
+    info = {"config": {**SHAPES[args.shape], "vocab_size": cfg.vocab_size, "rope_theta": ROPE_THETA,
                        "max_position_embeddings": cfg.max_position_embeddings},
             "weights_gb": num_bytes / 1e9, "build_s": built - start, "save_s": time.perf_counter() - built,
             "folder": str(work)}
     return work / f"random-{args.shape}", info
 
 
-def weight_bytes(cfg, dtype: torch.dtype) -> int:
-    """What the weights of `cfg` take in `dtype` (where to write them depends on it)."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * h // cfg.num_attention_heads
+def weight_bytes(fields: dict, dtype: torch.dtype) -> int:
+    """What the weights of a config (`config_fields`) take in `dtype` (where to write them depends on it)."""
+    h, inter = fields["hidden_size"], fields["intermediate_size"]
+    kv = fields["num_key_value_heads"] * h // fields["num_attention_heads"]
     per_layer = 2 * h * h + 2 * kv * h + 3 * h * inter
-    embeds = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * h
-    return (cfg.num_hidden_layers * per_layer + embeds) * torch.empty(0, dtype=dtype).element_size()
+    embeds = (1 if fields["tie_word_embeddings"] else 2) * fields["vocab_size"] * h
+    return (fields["num_hidden_layers"] * per_layer + embeds) * torch.empty(0, dtype=dtype).element_size()
 
 
 def default_tokenizer_dir() -> Path | None:

@@ -361,7 +361,7 @@ class EngineLoop:
 
     def _finish_whole(self, prefilled: PrefilledBatch, gens: list[Generation]) -> None:
         """Decode a batch to its end on this thread (`is_decode_overlapped=False`)."""
-        decoding = self.engine.new_decoding()
+        decoding = self._decoding  # the decode thread's, idle when batches decode whole here
         for gen in gens:
             decoding.add(gen)
         try:

@@ -10,6 +10,10 @@ optional `on_token(request_id, index, token_id)` hook as it is produced.
 "planned" batches ask the planner for (S, w, p, r) after layer 0, from the layer-0 QCI entropies,
 under the decision's budget, and run with the runtime monitor; "static" and "full_reuse" batches
 run the decision's plan. Never touches queues.
+
+On CUDA a batch's prefill runs on a stream of its own, so decode steps (launched from another
+thread on the default stream) do not queue behind it; each generation carries the event its first
+token was chosen at, which decoding waits for on the device before reading its cache.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import numpy as np
 
 from cachesmith.errors import InputError
 from cachesmith.model import Decoding, Generation
+from cachesmith.model import device as accel
 from cachesmith.model.generate import start_generation
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner import BatchPlan, Planner, PlanRequest
@@ -104,6 +109,8 @@ class BatchExecutor:
         # seconds from the last layer's end to the first tokens of recent planned batches: the
         # runtime monitor keeps the largest of them clear of the deadline
         self.tails_s: deque[float] = deque(maxlen=TAIL_WINDOW)
+        self._decoding: Decoding | None = None  # `decode`'s, kept across batches
+        self._stream = accel.new_stream(pipeline.model.device)  # prefill's (inert on the CPU)
 
     def admit(self, request: Request, kv_capacity_tokens: int) -> QueuedRequest:
         """The scheduler's view of a request whose caller keyed and stored its prompt (it runs with
@@ -119,7 +126,11 @@ class BatchExecutor:
         return queued_view(request, p.num_prefix_tokens, p.num_context_tokens, len(p.suffix_ids), kv_capacity_tokens)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
-        """Run the batch up to its first tokens (the timed part)."""
+        """Run the batch up to its first tokens (the timed part), on the prefill stream."""
+        with accel.on_stream(self._stream):
+            return self._prefill(decision, batch)
+
+    def _prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
         if decision.mode != "planned":
             plan = replace(decision.static_plan, coverage=decision.coverage)
             outs, seconds, stall = self._timed_run(batch, plan)
@@ -177,7 +188,9 @@ class BatchExecutor:
     def decode(self, batch: list[Request], run: BatchExecution,
                on_token: TokenHook | None = None) -> list[RequestOutput]:
         """Answers from the prefilled batch, its requests decoded together (off the TTFT clock)."""
-        decoding = Decoding(self.pipeline.model)
+        if self._decoding is None:  # one for every batch: its graph buckets are captured once
+            self._decoding = Decoding(self.pipeline.model)
+        decoding = self._decoding
         gens = self.start_decoding(batch, run, on_token)
         for gen in gens:
             decoding.add(gen)
@@ -189,11 +202,16 @@ class BatchExecutor:
         """Each request's first token chosen now (it may be sampled); the rest come from a
         `Decoding`'s steps. A generation's `tag` is its request's index in the batch."""
         gens = []
-        for i, (req, out) in enumerate(zip(batch, run.outs)):
-            rid = req.request_id
-            hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
-            gens.append(start_generation(self.pipeline.model, out.logits, out.cache,
-                                         req.max_new_tokens, req.sampling, hook, i))
+        with accel.on_stream(self._stream):
+            for i, (req, out) in enumerate(zip(batch, run.outs)):
+                rid = req.request_id
+                hook = None if on_token is None else (lambda j, t, rid=rid: on_token(rid, j, t))
+                gens.append(start_generation(self.pipeline.model, out.logits, out.cache,
+                                             req.max_new_tokens, req.sampling, hook, i))
+            prefilled = accel.new_event(self.pipeline.model.device)
+            prefilled.record()
+        for gen in gens:
+            gen.prefilled = prefilled
         return gens
 
     def output(self, req: Request, run: BatchExecution, index: int, gen: Generation) -> RequestOutput:

@@ -53,9 +53,21 @@ def redis_server(tmp_path):
 
 # "sim_cuda" everywhere: the simulated CUDA device (CPU data, CUDA's errors, counted syncs); "cuda"
 # only where torch sees a GPU, so a run without one neither collects nor skips it. The marks select
-# them: `make test-cuda` runs `-m cuda` on a GPU machine.
+# them: `make test-cuda` runs `-m cuda` on a GPU machine (tests/test_cuda_collection.py checks that
+# each of its folders has such cases).
 DEVICES = ["cpu", pytest.param("sim_cuda", marks=pytest.mark.sim_cuda)] + \
     ([pytest.param("cuda", marks=pytest.mark.cuda)] if accel.is_cuda_available() else [])
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """Each case of the `device` fixture carries its device's mark however the test came to the
+    fixture (through another fixture too), so `-m cuda` selects exactly the GPU's cases."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)  # parametrized items only
+        param = callspec.params.get("device") if callspec else None
+        if param in ("cuda", "sim_cuda"):
+            item.add_marker(param)
 
 
 @pytest.fixture(params=DEVICES)

@@ -51,8 +51,10 @@ def test_precompute_stores_the_keys_the_cpu_stores(model_dir, tmp_path, capsys, 
     keys = {}
     for device in ("cuda", "cpu"):
         out = tmp_path / f"keys-{device}.txt"
-        assert cli.main(["precompute", str(corpus), "--model", str(model_dir), "--device", device, "--tiers", "disk",
-                         "--store-root", str(tmp_path / f"kv-{device}"), "--keys-out", str(out)]) == 0
+        with sim_cuda.count() as counts:
+            assert cli.main(["precompute", str(corpus), "--model", str(model_dir), "--device", device, "--tiers",
+                             "disk", "--store-root", str(tmp_path / f"kv-{device}"), "--keys-out", str(out)]) == 0
+        assert counts.findings == []
         keys[device] = out.read_text().split()
     assert len(keys["cuda"]) == 40 and keys["cuda"] == keys["cpu"]
     assert "40 passages: 40 computed" in capsys.readouterr().out
@@ -60,8 +62,11 @@ def test_precompute_stores_the_keys_the_cpu_stores(model_dir, tmp_path, capsys, 
 
 def test_profile_costs_only_at_its_smallest_grid(model_dir, tmp_path, capsys, sim_cuda):
     out = tmp_path / "profile.json"
-    assert cli.main(["profile", "--model", str(model_dir), "--device", "cuda", "--costs-only", "--max-tokens", "512",
-                     "--num-shapes", "3", "--plans-per-shape", "2", "--tiers", "memory", "--out", str(out)]) == 0
+    with sim_cuda.count() as counts:
+        assert cli.main(["profile", "--model", str(model_dir), "--device", "cuda", "--costs-only", "--max-tokens",
+                         "512", "--num-shapes", "3", "--plans-per-shape", "2", "--tiers", "memory", "--out",
+                         str(out)]) == 0
+    assert counts.findings == []
     profile = json.loads(out.read_text())
     assert profile["device"] == "cuda" and profile["layer_costs"]
 
@@ -77,9 +82,11 @@ def test_a_short_bench(model_dir, tmp_path, capsys, sim_cuda):
     work = tmp_path / "w.jsonl"
     assert cli.main(["workload", "export", "--task", "mix", "--num-instances", "2", "--out", str(work),
                      "--corpus", str(_corpus_file(tmp_path))]) == 0
-    rc = cli.main(["bench", "--model", str(model_dir), "--device", "cuda", "--workload", str(work),
-                   "--num-requests", "2", "--methods", "full_reuse", "cacheblend@0.15", "--base-samples", "1",
-                   "--tiers", "memory", "--profile", str(profile), "--out", str(tmp_path / "bench")])
+    with sim_cuda.count() as counts:
+        rc = cli.main(["bench", "--model", str(model_dir), "--device", "cuda", "--workload", str(work),
+                       "--num-requests", "2", "--methods", "full_reuse", "cacheblend@0.15", "--base-samples", "1",
+                       "--tiers", "memory", "--profile", str(profile), "--out", str(tmp_path / "bench")])
+    assert counts.findings == []
     printed = capsys.readouterr()
     assert rc == 0 and re.search(r"\| full_reuse \|", printed.out), printed.err[-2000:]
     records = json.loads((tmp_path / "bench" / "summary.json").read_text())["records"]

@@ -10,26 +10,31 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_
                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+def rope(theta: float) -> dict:
+    """A default RoPE's base in both transformers spellings: 5.x reads `rope_parameters`, 4.x
+    `rope_theta` (keeping `rope_parameters` as an attribute, which our loader reads first). One
+    alone would give transformers' model and ours different bases on one of them."""
+    return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+
+
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, **rope(10000.0)))
 
 
 def _qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16,
-                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16, **rope(1e6)))
 
 
 def _qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    return Qwen2ForCausalLM(Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    return Qwen2ForCausalLM(Qwen2Config(**_COMMON, **rope(1e6)))
 
 
 def _mistral():
     from transformers import MistralConfig, MistralForCausalLM
-    return MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=None,
-                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    return MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=None, **rope(1e6)))
 
 
 TINY_ARCHITECTURES = {"llama": _llama, "qwen3": _qwen3, "qwen2": _qwen2, "mistral": _mistral}

@@ -127,14 +127,17 @@ class ConnectorWorker:
         with accel.on_stream(self._stream):
             kv = build_prompt_kv(self.pipe, load.token_ids, load.params, waited_s,
                                  namespace=load.namespace, plan=plan)
-            try:
+        try:
+            with accel.on_stream(self._stream):
                 n = load.num_rows
                 slots = load.slots(self.block_size).to(self.pipe.model.device)  # [n] int64
                 for i, write in self.writers.items():
                     write(kv.cache.key_slab[i, :n], kv.cache.value_slab[i, :n], slots)
-            finally:
-                kv.cache.release()
-        self._stream.synchronize()  # the rows are written before vLLM hears the load ended
+        finally:
+            # the rows are written before vLLM hears the load ended, and the slabs go back to the
+            # pool only once the stream has read them (another build may take them at once)
+            self._stream.synchronize()
+            kv.cache.release()
         params = kv.report.to_params()
         params[PARAMS_KEY]["num_rebuilds"] = load.num_rebuilds
         return Built(params, build_counts(load, kv.report, load.num_rows), kv.plan)

@@ -73,6 +73,8 @@ class Decoder:
         # on CUDA, plain-greedy decode steps replay captured CUDA graphs (`model.graph_decode`);
         # False: every step eager (`serve --no-cuda-graphs`). No effect on the CPU.
         self.is_decode_graphed = True
+        # device memory the decode graphs' buckets may hold (`server.memory_budget`); None: what is free
+        self.max_graph_bytes: int | None = None
         self._tune_kernels()
 
     @property

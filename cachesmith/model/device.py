@@ -9,6 +9,7 @@ and counts host syncs and copies; the real backend below is what a GPU runs.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Protocol
 
@@ -33,6 +34,8 @@ class Backend(Protocol):
     def memory_info(self, device: torch.device) -> tuple[int, int]: ...
     def new_graph(self) -> "Graph": ...
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+    def sdpa_kernels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     is_causal: bool, enable_gqa: bool) -> dict[str, Any]: ...
 
 
 class TimingEvent(Protocol):
@@ -96,6 +99,10 @@ class TorchCuda:
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
+
+    def sdpa_kernels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     is_causal: bool, enable_gqa: bool) -> dict[str, Any]:
+        return _torch_sdpa_kernels(q, k, v, mask, is_causal, enable_gqa)
 
 
 class _TorchTimingEvent:
@@ -273,3 +280,35 @@ def record_stream(tensor: torch.Tensor, stream: Any) -> None:
 def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, is_pinned: bool) -> torch.Tensor:
     """A host buffer, page-locked when it feeds asynchronous copies to a device."""
     return torch.empty(shape, dtype=dtype, pin_memory=is_pinned)
+
+
+# torch's SDPBackend values (`torch.nn.attention.SDPBackend`), as payloads name them
+SDPA_KERNEL_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def sdpa_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 is_causal: bool = False, enable_gqa: bool = False) -> dict[str, Any] | None:
+    """Which of CUDA's fused attention kernels take these `scaled_dot_product_attention` inputs
+    (no dropout): `flash`, `efficient`, `cudnn` (bools), the kernel torch `picked` (`math` when none
+    took them, or when those that did are turned off) and `reasons`, what torch said of the ones
+    that refused. None on the CPU, whose kernels are another set."""
+    if not is_cuda(q.device):
+        return None
+    return _backend.sdpa_kernels(q, k, v, mask, is_causal, enable_gqa)
+
+
+def _torch_sdpa_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        is_causal: bool, enable_gqa: bool) -> dict[str, Any]:
+    """torch's own answers (`sdpa_kernels`): each kernel's check (`can_use_*`; with debug=True each
+    refusal's reason comes as a warning, kept here) and the choice `scaled_dot_product_attention`
+    makes (`torch._fused_sdp_choice`, which also weighs which kernels are on and their order)."""
+    checks = torch.backends.cuda
+    params = checks.SDPAParams(q, k, v, mask, 0.0, is_causal, enable_gqa)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        flags = {"flash": checks.can_use_flash_attention(params, debug=True),
+                 "efficient": checks.can_use_efficient_attention(params, debug=True),
+                 "cudnn": checks.can_use_cudnn_attention(params, debug=True)}
+    choice = int(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, enable_gqa=enable_gqa))
+    reasons = list(dict.fromkeys(str(w.message) for w in said))  # once each, in the order said
+    return {**flags, "picked": SDPA_KERNEL_NAMES.get(choice, f"backend {choice}"), "reasons": reasons}

@@ -53,6 +53,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     is_done: bool = False
     error: str | None = None  # set by a caller whose decode step failed
+    prefilled: object = None  # an event after its cache was written, where another stream wrote it
 
     def take(self, logits: torch.Tensor) -> None:
         """Choose the next token from `logits` [vocab]; done at a stop id or when out of room."""
@@ -137,7 +138,8 @@ class _TokenReader:
             return ids.tolist()
         n = ids.numel()
         if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = accel.pinned_empty((max(n, MIN_PINNED_IDS),), torch.long, is_pinned=True)
+            with torch.inference_mode(False):  # steps outside inference mode write it too
+                self._pinned = accel.pinned_empty((max(n, MIN_PINNED_IDS),), torch.long, is_pinned=True)
         host = self._pinned[:n]
         host.copy_(ids, non_blocking=True)
         done = accel.new_event(self.device)
@@ -157,7 +159,8 @@ class Decoding:
         self._inputs: _DeviceInputs | None = None  # the next step's, while they still hold
         self._reader = _TokenReader(model.device)
         use_graphs = model.is_decode_graphed if use_graphs is None else use_graphs
-        self.graphs = GraphDecoder(model) if use_graphs and accel.is_cuda(model.device) else None
+        self.graphs = GraphDecoder(model, model.max_graph_bytes) if use_graphs and accel.is_cuda(model.device) \
+            else None
 
     def start(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int, **kwargs) -> Generation:
         """`start_generation` on this model, joined to the next step unless already done."""
@@ -166,7 +169,11 @@ class Decoding:
         return gen
 
     def add(self, gen: Generation) -> None:
-        """Join a generation started elsewhere (e.g. on the prefill thread) to the next step."""
+        """Join a generation started elsewhere (e.g. on the prefill thread and stream) to the next
+        step: the decode stream waits, on the device, for the stream that wrote its cache."""
+        if gen.prefilled is not None:
+            accel.current_stream(self.model.device).wait_event(gen.prefilled)
+            gen.prefilled = None
         if not gen.is_done:
             self.active.append(gen)
 
@@ -176,8 +183,9 @@ class Decoding:
             return []
         gens = self.active
         if self.graphs is not None:
-            if self.graphs.takes(gens):
-                return self._graph_step(gens)
+            tokens = self.graphs.step(gens, self._reader.read) if self.graphs.takes(gens) else None
+            if tokens is not None:
+                return self._graph_step(gens, tokens)
             self.graphs.release()  # eager steps read and grow the caches: back in their own slabs
         for gen in gens:
             prepare_cache(gen)
@@ -193,10 +201,10 @@ class Decoding:
                 self._inputs = None  # the device holds no id for this row: the host's, next step
         return self._settle(gens)
 
-    def _graph_step(self, gens: list[Generation]) -> list[Generation]:
-        """The step as a replay of a captured graph (every row plain greedy)."""
+    def _graph_step(self, gens: list[Generation], tokens: list[int]) -> list[Generation]:
+        """The step replayed from a captured graph (every row plain greedy): its tokens kept."""
         self._inputs = None  # the eager inputs no longer hold: the caches moved on
-        for gen, token in zip(gens, self.graphs.step(gens, self._reader.read)):
+        for gen, token in zip(gens, tokens):
             gen.sampler.note(token)
             gen.keep(token)
         return self._settle(gens)

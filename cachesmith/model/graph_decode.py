@@ -24,13 +24,18 @@ The step is captured once per bucket (`device.new_graph`) and replayed while the
 holds; a set that changes rewrites the static inputs from the host (one copy) and keeps the bucket
 while it fits (within 2x in each dimension: a bucket too large costs padded attention, a new one a
 capture and a copy of every cache). Sampled rows, rows needing the host (penalties,
-log-probabilities) and more rows than the largest bucket stay on the eager path (`Decoding`).
+log-probabilities) and more rows than the largest bucket stay on the eager path (`Decoding`): the
+caches move out of the bucket, and the bucket is kept for the next greedy steps.
 
-Memory: a bucket holds up to 2x the live KV in each dimension (B and S padding), kept while idle
-(capturing again costs more than a few eager steps).
+Memory: a bucket holds up to 2x the live KV in each dimension (B and S padding). Buckets are kept
+by size within a budget (the server's `graph_bytes`, and the device's free memory); the least
+recently used are freed before a new one is allocated, and a bucket that cannot fit is not captured
+(its steps run eager). A capture synchronizes the device and empties torch's caches, so capturing
+again costs far more than keeping a bucket.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -50,6 +55,8 @@ class Generation(Protocol):
     sampler: Sampler
     token_ids: list[int]
 
+log = logging.getLogger(__name__)
+GIB = 1 << 30
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_LENGTH_BUCKET = 64  # key rows: shorter buckets would only be recaptured sooner
 
@@ -120,8 +127,8 @@ class _Bucket:
             keys.transpose(1, 2).index_put_(where, k)  # row b, key position_b <- k[b] [Hkv, D]
             values.transpose(1, 2).index_put_(where, v)
             # the query heads sharing a KV head go in as its queries [B, Hkv, group, D]: one call
-            # with a mask and no enable_gqa (CUDA's memory-efficient kernel) and no copy of K/V per
-            # query head
+            # with a mask and no enable_gqa (a fused CUDA kernel: cuDNN or memory-efficient) and
+            # no copy of K/V per query head
             grouped = q.reshape(self.num_rows, cfg.num_kv_heads, group, cfg.head_dim)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)  # [B, Hkv, group, D]
             h = h + layer.out_proj(out.reshape(self.num_rows, -1))
@@ -169,14 +176,37 @@ def _move_out(gen: "Generation") -> None:
     gen.cache.own(rows_needed(gen))
 
 
-class GraphDecoder:
-    """Runs `Decoding`'s plain-greedy steps as replays of captured graphs (CUDA only)."""
+def bucket_bytes(model: Decoder, num_rows: int, length: int) -> int:
+    """Device memory of one bucket's static slabs (K and V of every layer, row and key position)."""
+    cfg = model.config
+    element = torch.empty(0, dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * num_rows * cfg.num_kv_heads * length * cfg.head_dim * element
 
-    def __init__(self, model: Decoder) -> None:
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / (1 << 20):.2f} MiB"
+
+
+class GraphDecoder:
+    """Runs `Decoding`'s plain-greedy steps as replays of captured graphs (CUDA only).
+
+    Buckets are kept by their size while they fit `max_bytes` (the server's budget for them;
+    None: the device's free memory), so steps that go eager (a sampled row joined) and come back
+    replay the bucket captured before. A bucket that must make room frees the least recently used
+    ones first; one that cannot fit is not captured: its steps run eager (logged once)."""
+
+    def __init__(self, model: Decoder, max_bytes: int | None = None) -> None:
         self.model = model
-        self._bucket: _Bucket | None = None
+        self.max_bytes = max_bytes
+        self._buckets: dict[tuple[int, int], _Bucket] = {}  # by (rows, length), least recently used first
+        self._bucket: _Bucket | None = None  # the one whose rows hold caches now
+        self._refused: set[tuple[int, int]] = set()
         self.num_captures = 0
         self.num_replays = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(bucket_bytes(self.model, *key) for key in self._buckets)
 
     def takes(self, gens: Sequence["Generation"]) -> bool:
         """Whether a step of `gens` runs here: every row plain greedy, and a bucket for their count."""
@@ -184,10 +214,13 @@ class GraphDecoder:
                 and all(gen.sampler.params.is_plain_greedy for gen in gens))
 
     @torch.inference_mode()
-    def step(self, gens: Sequence["Generation"], read: Callable[[torch.Tensor], list[int]]) -> list[int]:
-        """One step of `gens` (`takes` them): each one's next token id, its cache one row longer.
-        `read` brings the device ids to the host (the step's one copy back and one wait)."""
+    def step(self, gens: Sequence["Generation"], read: Callable[[torch.Tensor], list[int]]) -> list[int] | None:
+        """One step of `gens` (`takes` them): each one's next token id, its cache one row longer;
+        None when no bucket fits the device (the caller steps eagerly). `read` brings the device ids
+        to the host (the step's one copy back and one wait)."""
         bucket = self._arranged(gens)
+        if bucket is None:
+            return None
         bucket.graph.replay()
         self.num_replays += 1
         for gen in gens:
@@ -195,28 +228,58 @@ class GraphDecoder:
         ids = read(bucket.ids)  # [B] values
         return [ids[bucket.row_of[gen]] for gen in gens]
 
-    def _arranged(self, gens: Sequence["Generation"]) -> _Bucket:
-        """The bucket seating `gens`: the current one while it holds or fits them, else a new one
-        (captured; its caches moved straight from the old slabs)."""
+    def _arranged(self, gens: Sequence["Generation"]) -> _Bucket | None:
+        """The bucket seating `gens`: the current one while it holds or fits them, else a kept one
+        that fits, else a new one (captured)."""
         bucket = self._bucket
         if bucket is not None and bucket.holds(gens):
             return bucket
         num_rows = batch_bucket(len(gens))
         length = length_bucket(max(rows_needed(gen) for gen in gens), self.model.config.max_positions)
         if bucket is None or not bucket.fits(num_rows, length):
-            if bucket is not None:  # those staying move straight into the new slabs when seated
-                kept = set(gens)
-                for gen in bucket.gens:
-                    if gen is not None and gen not in kept:
-                        _move_out(gen)
-            bucket = self._bucket = _Bucket(self.model, num_rows, length)
-            self.num_captures += 1
+            if bucket is not None:  # every cache out first: its bucket may be freed to make room
+                bucket.empty()
+            bucket = self._bucket = None  # no reference left to a bucket `_fitting` may free
+            bucket = self._bucket = self._fitting(num_rows, length)
+            if bucket is None:
+                return None
+        self._buckets[(bucket.num_rows, bucket.length)] = self._buckets.pop((bucket.num_rows, bucket.length))
         bucket.seat(gens)
         return bucket
 
+    def _fitting(self, num_rows: int, length: int) -> _Bucket | None:
+        """A kept bucket that fits (num_rows, length), or a new one where memory allows."""
+        kept = next((b for b in self._buckets.values() if b.fits(num_rows, length)), None)
+        if kept is not None:
+            return kept
+        need = bucket_bytes(self.model, num_rows, length)
+        while self._buckets and not self._has_room(need):
+            del self._buckets[next(iter(self._buckets))]  # freed before the new one is allocated
+        if not self._has_room(need):
+            if (num_rows, length) not in self._refused:
+                self._refused.add((num_rows, length))
+                log.warning("decode graphs: a bucket of %d rows x %d positions needs %s, more than %s; "
+                            "its steps run eager", num_rows, length, _size(need), self._room_text())
+            return None
+        bucket = _Bucket(self.model, num_rows, length)
+        self._buckets[(num_rows, length)] = bucket
+        self.num_captures += 1
+        return bucket
+
+    def _has_room(self, need: int) -> bool:
+        if self.max_bytes is not None and self.num_bytes + need > self.max_bytes:
+            return False
+        free, _total = accel.memory_info(self.model.device)
+        return need <= free
+
+    def _room_text(self) -> str:
+        free, _total = accel.memory_info(self.model.device)
+        budget = "" if self.max_bytes is None else f"the {_size(self.max_bytes)} budget for graphs or "
+        return f"{budget}the {_size(free)} free on the device"
+
     def release(self) -> None:
-        """Every cache back in slabs of its own and the bucket dropped (eager steps follow: they
-        read and grow the caches as their own)."""
+        """Every cache back in slabs of its own (eager steps follow: they read and grow the caches
+        as their own); the buckets are kept for the next greedy steps."""
         if self._bucket is not None:
             self._bucket.empty()
             self._bucket = None

@@ -43,7 +43,7 @@ class SlabPool:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_reused = 0
-        self._free: list[torch.Tensor] = []  # flat
+        self._free: list[tuple[torch.Tensor, object]] = []  # flat, and the event of its giver's last use
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
@@ -57,31 +57,39 @@ class SlabPool:
         max_capacity = 2 * capacity if max_capacity is None else max_capacity
         with self._lock:
             best = None
-            for i, flat in enumerate(self._free):
+            for i, (flat, _) in enumerate(self._free):
                 n = flat.numel()
                 if (flat.dtype == dtype and flat.device == device and n % row == 0
                         and capacity * row <= n <= max_capacity * row
-                        and (best is None or n < self._free[best].numel())):
+                        and (best is None or n < self._free[best][0].numel())):
                     best = i
             if best is None:
                 flat = torch.empty(capacity * row, device=device, dtype=dtype)
             else:
-                flat = self._free.pop(best)
+                flat, done = self._free.pop(best)
                 self.num_bytes -= _nbytes(flat)
                 self.num_reused += 1
+                # the work of the stream that gave it back may still be queued: this stream waits for it
+                accel.current_stream(device).wait_event(done)
         rows = flat.numel() // row
         if is_head_major:
             return flat.view(num_layers, num_kv_heads, rows, head_dim)
         return flat.view(num_layers, rows, num_kv_heads, head_dim)
 
     def give(self, slab: torch.Tensor) -> None:
+        """Back for reuse once the work issued on the giver's stream so far is done: the next taker's
+        stream waits for that point (as torch's caching allocator orders a freed block's reuse)."""
         flat = slab.view(-1)
+        done = accel.new_event(flat.device)
+        done.record()
+        # and if the pool drops it, the allocator reuses its memory only after this stream's work
+        accel.record_stream(flat, accel.current_stream(flat.device))
         with self._lock:
             size = _nbytes(flat)
             while self._free and self.num_bytes + size > self.max_bytes:
-                self.num_bytes -= _nbytes(self._free.pop(0))  # oldest first
+                self.num_bytes -= _nbytes(self._free.pop(0)[0])  # oldest first
             if size <= self.max_bytes:
-                self._free.append(flat)
+                self._free.append((flat, done))
                 self.num_bytes += size
 
 

@@ -7,9 +7,12 @@ Tensors carry no batch dimension: rows are tokens, as in vLLM's flattened layout
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from cachesmith.model import device as accel
 from cachesmith.model.config import ModelConfig
 from cachesmith.model.linear import Linear
 
@@ -36,17 +39,30 @@ def causal_by_position_mask(q_positions: torch.Tensor, k_positions: torch.Tensor
     return k_positions[None, :] <= q_positions[:, None]
 
 
-def _needs_expanded_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def _needs_expanded_heads(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> bool:
     """Whether grouped query heads must meet expanded KV heads rather than `enable_gqa` (CUDA).
 
-    CUDA's flash kernel takes `enable_gqa` but no mask and only half precision; its memory-efficient
-    kernel takes a mask but not `enable_gqa`. Anything else runs the math kernel, which builds the
-    whole float32 score matrix (about 10 GB per buffer at 16K keys with 30% of rows recomputed).
-    Repeating K and V costs (H / Hkv - 1) copies of one layer's KV instead. The CPU keeps
-    `enable_gqa`: its flash kernel maps the heads itself and takes a mask (measured fastest)."""
+    Where no fused CUDA kernel takes these inputs with `enable_gqa` (torch 2.13's flash kernel
+    takes no mask and only half precision, its memory-efficient one no `enable_gqa`; cuDNN, tried
+    first on an H100 by newer builds, takes both), the math kernel would build the whole float32
+    score matrix (about 10 GB per buffer at 16K keys with 30% of rows recomputed). Repeating K and
+    V costs (H / Hkv - 1) copies of one layer's KV instead, so it is done only there: the device is
+    asked once per kind of call (`_is_gqa_fused`). The CPU keeps `enable_gqa`: its flash kernel
+    maps the heads itself and takes a mask (measured fastest)."""
     if q.device.type != "cuda":
         return False
-    return mask is not None or q.dtype not in (torch.float16, torch.bfloat16)
+    return not _is_gqa_fused(q.dtype, q.shape[-1], q.shape[1] // k.shape[1], mask is not None, is_causal)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_gqa_fused(dtype: torch.dtype, head_dim: int, group: int, is_masked: bool, is_causal: bool) -> bool:
+    """Whether the CUDA build runs a fused kernel for grouped-query attention of this kind (a probe
+    on small tensors of the same dtype, head size and grouping: torch's checks read only those)."""
+    n, device = 16, accel.normalize("cuda")
+    q = torch.zeros(1, group, n, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(1, 1, n, head_dim, dtype=dtype, device=device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device) if is_masked else None
+    return accel.sdpa_kernels(q, k, k, mask, is_causal and not is_masked, True)["picked"] != "math"
 
 
 class DecoderLayer:
@@ -126,7 +142,7 @@ class DecoderLayer:
         # back to the math path, ~9x slower at 2K tokens).
         q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         is_gqa = q.shape[1] != k.shape[1]
-        if is_gqa and _needs_expanded_heads(q, mask):
+        if is_gqa and _needs_expanded_heads(q, k, mask, is_causal):
             rep = q.shape[1] // k.shape[1]
             k4, v4 = k4.repeat_interleave(rep, dim=1), v4.repeat_interleave(rep, dim=1)  # [1, H, Tk, D]
             is_gqa = False

@@ -13,8 +13,12 @@ fixed default it replaces:
   slab pool    20%  (at most 4 GiB)
   memory tier  15%  (at most 1 GiB)
 
+  decode graphs 15% (CUDA only: the static slabs of the captured decode steps' buckets, at most
+                    the largest bucket, 64 rows x the model's positions)
+
 The other 25% is headroom: activations of a prefill, each decoding sequence's own cache, slabs
-rounded up to their capacity, the runtime and the OS. The caps keep a large machine serving as it
+rounded up to their capacity, the runtime and the OS (on the CPU, graphs take nothing and their
+share is headroom too). The caps keep a large machine serving as it
 did with the fixed defaults (the profile's scheduling was measured there). On CUDA the weights, the
 KV and the pool are device memory (the device's free memory at start); the memory tier is host RAM.
 """
@@ -35,6 +39,7 @@ from cachesmith.model import device as accel
 from cachesmith.model import resolve_model
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.model.decoder import resolve_device, resolve_dtype
+from cachesmith.model.graph_decode import BATCH_BUCKETS
 from cachesmith.model.kv_cache import MAX_POOL_BYTES
 from cachesmith.pipeline import RagPipeline
 from cachesmith.scheduler import SchedulerConfig
@@ -42,6 +47,7 @@ from cachesmith.scheduler import SchedulerConfig
 KV_FRACTION = 0.40
 POOL_FRACTION = 0.20
 TIER_FRACTION = 0.15
+GRAPH_FRACTION = 0.15
 MAX_KV_CAPACITY_TOKENS = SchedulerConfig.kv_capacity_tokens  # the scheduler's fixed default, 65,536
 MAX_TIER_BYTES = DEFAULT_MEMORY_BYTES
 # a sized KV capacity below this is refused at start: a few retrieved passages would not fit
@@ -98,6 +104,8 @@ class MemoryBudget:
     host_available_bytes: int  # what the memory tier is sized from (host RAM)
     is_cuda: bool = False
     explicit: tuple[str, ...] = ()  # the `ExplicitSizes` fields the operator set
+    graph_bytes: int = 0  # the decode graphs' buckets (CUDA only)
+    max_graph_bytes: int = 0  # the largest bucket the model could use (the share's cap)
 
     def describe(self) -> str:
         """One line: each size and how it was chosen (its flag, its fraction, or its cap), then the
@@ -110,13 +118,17 @@ class MemoryBudget:
                  f"KV capacity {self.kv_capacity_tokens:,} tokens = {human_bytes(self.kv_bytes)} {kv}",
                  f"slab pool {human_bytes(self.pool_bytes)} {pool}",
                  f"memory tier {human_bytes(self.tier_bytes)} {tier}" if self.tier_bytes else "no memory tier"]
+        if self.is_cuda:
+            how = "(its cap)" if self.graph_bytes == self.max_graph_bytes else f"({GRAPH_FRACTION:.0%} of what is left)"
+            parts.insert(3, f"decode graph buckets {human_bytes(self.graph_bytes)} {how}")
         return ", ".join(parts) + (f"; {human_bytes(self.available_bytes)} available ({self.source}), "
                                    f"{human_bytes(self.headroom_bytes)} left as headroom")
 
     @property
     def headroom_bytes(self) -> int:
         """What the budget leaves free in the memory the weights, KV and pool share."""
-        used = self.weights_bytes + self.kv_bytes + self.pool_bytes + (0 if self.is_cuda else self.tier_bytes)
+        used = self.weights_bytes + self.kv_bytes + self.pool_bytes + self.graph_bytes + \
+            (0 if self.is_cuda else self.tier_bytes)
         return self.available_bytes - used
 
     def _how(self, name: str, value: int, cap: int, fraction: float) -> str:
@@ -212,7 +224,10 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, a
         min(MAX_POOL_BYTES, int(POOL_FRACTION * left))
     tier = set_tier if set_tier is not None else max(1, min(MAX_TIER_BYTES, int(TIER_FRACTION * host_left)))
     named = tuple(name for name in FLAGS if getattr(explicit, name) is not None)
-    return MemoryBudget(weights, tokens, tokens * per_token, pool, tier, near, available.source, host, is_cuda, named)
+    largest = per_token * BATCH_BUCKETS[-1] * config.max_positions if is_cuda else 0
+    graphs = min(largest, max(0, int(GRAPH_FRACTION * left)))
+    return MemoryBudget(weights, tokens, tokens * per_token, pool, tier, near, available.source, host, is_cuda, named,
+                        graphs, largest)
 
 
 def _sized_tokens(left: int, per_token: int, weights: int, near: int, source: str) -> int:

@@ -45,6 +45,7 @@ class BackgroundServer:
 
     def __init__(self, service: Service, config: ServerConfig | None = None) -> None:
         config = config or ServerConfig(port=0, log_level="warning")
+        self.service = service
         self.server = uvicorn.Server(_uvicorn_config(service, config))
         self._thread = threading.Thread(target=self.server.run, name="cachesmith-http", daemon=True)
         self.host = config.host

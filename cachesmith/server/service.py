@@ -62,6 +62,7 @@ class Service:
         self.pipeline = pipeline or RagPipeline(config.model, config.device, config.dtype,
                                                 store=ChunkStore(sized_store(config.store, self.memory)))
         self.pipeline.model.kv_pool.max_bytes = self.memory.pool_bytes
+        self.pipeline.model.max_graph_bytes = self.memory.graph_bytes
         self.pipeline.model.is_decode_graphed = config.is_decode_graphed
         self.profile_source = "given"
         if profile is None:

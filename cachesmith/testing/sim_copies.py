@@ -11,23 +11,52 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
+from cachesmith.testing.sim_kernels import sdpa_choice_for_call
+from cachesmith.testing.sim_streams import span_of
 from cachesmith.testing.sim_tensor import CPU, SimTensor, _is_cuda, _name, _unwrap
 
 
 def sdpa_kernel(args: tuple, kwargs: dict) -> str:
-    """Which kernel torch's CUDA SDPA picks for these inputs: the flash kernel takes no mask and
-    half precision; the memory-efficient one takes a mask but not `enable_gqa`; else math."""
-    q = args[0]
-    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-    is_gqa = bool(kwargs.get("enable_gqa", False)) and q.shape[-3] != args[1].shape[-3]
-    if mask is not None and is_gqa:
-        return "math"
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return "flash"
-    return "efficient" if not is_gqa else "math"
+    """Which kernel torch's CUDA SDPA picks for this call on an H100 (`sim_kernels`: torch's rules)."""
+    return sdpa_choice_for_call(tree_map(_unwrap, args), tree_map(_unwrap, kwargs))[0]
 
 
 # -- calls whose device semantics differ from running the op on the data ------------------------
+
+def _into_device(sim, dst: torch.Tensor, src: torch.Tensor, is_non_blocking: bool, what: str) -> None:
+    """Host `src` into `dst` (a device tensor's data) on the current stream. Non-blocking from
+    pinned memory, it lands later and reads `src` then; blocking, the host waits for the stream."""
+    sim.h2d(src, is_non_blocking, what)
+    if sim.is_in_graph:  # a memcpy node of the graph: it reads the pinned buffer when replayed
+        sim.before_graph_write(dst)
+        dst.copy_(src)
+        return
+    key = sim.memory.key(dst)
+    if is_non_blocking and sim.is_pinned(src):
+        sim.order.issue_copy(dst, src, key, span_of(dst), is_to_host=False)
+        return
+    sim.order.land({key})
+    dst.copy_(src)
+    sim.order.op(what, {}, {key: [span_of(dst)]}, set())
+    if not is_non_blocking:  # torch's blocking copy synchronizes its stream
+        sim.order.host_waited_for(sim.order.current())
+
+
+def _to_host(sim, dst: torch.Tensor, src: SimTensor, is_non_blocking: bool, what: str, is_sync_counted: bool) -> None:
+    """Device `src` into host `dst`. Non-blocking into pinned memory, `dst` holds poison until an
+    event or sync covering the copy is waited for; otherwise the host waits for the stream."""
+    sim.d2h(what)
+    key = sim.memory.key(src.elem)
+    if is_non_blocking and sim.is_pinned(dst):
+        sim.order.issue_copy(dst, src.elem, key, span_of(src.elem), is_to_host=True)
+        return
+    if is_sync_counted:
+        sim.sync(what)
+    sim.order.land({key})
+    sim.order.op(what, {key: [span_of(src.elem)]}, {}, set())
+    sim.order.host_waited_for(sim.order.current())
+    dst.copy_(src.elem)
+
 
 def _to(sim, func, args, kwargs, sims):
     src = args[0]
@@ -36,15 +65,17 @@ def _to(sim, func, args, kwargs, sims):
                                                                           if k != "copy"})
     if isinstance(src, SimTensor):
         if device is not None and device.type == "cpu":
-            sim.d2h("to(cpu)")
-            return src.elem.to(dtype=dtype or src.dtype, copy=True)
+            # non-blocking, torch pins the destination and returns before the copy has run
+            out = torch.empty(src.shape, dtype=dtype or src.dtype, pin_memory=non_blocking)
+            _to_host(sim, sim.pin(out) if non_blocking else out, src, non_blocking, "to(cpu)", False)
+            return out
         if dtype is None or dtype == src.dtype:
             return SimTensor(src.elem.clone()) if copy else src
-        sim._add(ops=1)
-        return SimTensor(src.elem.to(dtype))
+        return NotImplemented  # a conversion on the device: an ordinary op
     if _is_cuda(device):
-        sim.h2d(src, non_blocking, "to(cuda)")
-        return SimTensor(src.to(dtype=dtype or src.dtype, copy=True))
+        out = SimTensor(torch.empty(src.shape, dtype=dtype or src.dtype))
+        _into_device(sim, out.elem, src, non_blocking, "to(cuda)")
+        return out
     return NotImplemented
 
 
@@ -52,13 +83,15 @@ def _cuda(sim, func, args, kwargs, sims):
     src = args[0]
     if isinstance(src, SimTensor):
         return src
-    sim.h2d(src, bool(kwargs.get("non_blocking", False)), "cuda()")
-    return SimTensor(src.clone())
+    out = SimTensor(torch.empty_like(src))
+    _into_device(sim, out.elem, src, bool(kwargs.get("non_blocking", False)), "cuda()")
+    return out
 
 
 def _cpu(sim, func, args, kwargs, sims):
-    sim.d2h("cpu()")
-    return args[0].elem.clone()
+    out = torch.empty_like(args[0].elem)
+    _to_host(sim, out, args[0], False, "cpu()", False)
+    return out
 
 
 def _copy_(sim, func, args, kwargs, sims):
@@ -66,14 +99,13 @@ def _copy_(sim, func, args, kwargs, sims):
     non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
     if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and isinstance(src, torch.Tensor):
         if src.dim() > 0 or src.numel() > 0:
-            sim.h2d(src, non_blocking, "copy_ into a device tensor")
-        dst.elem.copy_(src)
+            _into_device(sim, dst.elem, src, non_blocking, "copy_ into a device tensor")
+        else:  # a 0-dim host scalar is an argument of a fill, not a copy
+            return NotImplemented
         return dst
     if isinstance(src, SimTensor) and not isinstance(dst, SimTensor):
-        sim.d2h("copy_ into a host tensor")
-        if not non_blocking or not sim.is_pinned(dst):
-            sim.sync("copy_ into a host tensor")
-        dst.copy_(src.elem)
+        # non-blocking into pageable memory, CUDA copies through a staging buffer and waits
+        _to_host(sim, dst, src, non_blocking, "copy_ into a host tensor", True)
         return dst
     return NotImplemented
 

@@ -17,6 +17,12 @@ data), an error wherever a real GPU would raise, and counts of what a GPU would 
   synchronize), copies each way, and findings: a `non_blocking` host -> device copy from memory
   that is not pinned, and an attention call that only torch's math kernel runs on CUDA.
 - Streams, events and graphs come through `cachesmith.model.device`, whose backend it replaces.
+  Streams are ordered as CUDA orders them (`sim_streams`): an op reading or overwriting memory
+  that another stream used with no wait between is a finding, and so is a tensor freed while
+  another stream may still use it; a non-blocking copy between pinned memory and the device lands
+  only at a sync or a wait that covers it (its destination holds poison until then). A graph's
+  capture runs nothing and its replay re-runs the recorded ops (`sim_backend`). Device memory has
+  a capacity (`sim_memory`): an allocation past it raises `torch.OutOfMemoryError`.
 """
 from __future__ import annotations
 
@@ -34,8 +40,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cachesmith.model import device as device_module
 from cachesmith.testing import sim_tensor
-from cachesmith.testing.sim_backend import SimBackend
+from cachesmith.testing.sim_backend import Recording, SimBackend, transfer
 from cachesmith.testing.sim_copies import SPECIAL, sdpa_kernel
+from cachesmith.testing.sim_memory import DEFAULT_CAPACITY_BYTES, DeviceMemory
+from cachesmith.testing.sim_streams import StreamOrder, span_of
 from cachesmith.testing.sim_tensor import CPU, SimCudaError, SimTensor, _is_cuda, _name, _unwrap
 
 @dataclass
@@ -48,6 +56,13 @@ class Counts:
     findings: list[str] = field(default_factory=list)  # legal but slow on a GPU
     attention: Counter = field(default_factory=Counter)  # SDPA calls by the kernel CUDA would run
     sync_sites: list[str] = field(default_factory=list)  # what synced (names), for messages
+    captures: int = 0  # CUDA graph captures (each one a device sync and an emptied cache)
+    replays: int = 0  # CUDA graph replays (one launch each)
+    cache_empties: int = 0  # the caching allocator emptied (`empty_cache`, a capture)
+
+    @property
+    def stream_findings(self) -> list[str]:
+        return [f for f in self.findings if f.startswith("stream:")]
 
 
 
@@ -71,8 +86,11 @@ _INDEXED = {"__getitem__", "__setitem__"}  # CPU index tensors are allowed (copi
 class SimCuda:
     """The simulation, on while entered (`with SimCuda() as sim:`); `sim.count()` measures a region."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         self._lock = threading.Lock()
+        self.order = StreamOrder(lambda msg: self._add(finding=f"stream: {msg}"), self.sync)
+        self.memory = DeviceMemory(capacity_bytes, self.order.freed)
+        self.warmup_stream = self.order.new_stream("graph warm-up")
         self._regions: list[Counts] = []
         self._pinned: dict[int, weakref.ref] = {}  # id of a pinned base tensor -> it
         self._capture = threading.local()  # per thread: CUDA captures in thread-local mode (`device`)
@@ -120,6 +138,11 @@ class SimCuda:
         """Whether this thread is capturing a graph (others, e.g. the prefill thread, go on as usual)."""
         return getattr(self._capture, "is_on", False)
 
+    @property
+    def is_in_graph(self) -> bool:
+        """Whether this thread's device ops go into a graph (captured or replayed), not a stream."""
+        return self.is_capturing
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
         """Inside, on this thread, a sync or a pageable copy raises, as during CUDA graph capture."""
@@ -128,6 +151,41 @@ class SimCuda:
             yield
         finally:
             self._capture.is_on = False
+
+    @contextmanager
+    def recording(self) -> Iterator[list]:
+        """A capture on this thread: its device ops recorded (yielded), their effects undone at the end."""
+        rec = self._capture.rec = Recording()
+        try:
+            with self.capturing():
+                yield rec.ops
+        finally:
+            self._capture.rec = None
+            rec.undo()
+
+    def replay(self, ops: list) -> None:
+        """A graph's recorded ops again, on their tensors: no allocation, no host work."""
+        self._capture.is_replaying = True
+        try:
+            with self.capturing():
+                for func, args, kwargs, out in ops:
+                    transfer(out, self.handle(func, args, kwargs))
+        finally:
+            self._capture.is_replaying = False
+        self._add(replays=1)
+
+    def allocated(self, elem: torch.Tensor) -> None:
+        """A device tensor was made over `elem`: its storage counts if it is new (not in a replay,
+        whose graph's memory was allocated when it was captured)."""
+        if getattr(self._capture, "is_replaying", False):
+            return
+        if self.memory.track(elem):
+            news = getattr(self._capture, "new_keys", None)
+            if news is not None:
+                news.add(self.memory.key(elem))
+            rec = getattr(self._capture, "rec", None)
+            if rec is not None:
+                rec.allocated(elem)
 
     # -- what is counted -------------------------------------------------------------------
     def _add(self, **kwargs) -> None:
@@ -195,44 +253,103 @@ class SimCuda:
         if special is not None and (sims or name in _HOST_SPECIAL):
             out = special(self, func, args, kwargs, sims)
             if out is not NotImplemented:
+                self._record(func, args, kwargs, out)
                 return out
         wants_device = _is_cuda(kwargs.get("device"))
         if sims and kwargs.get("device") is not None and not wants_device:  # e.g. empty_like(x, device="cpu")
             return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         wants_pinned = kwargs.get("pin_memory") is True
         if not sims and not wants_device and not wants_pinned:
-            out = func(*args, **kwargs)
-            if self._pinned and args:
-                self._mark_view(args[0], out)
-            return out
+            return self._host_op(func, name, args, kwargs)
         if sims and name not in _INDEXED:
             self._check_mixed(name, flat)
         if name in _SYNCS and sims:
             self.sync(name)
-        if name not in _METADATA and (sims or wants_device):
+        is_device_op = name not in _METADATA and (sims or wants_device)
+        if is_device_op and not self.is_replaying:
             self._add(ops=1)
         if name in _INDEXED and sims:
             self._index_copies(name, args)
         if name == "scaled_dot_product_attention":
             self._add(kernel=sdpa_kernel(args, kwargs))
+        called = kwargs  # what a graph replays: the call as the caller made it
         if wants_device:
             kwargs = {**kwargs, "device": CPU}
         if wants_pinned:
             kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        if wants_pinned:
-            return self.pin(out)
-        if name in _SYNCS and not isinstance(out, torch.Tensor):
-            return out
-        return self._wrap(out, sims, args)
+        with self._ordered(name, sims, args, kwargs, is_device_op) as done:
+            out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+            if wants_pinned:
+                return self.pin(out)
+            if name in _SYNCS and not isinstance(out, torch.Tensor):
+                return out
+            out = done(self._wrap(out, sims, args))
+        self._record(func, args, called, out)
+        return out
+
+    def _host_op(self, func, name: str, args: tuple, kwargs: dict) -> Any:
+        """A torch call on host tensors only: the host's own work (on pinned memory, it must not
+        race a pending asynchronous copy)."""
+        if self.order.pending and args and isinstance(args[0], torch.Tensor) and self.is_pinned(args[0]):
+            self.order.host_touches(args[0], f"{name} on the host")
+        out = func(*args, **kwargs)
+        if self._pinned and args:
+            self._mark_view(args[0], out)
+        return out
+
+    @contextmanager
+    def _ordered(self, name: str, sims: list, args: tuple, kwargs: dict, is_device_op: bool):
+        """Around a device op: copies it depends on land first; after it, the streams hear what it
+        read, wrote and allocated (a view launches nothing: not heard)."""
+        if not is_device_op or self.is_in_graph and not self.is_replaying:
+            self._before_write_in_capture(name, args, kwargs)
+            yield lambda out: out
+            return
+        written = _written(name, args, kwargs)
+        reads, writes = _spans([t for t in sims if not any(t is w for w in written)]), _spans(written)
+        keys = set(reads) | set(writes)
+        self.order.land(keys)
+        self._capture.new_keys = new_keys = set()
+        result = []
+        yield lambda out: result.append(out) or out
+        self._capture.new_keys = None
+        outs = [t for t in tree_flatten(result)[0] if isinstance(t, SimTensor)]
+        if not written and outs and all(self.memory.key(t.elem) in keys for t in outs):
+            return  # a view
+        self.order.op(name, reads, writes, new_keys)
+        if name in _SYNCS:  # the host waited for the stream, this read included
+            self.order.host_waited_for(self.order.current())
+
+    def _before_write_in_capture(self, name: str, args: tuple, kwargs: dict) -> None:
+        for t in _written(name, args, kwargs):
+            self.before_graph_write(t.elem)
+
+    def before_graph_write(self, elem: torch.Tensor) -> None:
+        """A capture is about to write `elem`: what it holds now is put back when the capture ends."""
+        rec = getattr(self._capture, "rec", None)
+        if rec is not None:
+            rec.before_write(elem)
+
+    @property
+    def is_replaying(self) -> bool:
+        return getattr(self._capture, "is_replaying", False)
+
+    def _record(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Inside a capture, a device op goes into the graph with its tensors."""
+        rec = getattr(self._capture, "rec", None)
+        if rec is not None and any(isinstance(t, SimTensor) for t in tree_flatten((args, kwargs, out))[0]):
+            rec.ops.append((func, args, kwargs, out))
 
     def _property(self, func, prop: str, args: tuple) -> Any:
         target = args[0]
         if prop in _OWN_PROPERTIES or not isinstance(target, SimTensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args)
-        self._add(ops=1)
-        return self._wrap(func(target.elem, *args[1:]), [target], args)
+        if not self.is_replaying:
+            self._add(ops=1)
+        out = self._wrap(func(target.elem, *args[1:]), [target], args)
+        self._record(func, args, {}, out)
+        return out
 
     @staticmethod
     def _wrap(out, sims: list, args: tuple):
@@ -265,6 +382,25 @@ class SimCuda:
             value = args[2]
             if isinstance(value, torch.Tensor) and not isinstance(value, SimTensor) and value.dim() > 0:
                 self.h2d(value, False, "__setitem__ of host values")
+
+
+def _spans(tensors: list[SimTensor]) -> dict[int, list]:
+    """The storages these device tensors reach, and which bytes of each."""
+    out: dict[int, list] = {}
+    for t in tensors:
+        key = t.elem.untyped_storage().data_ptr()
+        if key:
+            out.setdefault(key, []).append(span_of(t.elem))
+    return out
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> list[SimTensor]:
+    """The device tensors a call writes in place: its first argument for `add_`, `copy_`,
+    `__setitem__`, `__iadd__`..., and any `out=`."""
+    is_in_place = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__iter__"))
+    out = [args[0]] if is_in_place and args and isinstance(args[0], SimTensor) else []
+    return out + [t for t in tree_flatten(kwargs.get("out"))[0] if isinstance(t, SimTensor)]
 
 
 class _Mode(TorchFunctionMode):

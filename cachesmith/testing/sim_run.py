@@ -24,8 +24,12 @@ def main(argv: list[str]) -> None:
         finally:
             t = sim.total
             print(f"simulated cuda: {t.ops} ops, {t.syncs} host syncs, {t.h2d} host->device and {t.d2h} "
-                  f"device->host copies, {len(t.findings)} findings, attention {dict(t.attention)}",
+                  f"device->host copies, {len(t.findings)} findings ({len(t.stream_findings)} of stream "
+                  f"order), attention {dict(t.attention)}, {t.captures} graph captures, {t.replays} replays, "
+                  f"peak memory {sim.memory.peak_bytes / (1 << 30):.2f} GiB of {sim.memory.capacity_bytes / (1 << 30):.0f}",
                   file=sys.stderr)
+            for finding in dict.fromkeys(t.findings):  # each once, in the order found
+                print(f"simulated cuda finding: {finding}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ class SimTensor(torch.Tensor):
             cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
             dtype=elem.dtype, device=CUDA0, requires_grad=elem.requires_grad)
         out.elem = elem
+        if _active[0] is not None:
+            _active[0].allocated(elem)  # device memory: counted against the capacity
         return out
 
     @classmethod

@@ -1,6 +1,8 @@
 """`benchmarks/gpu_check.py` on the simulated CUDA device at its tiny shape, run as `make gpu-check`
 runs it (a subprocess, the serve leg's server a simulated child of its own): every leg writes its
-rows without an error, the payload has the schema a GPU run writes, and the server answered."""
+rows without an error, the payload has the schema a GPU run writes, and the server answered. Graph
+decode replayed and gave eager decode's tokens, and every phase's attention calls were seen and got
+a fused kernel, as the simulation decides torch's CUDA checks would (`sim_kernels`)."""
 from __future__ import annotations
 
 import json
@@ -46,7 +48,7 @@ def test_every_row_ran_and_every_bar_passed(run):
     proc, payload = run
     broken = [r for r in payload["rows"] if "error" in r or "skipped" in r]
     assert broken == [], proc.stderr[-3000:]
-    assert [b["passed"] for b in payload["bars"]] == [True] * 3, payload["bars"]
+    assert [b["passed"] for b in payload["bars"]] == [True] * 5, payload["bars"]  # the device's two too
     assert payload["passed"] and proc.returncode == 0
     assert "simulated cuda:" in proc.stderr  # the check itself ran on the simulation
 
@@ -64,6 +66,26 @@ def test_the_payload_has_a_gpu_runs_schema(run):
     assert cases(payload, "batch") == [f"{TINY.batch}x{TINY.short} cacheblend@0.15"]
     assert cases(payload, "decode") == [f"{s} stream(s) {TINY.short}" for s in TINY.streams]
     assert len(cases(payload, "serve")) == 1
+    assert cases(payload, "graphs") == [f"{max(TINY.streams)} stream(s) {TINY.short}"]
+    assert {"transformers", "tokenizers", "huggingface-hub"} <= set(payload["versions"])
+
+
+def test_graph_decode_replayed_and_gave_eager_decodes_tokens(run):
+    _, payload = run
+    graphs = next(r for r in payload["rows"] if r["leg"] == "graphs")
+    assert graphs["tokens_equal"] and graphs["graph_replays"] == TINY.new_tokens - 1
+    assert graphs["dtype"] == payload["dtype"] == "bfloat16"
+
+
+def test_each_phases_attention_calls_got_a_fused_kernel(run):
+    """Every phase's calls were seen (the graph's at its capture too), and each kind got the fused
+    kernel the simulation decides as torch's CUDA checks would (`sim_kernels`), with the flags."""
+    _, payload = run
+    kernels = [r for r in payload["rows"] if r["leg"] == "kernels"]
+    assert {r["case"].split(" q[")[0] for r in kernels} == {"prefill", "recompute", "decode eager", "decode graph"}
+    for row in kernels:
+        assert row["passed"] and "math" not in row["picked"] and row["calls"] >= row["signatures"] >= 1, row
+        assert all(isinstance(row[k], bool) for k in ("flash", "efficient", "cudnn")) and row[row["picked"][0]]
 
 
 def test_the_store_path_gives_the_direct_paths_logits(run):

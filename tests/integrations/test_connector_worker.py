@@ -1,11 +1,14 @@
 """The connector's worker without vLLM (`integrations.connector_worker`), on a tiny random-weight
-model: it loads cachesmith's decoder on the registered caches' device and dtype (on the simulated
-CUDA device, every weight lives there), writes each prompt's KV where vLLM's backend reads it (the
-rows read back equal the pipeline's own build, and equal on the CPU and the simulated device, as
-does the next token decoded from them), and refuses caches that do not fit its model by name."""
+model: it loads cachesmith's decoder on the registered caches' device and dtype (on a CUDA device,
+simulated or a GPU's, every weight lives there), writes each prompt's KV where vLLM's backend reads
+it (the rows read back equal the pipeline's own build, and equal on the CPU and each device of the
+`device` fixture, as does the next token decoded from them), and refuses caches that do not fit its
+model by name."""
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from cachesmith.integrations.connector_book import Load, StoreSettings
 from cachesmith.integrations.connector_worker import ConnectorWorker
 from cachesmith.integrations.prompt_kv import ConnectorParams, build_prompt_kv
 from cachesmith.plan_one import use_profile
+from cachesmith.testing.sim_cuda import active
 from tests.engine_helpers import instance, save_tiny_chat_model, tiny_pipeline
 from tests.integrations.paged_layouts import Pool
 from tests.planner.synthetic_profile import make_profile
@@ -88,14 +92,17 @@ def test_the_rows_written_are_the_pipelines_own_build(tiny_dir, tmp_path, method
     kv.cache.release()
 
 
-def test_on_the_simulated_device_the_build_lives_there_and_equals_the_cpus(tiny_dir, tmp_path, sim_cuda):
+def test_on_each_device_the_build_lives_there_and_equals_the_cpus(tiny_dir, tmp_path, device):
     cpu, cpu_pool, load, cpu_built = worker_run(tiny_dir, tmp_path / "cpu", "cpu", "cacheblend@0.15")
     cpu_keys, cpu_values = read_back(cpu_pool, load, cpu.pipe.model.num_layers)
-    with sim_cuda.count() as counts:
-        worker, pool, _, built = worker_run(tiny_dir, tmp_path / "sim", "cuda", "cacheblend@0.15")
-    assert worker.pipe.model.device == torch.device("cuda:0")
-    assert {str(t.device) for t in worker.pipe.model.weight_tensors()} == {"cuda:0"}  # no host copy
-    assert counts.findings == [] and counts.attention["math"] == 0
+    sim = active()  # the simulated device also counts what a GPU would pay for
+    with (sim.count() if sim else nullcontext()) as counts:
+        worker, pool, _, built = worker_run(tiny_dir, tmp_path / "on", device, "cacheblend@0.15")
+    if sim:
+        assert counts.findings == [] and counts.attention["math"] == 0
+    expected = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    assert worker.pipe.model.device == expected
+    assert {t.device for t in worker.pipe.model.weight_tensors()} == {expected}  # no host copy
     keys, values = read_back(pool, load, worker.pipe.model.num_layers)
     assert built.params == cpu_built.params  # the same plan, chunks and rows
     torch.testing.assert_close(keys, cpu_keys, rtol=0, atol=1e-4)
@@ -138,3 +145,24 @@ def test_no_room_for_the_weights_says_which_flag_to_lower(tiny_dir, monkeypatch)
     with pytest.raises(MemoryError, match="no room on cpu for .* in float32 beside vLLM's KV cache; lower "
                                           "--gpu-memory-utilization"):
         ConnectorWorker(str(tiny_dir), StoreSettings(("memory",)), BLOCK_SIZE).register(caches)
+
+
+@pytest.mark.sim_cuda
+def test_the_build_gives_its_slabs_back_after_its_stream_read_them(tiny_dir, tmp_path, sim_cuda, monkeypatch):
+    """A slab a build gives back may be taken at once by another build (here, on the default
+    stream): the build's stream has read it into vLLM's cache, so that taker must come after it."""
+    worker, _pool, load, _built = worker_run(tiny_dir, tmp_path, "cuda", "cacheblend@0.15")
+    pool = worker.pipe.model.kv_pool
+    give, taken = pool.give, []
+
+    def give_then_take(slab):
+        give(slab)
+        # the next build, on another thread (so on the default stream), takes it at once
+        thread = threading.Thread(target=lambda: taken.append(
+            pool.take(tuple(slab.shape), slab.device, slab.dtype).fill_(0.0)))
+        thread.start()
+        thread.join()
+    monkeypatch.setattr(pool, "give", give_then_take)
+    with sim_cuda.count() as counts:
+        worker.build(load, None)
+    assert taken and counts.stream_findings == []

@@ -163,17 +163,25 @@ class _SpyBackend:
 
     def record_stream(self, tensor, stream) -> None:
         self.log.append(f"record_stream {stream.name}")
+        self.inner.record_stream(tensor, stream.inner)
 
 
 class _SpyStream:
+    """Logs its waits and passes them on (the simulated device orders the streams by them)."""
+
     def __init__(self, inner, name: str, log: list[str]) -> None:
         self.inner, self.name, self.log = inner, name, log
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
     def wait_stream(self, other) -> None:
         self.log.append(f"{self.name} waits {other.name}")
+        self.inner.wait_stream(other.inner)
 
     def wait_event(self, event) -> None:
         self.log.append(f"{self.name} waits event")
+        self.inner.wait_event(event)
 
 
 @pytest.mark.sim_cuda

@@ -39,3 +39,17 @@ def test_pinned_empty_asks_for_page_locked_memory_only_when_told(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda shape, dtype, pin_memory: asked.append(pin_memory))
     accel.pinned_empty((2,), torch.float32, False), accel.pinned_empty((2,), torch.float32, True)
     assert asked == [False, True]
+
+
+def test_sdpa_kernels_name_none_on_the_cpu():
+    q = torch.zeros(1, 2, 3, 8)
+    assert accel.sdpa_kernels(q, q, q, None, True, False) is None
+
+
+def test_torchs_kernel_checks_answer_in_the_payloads_form():
+    """The installed torch takes the calls the CUDA backend makes (SDPAParams' seven arguments,
+    `_fused_sdp_choice` with enable_gqa); on CPU tensors its answers say nothing of a GPU."""
+    q, k = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    got = accel._torch_sdpa_kernels(q, k, k, torch.ones(3, 3, dtype=torch.bool), False, True)
+    assert set(got) == {"flash", "efficient", "cudnn", "picked", "reasons"}
+    assert got["picked"] in accel.SDPA_KERNEL_NAMES.values() and isinstance(got["reasons"], list)

@@ -1,5 +1,6 @@
 """The layer loop on the simulated CUDA device: which attention kernel CUDA would run, and what a
-run copies between host and device.
+run copies between host and device; and on each device of the `device` fixture (a GPU's too, where
+torch sees one: `make test-cuda`), float32's identities and the CPU's logits.
 
 A GPU runs the Patch and suffix rows' masked attention in its memory-efficient kernel only when the
 KV heads come expanded (no `enable_gqa`); the math kernel builds the whole float32 score matrix.
@@ -14,8 +15,8 @@ import torch
 from cachesmith.model import Decoder, prefill_chunk
 from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic, full_reuse
 from cachesmith.recompute.config import RecomputeConfig, Signal, fused_family, fusionrag
-
-pytestmark = pytest.mark.sim_cuda
+from cachesmith.testing.sim_cuda import active
+from tests.recompute.helpers import make_request, max_diff
 
 # per request and run: the question's ids, the stored chunks' ids (`build_sequence`), and the Patch
 # rows' positions (`BatchRunner._patch_rows`), from which the device builds indices and masks
@@ -65,29 +66,51 @@ def _first_logits(path, device: str, dtype: torch.dtype, plan_name: str, sim=Non
     return logits.cpu(), counts
 
 
+@pytest.mark.sim_cuda
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_patch_rows_never_run_the_math_kernel_and_give_the_cpu_tokens(model_dirs, sim_cuda, plan_name):
-    """bfloat16, what a GPU serves: every attention call is one CUDA runs fast (flash without a
-    mask, memory-efficient with one), and the first token is the CPU's."""
+    """bfloat16, what a GPU serves: every attention call is one CUDA runs fast (on an H100, cuDNN,
+    which takes the masked Patch rows with GQA and no copy of K/V per query head), and the first
+    token is the CPU's."""
     path = model_dirs[3]
     cpu_logits, _ = _first_logits(path, "cpu", torch.bfloat16, plan_name)
     logits, counts = _first_logits(path, "cuda", torch.bfloat16, plan_name, sim_cuda)
     assert counts.attention["math"] == 0, counts.attention
-    assert counts.attention["efficient"] > 0, counts.attention  # the masked Patch rows
+    assert counts.attention["cudnn"] > 0, counts.attention
     assert int(logits.argmax()) == int(cpu_logits.argmax())
 
 
 @pytest.mark.parametrize("plan_name", ["full_reuse", "cacheblend@15%", "qci@15%"])
-def test_float32_logits_equal_the_cpus(model_dirs, sim_cuda, plan_name):
-    """float32: the expanded-heads call on the device computes what the CPU's kernels do (the CPU
-    splits the scattered rows' attention differently: equal up to rounding)."""
-    path = model_dirs[3]
+def test_float32_logits_equal_the_cpus(model_dirs, device, plan_name):
+    """float32: the expanded-heads call on each device computes what the CPU's kernels do (the CPU
+    splits the scattered rows' attention differently: equal up to rounding); on the simulated
+    device, no attention call is one only the math kernel runs."""
+    path, sim = model_dirs[3], active()
     cpu_logits, _ = _first_logits(path, "cpu", torch.float32, plan_name)
-    logits, counts = _first_logits(path, "cuda", torch.float32, plan_name, sim_cuda)
-    assert counts.attention["math"] == 0, counts.attention
-    assert (logits - cpu_logits).abs().max().item() < 1e-4
+    logits, counts = _first_logits(path, device, torch.float32, plan_name, sim)
+    if sim is not None:
+        assert counts.attention["math"] == 0, counts.attention
+    assert max_diff(logits.cpu(), cpu_logits) < 1e-4
 
 
+@pytest.mark.parametrize("plan", [RecomputeConfig(Signal.KV_DEV, 1, 0, 1.0), RecomputeConfig(Signal.QCI, 1, 2, 1.0)],
+                         ids=["kv_dev", "qci"])
+def test_full_coverage_equals_full_prefill_on_each_device(model_dirs, device, plan):
+    """Every context token recomputed is full prefill on the same device (logits and each layer's
+    KV within 1e-4), and the CPU's full prefill too: the identity of test_identities.py, per device."""
+    model, cpu_model = Decoder(model_dirs[3], device, torch.float32), Decoder(model_dirs[3], "cpu", torch.float32)
+    request, flat = make_request(model, seed=4)
+    ref_logits, ref_cache = model.prefill(flat)
+    out = BatchRunner(model).run([request], plan)[0]
+    assert out.logits.device == model.device and out.selected.numel() == out.num_context
+    assert max_diff(out.logits, ref_logits) < 1e-4
+    for layer in range(model.num_layers):
+        for got, want in zip(out.cache.view(layer), ref_cache.view(layer), strict=True):
+            assert max_diff(got, want) < 1e-4, layer
+    assert max_diff(out.logits.cpu(), cpu_model.prefill(flat)[0]) < 1e-4
+
+
+@pytest.mark.sim_cuda
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_a_run_copies_a_fixed_few_tensors_whatever_the_layers_and_chunks(model_dirs, sim_cuda, plan_name):
     """Per `BatchRunner.run`: `H2D_PER_REQUEST` host -> device copies per request, for 3 or 6
@@ -107,6 +130,7 @@ def test_a_run_copies_a_fixed_few_tensors_whatever_the_layers_and_chunks(model_d
             assert not counts.findings, where
 
 
+@pytest.mark.sim_cuda
 def test_recording_layer_times_adds_no_host_sync(model_dirs, sim_cuda):
     """The profile's layer times come from device timing events read after the run: timing a run
     must not add a sync per layer, or the costs it measures would include drained streams."""

@@ -23,7 +23,7 @@ from cachesmith.scheduler import SchedulerConfig
 from cachesmith.server import ServerConfig, Service, ServiceConfig
 from cachesmith.server.memory_budget import (
     AvailableMemory, ExplicitSizes, kv_bytes_per_token, num_parameters, parse_meminfo, plan_memory,
-    read_available, weights_bytes)
+    human_bytes, read_available, weights_bytes)
 from cachesmith.server.run import BackgroundServer
 from tests.engine_helpers import WORDS, save_tiny_chat_model
 from tests.server.conftest import NAME, tiny_profile
@@ -220,3 +220,31 @@ def test_serve_hands_its_memory_flags_to_the_service_config(monkeypatch, capsys)
     assert (seen[1].kv_capacity_tokens, seen[1].kv_pool_bytes, seen[1].store.memory_bytes) == (None, None, None)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memory: ")]
     assert lines == [f"memory: {budget.describe()}"] * 2  # one line at each start
+
+
+# Llama-3-8B's shape (config only: no weights are built)
+LLAMA3_8B = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 8192, False, False, False)
+
+
+def test_the_start_line_on_an_80_gib_device_states_the_decode_graph_buckets():
+    """On a simulated 80 GiB device the 8B shape's budget gives the decode graphs their share:
+    15% of what the weights (about 15 GiB) leave, under the largest bucket (64 rows x 8,192
+    positions = 64 GiB, so a 34 GB bucket of 64 rows x 4,096 does not fit and its steps run
+    eager), and the headroom counts them."""
+    from cachesmith.testing.sim_cuda import SimCuda
+
+    with SimCuda() as sim:
+        assert sim.memory.capacity_bytes == 80 * GIB
+        budget = plan_memory(LLAMA3_8B, torch.bfloat16, torch.device("cuda"), read_available(torch.device("cuda")))
+    per_token = kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)
+    assert per_token == 128 * 1024
+    left = budget.available_bytes - budget.weights_bytes
+    assert budget.graph_bytes == int(0.15 * left) and 9 * GIB < budget.graph_bytes < 10 * GIB
+    assert budget.max_graph_bytes == per_token * 64 * 8192 == 64 * GIB
+    assert per_token * 64 * 4096 > budget.graph_bytes  # the 34 GB bucket is not captured
+    line = budget.describe()
+    assert f"decode graph buckets {human_bytes(budget.graph_bytes)} (15% of what is left)" in line
+    used = budget.weights_bytes + budget.kv_bytes + budget.pool_bytes + budget.graph_bytes
+    assert budget.headroom_bytes == budget.available_bytes - used
+    cpu = plan_memory(LLAMA3_8B, torch.bfloat16, torch.device("cpu"), AvailableMemory(200 * GIB))
+    assert cpu.graph_bytes == 0 and "decode graph" not in cpu.describe()

@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.sim_cuda]  # the tiny model bo
 
 DOCS = [" ".join(WORDS[(d * 5 + i) % len(WORDS)] for i in range(60)) + f" passage {d}." for d in range(3)]
 NUM_REQUESTS = 12  # what `session` sends
+NUM_SAMPLED = 3  # of them sampled (seeded): the 2nd, 5th and 8th streams
+MAX_TOKENS = 6
 METHOD = "cacheblend@0.15"  # a fixed plan: the tokens depend on the math alone, not on timing
 
 
@@ -34,8 +36,11 @@ def start(model_dir, device: str, root) -> BackgroundServer:
     return BackgroundServer(Service(config, pipe, replace(tiny_profile(pipe)))).start()
 
 
-def post(client: httpx.Client, messages: list[dict], documents=None, stream: bool = False) -> str:
-    body = {"model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0, "stream": stream}
+def post(client: httpx.Client, messages: list[dict], documents=None, stream: bool = False, seed: int | None = None) -> str:
+    """Greedy, or with `seed` sampled (the same seed and request give the same text)."""
+    body = {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    if seed is not None:
+        body.update(temperature=0.8, seed=seed)
     if documents is not None:
         body["documents"] = documents
     r = client.post("/v1/chat/completions", json=body)
@@ -57,8 +62,10 @@ def session(url: str) -> dict[str, object]:
                                          {"role": "assistant", "content": "Blue, I think."},
                                          {"role": "user", "content": "And another?"}])
         questions = [[{"role": "user", "content": f"Which word follows {w}?"}] for w in WORDS[:8]]
-        with ThreadPoolExecutor(8) as pool:
-            out["streams"] = list(pool.map(lambda q: post(client, q, DOCS[:2], stream=True), questions))
+        with ThreadPoolExecutor(8) as pool:  # every third sampled: greedy and sampled rows decode together
+            out["streams"] = list(pool.map(lambda jq: post(client, jq[1], DOCS[:2], stream=True,
+                                                           seed=jq[0] if jq[0] % 3 == 1 else None),
+                                           enumerate(questions)))
     return out
 
 
@@ -82,11 +89,20 @@ def test_every_http_path_answers_on_the_simulated_gpu_as_on_the_cpu(model_dir, t
     try:
         with sim_cuda.count() as counts:
             answers = session(srv.url)
+        graphs = srv.service.loop._decoding.graphs  # the decode thread's graph buckets
     finally:
         srv.stop()
     assert answers == cpu_answers
     assert answers["rag_new"] == answers["rag_stored"] and len(answers["streams"]) == 8
     assert counts.findings == [] and counts.ops > 0 and counts.attention["math"] == 0
-    # the host waits only where it must: each decode step's tokens (one event), and per request its
-    # first token, its first choice and its entropy (read once the batch is done)
-    assert counts.syncs - counts.sync_sites.count("event.synchronize") <= 3 * NUM_REQUESTS, counts.sync_sites
+    # the host waits only where it must: each decode step's tokens (one event), per request its
+    # first token, its first choice and its entropy (read once the batch is done), and each sampled
+    # token its draw
+    # and where a decode graph is captured (torch's graph context synchronizes the device): once per bucket
+    num_capture_syncs = sum(site.startswith("CUDA graph capture") for site in counts.sync_sites)
+    print(f"decode graph captures: {counts.captures}, buckets {list(graphs._buckets)}, replays: {counts.replays}")
+    assert counts.captures == num_capture_syncs == graphs.num_captures == len(graphs._buckets)  # each bucket once
+    assert counts.replays > counts.captures
+    num_sampled_tokens = NUM_SAMPLED * MAX_TOKENS
+    assert counts.syncs - counts.sync_sites.count("event.synchronize") - num_capture_syncs <= \
+        3 * NUM_REQUESTS + num_sampled_tokens, counts.sync_sites
