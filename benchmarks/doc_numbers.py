@@ -86,6 +86,7 @@ BURST_ON = ("rows", {"run": "burst of 40, new documents", "shedding": "1.5x"})
 
 
 COST = "docs/bench/cost_model.json"
+BIAS = "docs/bench/cost_bias.json"
 SIM_CHECK = "docs/bench/sim_check.json"
 
 
@@ -98,6 +99,8 @@ def _level(load: float, field: str) -> tuple:
 
 
 QUOTES: tuple[Quote, ...] = (
+    Quote("docs/measurements.md", "| position/0/0 | +{}% | 1.9% | no |", BIAS, _family("position/0/0", "bias"), ".1f", scale=100),
+    Quote("docs/measurements.md", "| qci_last/0/1 | {}% | 1.4% | no |", BIAS, _family("qci_last/0/1", "bias"), ".1f", scale=100),
     Quote("docs/measurements.md", "**2x:** {} against 181", OVERLOAD, _level(2.0, "on_time_on"), ".0f"),
     Quote("docs/measurements.md", "**2x:** 183 against {}", OVERLOAD, _level(2.0, "on_time_off"), ".0f"),
     Quote("docs/measurements.md", "shedding answered {} on time against 121", OVERLOAD, _level(4.0, "on_time_on"), ".0f"),

@@ -9,7 +9,11 @@ serialized before the first is due, each sent on a connection of its own opened 
 (`lean_http`), its times running from that connect to the response read.
 Each load level sends `--num-requests` Poisson arrivals at that multiple of the capacity, each
 with SLO = `--slo-scale` x base, as streaming chat completions, once with `--shed-late 1.5` and
-once with `off`, each on a fresh server (same store). The burst sends `--burst` requests at once,
+once with `off`, each on a fresh server (same store); `--gamma-loads` adds levels whose arrivals
+are Gamma with CV `--gamma-cv` (bursts from the arrival process itself, not a synthetic burst).
+Each level runs `--repeats` traces (paired: one trace, both runs, which runs first alternating), and
+`paired` reports per level the mean difference on - off of on-time answers and of QSA per trace,
+with a 90% bootstrap interval over the traces. The burst sends `--burst` requests at once,
 each with four documents nobody stored (a prefill before anything else) and `--burst-slo-ms`.
 Columns: requests sent, answered on time, QSA over all sent (a refusal counts as failed), refused
 at arrival and shed from the queue, the slowest and median time to a refusal at arrival, P99 TTFT
@@ -44,13 +48,18 @@ from cachesmith.scheduler.deadline import SheddingConfig  # noqa: E402
 from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
 from cachesmith.server.memory_budget import AvailableMemory, human_bytes  # noqa: E402
 from cachesmith.server.run import BackgroundServer  # noqa: E402
+from cachesmith.workloads.trace import TraceConfig, interarrival_gaps  # noqa: E402
 
 GATE = make_gate("task")
 COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
            "refusal_ms_p50", "ttft_p99_s", "ttft_p99_vs_slo", "estimate_ratio_p50", "lateness_ratio", "late_doomed",
            "waits", "holding"]
-LOAD_COLUMNS = ["load", "repeats", "sent", "on_time_on", "on_time_off", "qsa_on", "qsa_off", "repeats_fewer_on_time",
+LOAD_COLUMNS = ["level", "repeats", "sent", "on_time_on", "on_time_off", "qsa_on", "qsa_off", "repeats_fewer_on_time",
                 "on_time_first", "on_time_second"]
+PAIRED_COLUMNS = ["level", "repeats", "on_time_diff", "on_time_diff_lo", "on_time_diff_hi", "qsa_diff", "qsa_diff_lo",
+                  "qsa_diff_hi", "refused_arrival_on"]
+CONFIDENCE = 0.90
+NUM_RESAMPLES = 10_000
 
 
 def body(inst, slo_s: float, model: str, documents=None) -> dict:
@@ -166,21 +175,63 @@ def summary(run: str, shedding: float | None, records: list[dict], counts: dict)
                                 r["status"] not in (200, 429) for r in records)}
 
 
+def level_of(row: dict) -> str | None:
+    """A run's level: its load and arrival pattern (`2x poisson`, `2x gamma cv4`); None for a burst."""
+    return None if row["load"] is None else f"{row['load']:g}x {row.get('pattern', 'poisson')}"
+
+
+def levels(rows: list[dict]) -> list[tuple[str, float]]:
+    """Each (pattern, load) run, Poisson levels first, by load."""
+    loads = {(r.get("pattern", "poisson"), r["load"]) for r in rows if r["load"] is not None}
+    return sorted(loads, key=lambda level: (level[0] != "poisson", level[0], level[1]))
+
+
 def by_load(rows: list[dict]) -> list[dict]:
-    """Per load level, the repeats summed: on time and QSA with shedding on and off, how many
+    """Per level, the repeats summed: on time and QSA with shedding on and off, how many
     repeats shedding answered fewer on time, and on time in the first and the second run of each
     pair whatever its shedding (how much running second is worth: the noise of a pair)."""
     out = []
-    for load in sorted({r["load"] for r in rows if r["load"] is not None}):
-        level = [r for r in rows if r["load"] == load]
+    for pattern, load in levels(rows):
+        name = level_of({"load": load, "pattern": pattern})
+        level = [r for r in rows if level_of(r) == name]
         on, off = [r for r in level if r["shedding"] != "off"], [r for r in level if r["shedding"] == "off"]
         off_by_repeat = {r["repeat"]: r for r in off}
-        out.append({"load": load, "repeats": len(on), "sent": sum(r["sent"] for r in on),
+        out.append({"level": name, "load": load, "pattern": pattern, "repeats": len(on), "sent": sum(r["sent"] for r in on),
                     "on_time_on": sum(r["on_time"] for r in on), "on_time_off": sum(r["on_time"] for r in off),
                     "qsa_on": statistics.mean(r["qsa"] for r in on), "qsa_off": statistics.mean(r["qsa"] for r in off),
                     "repeats_fewer_on_time": sum(r["on_time"] < off_by_repeat[r["repeat"]]["on_time"] for r in on),
                     "on_time_first": sum(r["on_time"] for r in level if r.get("pair_position") == 1),
                     "on_time_second": sum(r["on_time"] for r in level if r.get("pair_position") == 2)})
+    return out
+
+
+def bootstrap_interval(values: list[float], confidence: float = CONFIDENCE, num_resamples: int = NUM_RESAMPLES,
+                       seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of the mean of `values` (resampled with replacement)."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        return float("nan"), float("nan")
+    means = np.random.default_rng(seed).choice(data, (num_resamples, data.size)).mean(axis=1)
+    tail = (1.0 - confidence) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
+
+
+def paired(rows: list[dict]) -> list[dict]:
+    """Per level, the difference on - off within each trace (one arrival trace served both ways),
+    its mean over the traces and a bootstrap interval of that mean: on-time answers and QSA."""
+    out = []
+    for pattern, load in levels(rows):
+        name = level_of({"load": load, "pattern": pattern})
+        level = [r for r in rows if level_of(r) == name]
+        off = {r["repeat"]: r for r in level if r["shedding"] == "off"}
+        pairs = [(r, off[r["repeat"]]) for r in level if r["shedding"] != "off" and r["repeat"] in off]
+        on_time = [a["on_time"] - b["on_time"] for a, b in pairs]
+        qsa = [a["qsa"] - b["qsa"] for a, b in pairs]
+        (ot_lo, ot_hi), (q_lo, q_hi) = bootstrap_interval(on_time), bootstrap_interval(qsa)
+        out.append({"level": name, "load": load, "pattern": pattern, "repeats": len(pairs), "on_time_diff": statistics.mean(on_time) if pairs else 0.0,
+                    "on_time_diff_lo": ot_lo, "on_time_diff_hi": ot_hi,
+                    "qsa_diff": statistics.mean(qsa) if pairs else 0.0, "qsa_diff_lo": q_lo, "qsa_diff_hi": q_hi,
+                    "refused_arrival_on": sum(a["refused_arrival"] for a, _ in pairs)})
     return out
 
 
@@ -223,8 +274,10 @@ def compact(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in keep if k in r} for r in records]
 
 
-def poisson(num: int, rate: float, seed: int) -> list[float]:
-    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, num)).tolist()
+def arrivals(pattern: str, num: int, rate: float, seed: int, cv: float = 1.0) -> list[float]:
+    """Arrival times of a trace: Poisson, or Gamma gaps with coefficient of variation `cv`."""
+    config = TraceConfig(pattern, rate, 1.0 if pattern == "poisson" else cv, num, seed=seed)
+    return np.cumsum(interarrival_gaps(config, np.random.default_rng(seed))).tolist()
 
 
 def setup(args) -> tuple[RagPipeline, object, list, float]:
@@ -238,7 +291,9 @@ def setup(args) -> tuple[RagPipeline, object, list, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=24)
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 1.0, 2.0, 4.0])
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 1.0, 2.0, 4.0], help="Poisson levels")
+    ap.add_argument("--gamma-loads", type=float, nargs="*", default=[2.0], help="Gamma levels (CV --gamma-cv)")
+    ap.add_argument("--gamma-cv", type=float, default=4.0)
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--method", default="cachesmith")
     ap.add_argument("--max-batch-size", type=int, default=8)
@@ -249,7 +304,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the small machine's process
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)  # the client's process
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=int, default=6,
                     help="arrival traces per load level (seeds --seed, --seed + 1, ...), each on and off")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
@@ -266,24 +321,26 @@ def main() -> None:
     # at the runs' SLO, so the planner chooses the plans it chooses under load (a loose SLO buys
     # recomputation, and a capacity measured with it would not overload the runs)
     capacity, rows, records_by_run = 0.0, [], {}
-    if args.loads:
+    if args.loads or args.gamma_loads:
         saturating = [(body(inst, slo, "smollm2-135m"), inst, 0.0) for inst in insts[:args.num_requests]]
         start = time.perf_counter()
         serve(pipe, profile, args, None, saturating, "capacity")
         capacity = len(saturating) / (time.perf_counter() - start)
-    for repeat, load in ((k, load) for k in range(args.repeats) for load in args.loads):
+    plan = [(k, pattern, load) for k in range(args.repeats)
+            for pattern, loads in (("poisson", args.loads), ("gamma", args.gamma_loads)) for load in loads]
+    for repeat, pattern, load in plan:
         # each repeat its own arrival trace, the same for shedding on and off (a paired comparison),
         # which runs first alternating: the second run of a pair was on time more often even at 0.5x,
         # where shedding neither refuses nor sheds anything
-        arrivals = poisson(args.num_requests, load * capacity, args.seed + repeat)
-        sends = [(body(inst, slo, "smollm2-135m"), inst, at) for inst, at in zip(insts, arrivals)]
+        times = arrivals(pattern, args.num_requests, load * capacity, args.seed + repeat, args.gamma_cv)
+        sends = [(body(inst, slo, "smollm2-135m"), inst, at) for inst, at in zip(insts, times)]
+        name = f"{load:g}x {pattern}" + (f" cv{args.gamma_cv:g}" if pattern == "gamma" else "")
         for position, shedding in enumerate((1.5, None) if repeat % 2 == 0 else (None, 1.5), 1):
-            desc = f"{load:g}x {shedding or 'off'} #{repeat + 1}"
+            desc = f"{name} {shedding or 'off'} #{repeat + 1}"
             records, counts = serve(pipe, profile, args, shedding, sends, desc)
-            rows.append({"load": load, "repeat": repeat + 1, "pair_position": position,
-                         **summary(f"{load:g}x capacity", shedding, records, counts)})
-            suffix = f" #{repeat + 1}" if args.repeats > 1 else ""
-            records_by_run[f"{load:g}x {rows[-1]['shedding']}{suffix}"] = compact(records)
+            rows.append({"load": load, "pattern": name.split(" ", 1)[1], "repeat": repeat + 1,
+                         "pair_position": position, **summary(f"{name} capacity", shedding, records, counts)})
+            records_by_run[f"{name} {rows[-1]['shedding']} #{repeat + 1}"] = compact(records)
     for shedding in (1.5, None) if args.burst else ():
         tag = "on" if shedding else "off"  # new text each run: every document is prefilled on arrival
         sends = burst_sends(insts, args, tag)
@@ -296,14 +353,16 @@ def main() -> None:
                                stdout=subprocess.PIPE)
         small = json.loads(child.stdout.strip().splitlines()[-1])
         rows.append({"load": None, **small["row"]})
-    payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson", "method": args.method,
-               "base_slo_s": base, "slo_scale": args.slo_scale, "slo_s": slo, "capacity_rps": capacity,
-               "burst_slo_ms": args.burst_slo_ms, "repeats": args.repeats, "rows": rows, "by_load": by_load(rows),
+    payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson and Gamma CV {args.gamma_cv:g}",
+               "method": args.method, "base_slo_s": base, "slo_scale": args.slo_scale, "slo_s": slo,
+               "capacity_rps": capacity, "burst_slo_ms": args.burst_slo_ms, "repeats": args.repeats, "rows": rows,
+               "by_load": by_load(rows), "paired": paired(rows), "confidence": CONFIDENCE,
                "small_machine": small, "records": records_by_run, "wall_s": time.perf_counter() - began}
     emit(payload, args.json, args.out, lambda: (
         print(f"capacity {capacity:.3f} req/s; SLO {slo:.2f} s ({args.slo_scale:g}x base {base:.2f} s)"),
         print_table(rows, COLUMNS),
         args.repeats > 1 and print_table(payload["by_load"], LOAD_COLUMNS),
+        args.repeats > 1 and print_table(payload["paired"], PAIRED_COLUMNS),
         small and print(f"small machine: {small['budget']}; peak resident {small['peak']} "
                         f"({small['peak_vs_available']:.0%} of the memory available)")))
 

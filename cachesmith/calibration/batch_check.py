@@ -6,7 +6,9 @@ workload, a `CostModel`, and the batches to time (requests and a plan each). Out
 cost model's price at the batch's shape, plan and the coverages its requests really ran at, and
 the same split by term (each layer kind's passes, the time between them: staging, assembly,
 selection and the per-batch work, and waits on KV loads), so a wrong price names its term.
-`summary` gives each family's error and the term that moves it most.
+`summary` gives each family's error and the term that moves it most; `check_repeated` times a
+batch several times and prices it against the median, so the price's bias shows apart from the
+machine's noise.
 """
 from __future__ import annotations
 
@@ -109,6 +111,25 @@ def check_batch(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredProm
     terms[STALL] = (stall, 0.0)
     name = family(plan.signal.value, plan.warmup, plan.probe)
     return CheckedBatch(name, plan.label(), shape, total, ttft, terms)
+
+
+def check_repeated(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredPrompt], plan: RecomputeConfig,
+                   repeats: int) -> tuple[CheckedBatch, list[float]]:
+    """One batch timed `repeats` times in a row: the check of its median run (its price against
+    the median time: the price's bias apart from the machine's noise, which one timing cannot
+    separate) and every run's seconds (the batch's own repeat spread)."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    runs = [check_batch(pipe, cost, prompts, plan) for _ in range(repeats)]
+    order = sorted(range(repeats), key=lambda i: runs[i].measured_s)
+    return runs[order[(repeats - 1) // 2]], [r.measured_s for r in runs]
+
+
+def repeat_spread(times: Sequence[Sequence[float]]) -> float:
+    """Median |time / its batch's median - 1| over every run of every batch: how closely identical
+    batches repeat, the floor under any price of one timing."""
+    devs = [abs(t / statistics.median(ts) - 1) for ts in times for t in ts]
+    return float(np.median(devs)) if devs else float("nan")
 
 
 def _abs_quantile(errs: Sequence[float], q: float) -> float:

@@ -15,7 +15,6 @@ sized to the memory available (`memory_budget`; `Service.memory`), or the servic
 """
 from __future__ import annotations
 
-import math
 import logging
 import threading
 import time
@@ -109,16 +108,15 @@ class Service:
     def check_arrival(self, slot: Slot, spec: CompletionSpec) -> None:
         """Before the request is tokenized (the server calls this on its event loop, before handing
         the request to a worker thread): refuse it (`SloUnattainable`, its place given back) when
-        the work ahead of it alone is past the shedding margin. A bad `slo_ms` is left to `submit`,
-        which names it."""
-        slo_s = self.config.default_slo_s if spec.slo_s is None else spec.slo_s
-        if not isinstance(slo_s, (int, float)) or not math.isfinite(slo_s) or slo_s <= 0:
-            return
+        the work ahead of it alone is past the shedding margin. An invalid `slo_ms` is refused
+        first, as `submit` refuses it (`InputError`, a 400 naming the field, at any load): a 429
+        would have its client retry a request no server can take."""
         try:
-            self.loop.check_arrival(slot, slo_s, prompt_size(spec))
-        except SloUnattainable:
+            slot.slo_s = self._slo_s(spec)  # checked here once: `submit` takes it from the slot
+            self.loop.check_arrival(slot, slot.slo_s, prompt_size(spec))
+        except (InputError, SloUnattainable) as exc:
             slot.release()
-            self.num_rejected["slo_unattainable"] += 1
+            self.num_rejected[_reason(exc)] += 1
             raise
 
     def submit(self, spec: CompletionSpec, on_token: Callable[[int, int], None] | None = None,
@@ -132,7 +130,7 @@ class Service:
             self.check_arrival(slot, spec)
         pinned: list[str] = []
         try:
-            max_tokens, slo_s = self._limits(spec)
+            max_tokens, slo_s = self._limits(spec, slot)
             prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned, slot, slo_s)
             request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
             future = self.loop.submit(request, on_token, slot)
@@ -171,7 +169,7 @@ class Service:
         already running (it then finishes and its answer is discarded)."""
         return self.loop.cancel(future.request_id)
 
-    def _limits(self, spec: CompletionSpec) -> tuple[int, float]:
+    def _limits(self, spec: CompletionSpec, slot: Slot) -> tuple[int, float]:
         cfg = self.config
         if len(spec.documents) > cfg.max_documents:
             raise InputError(f"documents: {len(spec.documents)} documents exceed the limit of {cfg.max_documents}")
@@ -180,9 +178,14 @@ class Service:
             raise InputError("question: must be a non-empty string")
         max_tokens = cfg.default_max_tokens if spec.max_tokens is None else spec.max_tokens
         check_max_tokens(max_tokens, "max_tokens", cfg.max_tokens_limit)
+        return max_tokens, self._slo_s(spec) if slot.slo_s is None else slot.slo_s
+
+    def _slo_s(self, spec: CompletionSpec) -> float:
+        """The request's SLO in seconds (the default where it gave none), checked (`InputError`)."""
+        cfg = self.config
         slo_s = cfg.default_slo_s if spec.slo_s is None else spec.slo_s
         check_slo(slo_s * 1e3, "slo_ms", cfg.max_slo_s, cfg.min_slo_s, scale=1e3)
-        return max_tokens, slo_s
+        return slo_s
 
     def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str], slot: Slot,
                       slo_s: float) -> tuple[StoredPrompt, int]:

@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from cachesmith.calibration.batch_check import BETWEEN, STALL, CheckedBatch, check_batch, family, summary
+from cachesmith.calibration.batch_check import (
+    BETWEEN, STALL, CheckedBatch, check_batch, check_repeated, family, repeat_spread, summary)
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.methods import parse_method
 from cachesmith.pipeline import RagPipeline
@@ -42,6 +43,21 @@ def test_the_terms_add_up_to_the_measured_and_the_priced_ttft(tiny):
         assert BETWEEN in batch.terms and STALL in batch.terms
     assert set(check_batch(pipe, cost, prompts[:1], RecomputeConfig("kv_dev", 1, 1, 0.3)).terms) == {
         "full passes", "score_patch passes", "patch passes", BETWEEN, STALL}
+
+
+def test_a_repeated_batch_is_priced_against_its_median_run(tiny):
+    pipe, prompts = tiny
+    cost = CostModel(make_profile(num_layers=pipe.model.num_layers))
+    median_run, times = check_repeated(pipe, cost, prompts[:2], RecomputeConfig("kv_dev", 1, 1, 0.3), 5)
+    assert len(times) == 5 and median_run.measured_s == statistics.median(times)
+    assert median_run.predicted_s > 0 and median_run.shape.num_requests == 2
+    with pytest.raises(ValueError, match="repeats=0"):
+        check_repeated(pipe, cost, prompts[:1], RecomputeConfig("kv_dev", 1, 1, 0.3), 0)
+
+
+def test_the_repeat_spread_is_each_runs_distance_from_its_batchs_median():
+    assert repeat_spread([[1.0, 1.1, 0.9], [2.0, 2.0, 2.0]]) == pytest.approx(0.0)  # 3 of 6 at 0
+    assert repeat_spread([[1.0, 1.1, 0.9], [2.0, 2.2, 1.8]]) == pytest.approx(0.1)
 
 
 def test_families_are_named_as_the_replays_name_them():

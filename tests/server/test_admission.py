@@ -249,6 +249,30 @@ def test_a_request_the_work_ahead_alone_makes_late_is_refused_before_it_is_token
     assert service.queue_depth == 0  # its place was given back
 
 
+@pytest.mark.parametrize("slo_ms", [0.5, 0, -3])
+def test_an_invalid_slo_on_a_busy_server_is_a_400_naming_it(server_for, slo_ms):
+    """Below the minimum SLO (or not positive) is invalid at any load: a 400, never the 429 with a
+    Retry-After that a late request gets (its client would retry a request no server takes)."""
+    srv = server_for()
+    service = srv.server.config.app.state.service
+    gate, entered = hold_first_prefill(service)
+    ahead = threading.Thread(target=lambda: httpx.post(
+        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
+    ahead.start()
+    assert entered.wait(10)  # busy: the work ahead alone would make a tight SLO late
+    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"],
+                                                                 slo_ms=slo_ms), timeout=60)
+    late = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"], slo_ms=5),
+                      timeout=60)
+    gate.set()
+    ahead.join(60)
+    err = error_of(answer)
+    assert answer.status_code == 400 and err["param"] == "slo_ms" and f"slo_ms={slo_ms!r}" in err["message"]
+    assert "Retry-After" not in answer.headers and shed_count(srv, "arrival") == 1  # the late one only
+    assert late.status_code == 429 and error_of(late)["code"] == "slo_unattainable"
+    assert service.queue_depth == 0  # both places given back
+
+
 def test_a_cap_no_retry_passes_is_said_before_lateness(server_for):
     srv = server_for(max_store_tokens_per_request=200)
     service = srv.server.config.app.state.service
