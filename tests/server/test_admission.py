@@ -173,6 +173,17 @@ def hold_first_prefill(service):
     return gate, entered
 
 
+def work_ahead(srv, service) -> tuple[threading.Event, threading.Thread]:
+    """A request with a long new document, held in its prefill (`gate` lets it go): the server is
+    busy, and the work ahead of anything new is promised."""
+    gate, entered = hold_first_prefill(service)
+    ahead = threading.Thread(target=lambda: httpx.post(
+        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
+    ahead.start()
+    assert entered.wait(10)
+    return gate, ahead
+
+
 @pytest.mark.parametrize("max_lateness", [1.5, None])
 def test_a_request_that_cannot_be_on_time_is_refused_at_arrival_and_stores_nothing(server_for, max_lateness):
     srv = server_for(shedding=SheddingConfig(max_lateness))
@@ -231,11 +242,7 @@ def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
 def test_a_request_the_work_ahead_alone_makes_late_is_refused_before_it_is_tokenized(server_for):
     srv = server_for()
     service = srv.server.config.app.state.service
-    gate, entered = hold_first_prefill(service)
-    ahead = threading.Thread(target=lambda: httpx.post(
-        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
-    ahead.start()
-    assert entered.wait(10)  # its prefill and its batch are promised ahead of anything new
+    gate, ahead = work_ahead(srv, service)  # its prefill and its batch are promised ahead of anything new
     tokenized = []
     chunk_ids = service.pipeline.tokenizer.chunk_ids
     service.pipeline.tokenizer.chunk_ids = lambda text, *a, **k: tokenized.append(text) or chunk_ids(text, *a, **k)
@@ -255,11 +262,7 @@ def test_an_invalid_slo_on_a_busy_server_is_a_400_naming_it(server_for, slo_ms):
     Retry-After that a late request gets (its client would retry a request no server takes)."""
     srv = server_for()
     service = srv.server.config.app.state.service
-    gate, entered = hold_first_prefill(service)
-    ahead = threading.Thread(target=lambda: httpx.post(
-        srv.url + "/v1/completions", json=body(documents=[" ".join([passage(9)] * 30)], slo_ms=60_000), timeout=60))
-    ahead.start()
-    assert entered.wait(10)  # busy: the work ahead alone would make a tight SLO late
+    gate, ahead = work_ahead(srv, service)  # busy: the work ahead alone would make a tight SLO late
     answer = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"],
                                                                  slo_ms=slo_ms), timeout=60)
     late = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"], slo_ms=5),
