@@ -94,22 +94,30 @@ def _family(name: str, field: str) -> tuple:
     return ("families", {"family": name}, field)
 
 
-def _level(load: float, field: str) -> tuple:
-    return ("by_load", {"load": load}, field)
+def _level(name: str, field: str) -> tuple:
+    return ("by_load", {"level": name}, field)
+
+
+def _paired(name: str, field: str) -> tuple:
+    return ("paired", {"level": name}, field)
 
 
 QUOTES: tuple[Quote, ...] = (
     Quote("docs/measurements.md", "| position/0/0 | +{}% | 1.9% | no |", BIAS, _family("position/0/0", "bias"), ".1f", scale=100),
     Quote("docs/measurements.md", "| qci_last/0/1 | {}% | 1.4% | no |", BIAS, _family("qci_last/0/1", "bias"), ".1f", scale=100),
-    Quote("docs/measurements.md", "**2x:** {} against 181", OVERLOAD, _level(2.0, "on_time_on"), ".0f"),
-    Quote("docs/measurements.md", "**2x:** 183 against {}", OVERLOAD, _level(2.0, "on_time_off"), ".0f"),
-    Quote("docs/measurements.md", "shedding answered {} on time against 121", OVERLOAD, _level(4.0, "on_time_on"), ".0f"),
-    Quote("docs/measurements.md", "on time against {} without", OVERLOAD, _level(4.0, "on_time_off"), ".0f"),
-    Quote("docs/measurements.md", "second at 2x ({} against 179)", OVERLOAD, _level(2.0, "on_time_first"), ".0f"),
-    Quote("docs/measurements.md", "second at 2x (185 against {})", OVERLOAD, _level(2.0, "on_time_second"), ".0f"),
+    Quote("docs/measurements.md", "| 2x Poisson | {} | 231 |", OVERLOAD, _level("2x poisson", "on_time_on"), ".0f"),
+    Quote("docs/measurements.md", "| 4x Poisson | 180 | {} |", OVERLOAD, _level("4x poisson", "on_time_off"), ".0f"),
+    Quote("docs/measurements.md", "| 26.6% | 21.9% | +{} points", OVERLOAD, _paired("2x poisson", "qsa_diff"), ".1f",
+          scale=100),
+    Quote("docs/measurements.md", "| 47.4% | 50.0% | -2.6 points [-4.4, {}]", OVERLOAD,
+          _paired("0.5x poisson", "qsa_diff_hi"), ".1f", scale=100),
+    Quote("docs/measurements.md", "{} requests over the six Gamma CV 4", OVERLOAD,
+          _paired("2x gamma cv4", "refused_arrival_on"), ".0f"),
+    Quote("docs/measurements.md", "the run first in its pair answered {} on time at 2x Poisson", OVERLOAD,
+          _level("2x poisson", "on_time_first"), ".0f"),
     Quote("docs/measurements.md", "shedding off\n  ({} requests/s)", OVERLOAD, ("capacity_rps",), ".2f"),
     Quote("docs/measurements.md", "CacheSmith, SLO 2x a measured base of {} s", OVERLOAD, ("base_slo_s",), ".2f"),
-    Quote("docs/measurements.md", "2 answered, P99 TTFT {}x", OVERLOAD, BURST_ON + ("ttft_p99_vs_slo",), ".2f"),
+    Quote("docs/measurements.md", "4 answered, P99 TTFT {}x", OVERLOAD, BURST_ON + ("ttft_p99_vs_slo",), ".2f"),
     Quote("docs/measurements.md", "shedding {} are refused at arrival", OVERLOAD, BURST_ON + ("refused_arrival",), ".0f"),
     Quote("docs/measurements.md", "A refusal took {} ms at the", OVERLOAD, BURST_ON + ("refusal_ms_p50",), ".0f"),
     Quote("docs/measurements.md", "median and {} ms at most", OVERLOAD, BURST_ON + ("refusal_ms_max",), ".0f"),
