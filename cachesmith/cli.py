@@ -170,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cachesmith.kvstore import StoreConfig
     from cachesmith.calibration.shadow import shadow_calibrator
     from cachesmith.scheduler import SchedulerConfig
-    from cachesmith.scheduler.deadline import SheddingConfig
+    from cachesmith.scheduler.feasibility import SheddingConfig
     from cachesmith.server import ServerConfig, Service, ServiceConfig, run_server
 
     from cachesmith.server.tenancy import read_api_keys

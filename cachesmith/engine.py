@@ -73,8 +73,6 @@ class EngineStats:
     decision_ms: list[float] = field(default_factory=list)  # scheduler + planner, per batch
     num_monitor_replans: int = 0
     num_partial_batches: int = 0  # batches the scheduler ran under partial KV allocation
-    num_waits: int = 0  # decisions to run nothing yet (only doomed requests queued, an arrival due)
-    num_holding: int = 0  # decisions that held doomed requests back for a predicted arrival (waits too)
 
 
 class Engine:
@@ -149,28 +147,22 @@ class Engine:
         return None if queued is None else queued[0]
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, next_arrival_s: float = float("inf")) -> list[RequestResult]:
-        """One batch boundary: schedule, run the batch, advance the clock. [] when idle, or after a
-        wait (the clock idles until the scheduler looks again or `next_arrival_s`, if sooner)."""
+    def step(self) -> list[RequestResult]:
+        """One batch boundary: schedule, run the batch, advance the clock. [] when idle."""
         decided = self.next_decision()
         if decided is None:
             return []
         decision, batch = decided
-        if decision.is_wait:
-            self.clock.wait_until(min(self.clock.now() + decision.wait_s, next_arrival_s))
-            return []
         return self.run_batch(decision, batch)
 
     def next_decision(self) -> tuple[ScheduleDecision, list[Request]] | None:
         """Schedule the next batch and take its requests off the queue (the part of a step that
-        must not overlap a submit: `EngineLoop` holds its lock around this only). A wait takes none."""
+        must not overlap a submit: `EngineLoop` holds its lock around this only)."""
         self._apply_verdicts()
         decision = self.scheduler.next_batch(self.queued_views(), self.clock.now())
         if decision is None:
             return None
         self.clock.advance(decision.decision_s)
-        self.stats.num_waits += decision.is_wait
-        self.stats.num_holding += decision.is_holding
         return decision, [self._queue.pop(i)[0] for i in decision.request_ids]
 
     def run_batch(self, decision: ScheduleDecision, batch: list[Request]) -> list[RequestResult]:
@@ -304,7 +296,7 @@ class Engine:
                     self.shadow.run_idle(self.clock, admitted[i][0].arrival_s)
                 self.clock.wait_until(admitted[i][0].arrival_s)
                 continue
-            for res in self.step(admitted[i][0].arrival_s if i < len(admitted) else float("inf")):
+            for res in self.step():
                 results[res.request_id] = res
                 bar.update(1)
         bar.close()

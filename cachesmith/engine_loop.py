@@ -17,13 +17,12 @@ holds up scheduling. A request holds a place in the queue from the moment it is 
 before any costly work for it) until it is queued or refused: beyond `max_queue` places a
 `QueueFull` with a retry-after estimate answers at once. With shedding on (`SheddingConfig`), the
 caller prices each request against the work ahead before any of its documents is prefilled
-(`check_deadline`, `SloUnattainable` past the margin), and at each batch boundary a queued request
-past saving is answered refused instead of run (`cachesmith.shedding`). An admission that raises (any exception)
+(`check_deadline`, `SloUnattainable` when it is not feasible at the margin), and at each batch
+boundary a queued request no longer feasible is answered refused instead of run
+(`cachesmith.shedding`). An admission that raises (any exception)
 resolves its future with an internal error and gives its place back. `cancel` drops a request still
 queued; `close()` stops admissions and drains what is queued. A batch that raises turns into
-per-request errors; the loop keeps serving. When the scheduler decides to wait (only requests past
-saving queued, an arrival due first), the loop sleeps until the queue changes, the wait ends or
-the first of them is due to be shed. Served results carry each token's clock time (for
+per-request errors; the loop keeps serving. Served results carry each token's clock time (for
 end-to-end and inter-token latency).
 """
 from __future__ import annotations
@@ -41,8 +40,8 @@ from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Generation
 from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.request import Request, RequestResult
-from cachesmith.scheduler import QueuedRequest, ScheduleDecision
-from cachesmith.scheduler.deadline import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
+from cachesmith.scheduler import QueuedRequest
+from cachesmith.scheduler.feasibility import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
 from cachesmith.shedding import SHED_KIND, DeadlineAdmission
 from cachesmith.token_streams import TokenSink, TokenStreams
 
@@ -61,7 +60,7 @@ class EngineLoop:
         self.max_decoding = max_decoding
         pricer = DeadlinePricer(engine.planner, engine.config.scheduler.max_batch_size)
         self.deadlines = DeadlineAdmission(pricer, shedding)
-        self.num_shed_queued = 0  # queued requests answered refused: past their deadline by the margin
+        self.num_shed_queued = 0  # queued requests answered refused: no longer feasible at the margin
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
         self._futures: dict[int, Future] = {}
@@ -75,7 +74,6 @@ class EngineLoop:
         self._num_in_batch = 0  # the batch the prefill thread holds (prefilling, or decoding it whole)
         self._is_prefilling = False
         self._is_prefill_done = False
-        self._held_depth = 0  # the queue's depth when the scheduler last decided
         # hears "prefill <num decoding>", "prefilled" and "step <num sequences>" as they happen, under
         # the loop's lock
         self.trace: Callable[[str], None] | None = None
@@ -124,17 +122,17 @@ class EngineLoop:
             self._num_admitting += 1
             return Slot(self._give_back, next(self._ids), self.engine.clock.now())
 
-    def check_deadline(self, slot: Slot, view: QueuedRequest, num_new_tokens: list[int]) -> TtftEstimate:
-        """Price the request in `slot` (`view`, with its documents not yet stored) against the work
-        ahead before any of it is prefilled: its estimate, counted ahead of later arrivals until it is
-        queued; raises `SloUnattainable` past the shedding margin."""
+    def check_deadline(self, slot: Slot, view: QueuedRequest, num_new_tokens: list[int]) -> TtftEstimate | None:
+        """Before any of its documents is prefilled: `SloUnattainable` when the request in `slot`
+        (`view`, with its documents not yet stored) is not feasible at the shedding margin; else its
+        work is counted ahead of later arrivals until it is queued (its estimate; None with shedding
+        off)."""
         with self._cond:
-            ahead = self.engine.queued_views()
-            return self.deadlines.admit(view, self.engine.clock.now(), ahead, num_new_tokens)
+            return self.deadlines.admit(view, self.engine.clock.now(), self.engine.queued_views(), num_new_tokens)
 
     def check_arrival(self, slot: Slot, slo_s: float, size: PromptSize) -> None:
-        """Before any work for the request in `slot`: `SloUnattainable` when the work ahead and its
-        own, sized from its text, are past the shedding margin of `slo_s`."""
+        """Before any work for the request in `slot`: `SloUnattainable` when, sized from its text, it
+        is not feasible at the shedding margin of `slo_s`."""
         with self._cond:
             self.deadlines.check_arrival(slot.request_id, slot.arrival_s, slo_s, self.engine.clock.now(),
                                          self.engine.queued_views(), size)
@@ -207,21 +205,18 @@ class EngineLoop:
                 self._resolve(shed)
             if is_shadow:
                 self._shadow_unit()
-            elif decided is not None and decided[0].is_wait:
-                self._hold(decided[0])
             elif decided is not None:
                 self._prefill(*decided)
 
     def _decide(self) -> tuple[list[RequestResult], tuple | None]:
-        """Caller holds the condition: the queued requests shed as past saving, and the next batch
-        (None: nothing to run now)."""
+        """Caller holds the condition: the queued requests shed as no longer feasible, and the next
+        batch (None: nothing to run now)."""
         queued = self.engine.queued_views()
         shed = self._take_expired(queued)
         decided = self.engine.next_decision()
-        is_batch = decided is not None and not decided[0].is_wait
+        is_batch = decided is not None
         self._is_prefilling = is_batch
         self._num_in_batch = len(decided[1]) if is_batch else 0
-        self._held_depth = self.engine.queue_depth  # what a wait looks for a change in
         if is_batch:
             batch_ids = set(decided[0].request_ids)
             self.deadlines.start_batch([view for view in queued if view.request_id in batch_ids],
@@ -229,27 +224,15 @@ class EngineLoop:
             self._note(f"prefill {self._num_decoding}")
         return shed, decided
 
-    def _hold(self, decision: ScheduleDecision) -> None:
-        """The scheduler runs nothing yet (only requests past saving are queued, and an arrival is due
-        before even one would end): look again once the queue changes, the wait is over, or the
-        first of them is due to be shed, so its client is told then. Closing does not cut a wait
-        short (no arrival comes, so the scheduler's prediction soon runs out and it serves them)."""
-        with self._cond:
-            now = self.engine.clock.now()
-            due = self.deadlines.next_expiry_s(self.engine.queued_views(), now) - now
-            self._cond.wait_for(lambda: self.engine.queue_depth != self._held_depth,
-                                timeout=max(min(decision.wait_s, due), 0.0))
-
     def _take_expired(self, queued: list[QueuedRequest]) -> list[RequestResult]:
-        """Caller holds the condition: the queued requests past saving by the shedding margin, taken
-        off the queue and answered refused (their clients are told now, not served late)."""
+        """Caller holds the condition: the queued requests no longer feasible at the shedding margin,
+        taken off the queue and answered refused (their clients are told now, not served late)."""
         expired = self.deadlines.expired(queued, self.engine.clock.now())
         results = []
         for view, message in expired:
             request = self.engine.cancel(view.request_id)
             if request is not None:
                 results.append(RequestResult.refused(request, message, SHED_KIND))
-        self.deadlines.forget([view.request_id for view, _ in expired])
         self.num_shed_queued += len(results)
         return results
 
@@ -310,7 +293,6 @@ class EngineLoop:
             request = self.engine.cancel(request_id)
             if request is None:
                 return False
-            self.deadlines.forget([request_id])
         self._resolve([RequestResult.refused(request, "cancelled before it was scheduled", "cancelled")])
         return True
 

@@ -83,18 +83,6 @@ def test_requests_past_saving_run_at_full_reuse(pipe, profile):
     assert results[0].mode == "planned" and results[0].is_on_time
 
 
-def test_held_doomed_requests_wait_for_arrivals_on_the_replay_clock_and_are_all_served(pipe, profile):
-    """Requests past saving arriving faster than one of them runs at full reuse: with
-    `is_doomed_held` the scheduler decides waits, the replay clock idles to the next arrival, and the
-    run still ends with every request answered (after the last arrival the prediction runs out)."""
-    eng = engine(pipe, profile, is_doomed_held=True)
-    one = eng.scheduler.full_reuse_s([eng.admit(request(pipe, 99, instance(0), 1e-3))])[0]
-    results = eng.run([request(pipe, i, instance(i), 1e-3, i * 0.3 * one) for i in range(12)])
-    assert eng.stats.num_holding >= eng.stats.num_waits >= 1
-    assert [r.request_id for r in results if r.error is None and r.first_token_s is not None] == list(range(12))
-    assert not any(r.is_on_time for r in results)
-
-
 def test_a_bad_slo_or_a_prompt_past_the_model_is_refused_where_the_request_is_made(pipe):
     for slo, shown in ((0.0, "0.0"), (-2.0, "-2.0"), (float("nan"), "nan"), (True, "True")):
         with pytest.raises(InputError, match=f"request 3: slo_s={shown}: must be a positive number"):

@@ -16,8 +16,8 @@ from cachesmith.instance import WorkloadInstance
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request, check_fits, check_slo
 from cachesmith.calibration.shadow import shadow_calibrator
-from cachesmith.scheduler import QueuedRequest, SchedulerConfig
-from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.scheduler import QueuedRequest
+from cachesmith.scheduler.feasibility import SheddingConfig
 from cachesmith.scoring import Expected
 from cachesmith.shedding import SHED_KIND, SloUnattainable
 from cachesmith.shadow_work import ShadowConfig
@@ -314,30 +314,4 @@ def test_queued_requests_past_saving_are_answered_refused_not_run(pipe, max_late
         assert all(r.error_kind == SHED_KIND and "waited 100." in r.error and r.first_token_s is None
                    for r in results)
         assert loop.num_shed_queued == 2 and engine.stats.num_batches == 0
-    assert loop.close(timeout=10)
-
-
-def test_held_doomed_requests_wait_while_arrivals_are_due_and_a_live_arrival_runs_first(pipe):
-    """Only doomed requests queued and arrivals due sooner than one of them runs: the loop waits
-    (no batch) and wakes for the live arrival, which runs first; once no arrival is predicted the
-    doomed ones are served."""
-    profile = make_profile(num_layers=pipe.model.num_layers)
-    config = EngineConfig("cachesmith", "live", scheduler=SchedulerConfig(is_doomed_held=True))
-    engine = Engine(pipe, profile, config, LiveClock())
-    loop = EngineLoop(engine)
-    with loop._cond:  # the loop decides only once both doomed requests and the history are in
-        now = engine.clock.now()
-        doomed = [submit(loop, instance(i), 1e-3) for i in (1, 2)]
-        views = engine.queued_views()
-        gap = 0.5 * engine.scheduler.full_reuse_s(views[:1])[0]
-        for i in range(20):  # arrivals every `gap`, the latest just now
-            engine.scheduler.arrivals.observe(1000 + i, now - gap * (19 - i), 1.0, 0.5)
-    waited = time.monotonic() + 10.0
-    while engine.stats.num_waits == 0 and time.monotonic() < waited:
-        time.sleep(0.001)
-    assert engine.stats.num_waits >= 1 and engine.stats.num_batches == 0, gap
-    live = submit(loop, instance(3), 60.0).result(timeout=60)
-    late = [f.result(timeout=60) for f in doomed]
-    assert live.error is None and live.is_on_time
-    assert all(r.error is None and r.first_token_s > live.first_token_s for r in late)
     assert loop.close(timeout=10)

@@ -2,10 +2,10 @@
 its budget that let the most requests of the whole queue meet their SLO inside their budget band.
 
 In: the queue of `QueuedRequest`s, the current time and a `Planner` (for budget bands; it never
-touches tensors). Out: a `ScheduleDecision`. Requests that cannot meet their SLO even at their
-floor alone are "doomed": held apart and served at full reuse when that costs no one else, in
-batches that end before the next arrival is predicted. With `is_doomed_held`, a doomed request that
-would not end before that arrival even alone waits (a "wait" decision) rather than delay it.
+touches tensors). Out: a `ScheduleDecision`. Requests that cannot meet their SLO are "doomed"
+(infeasible at margin 1, `scheduler.feasibility`). They, and those that only full reuse can still
+serve in time (their budget band's floor alone ends past their deadline), are held apart and served
+at full reuse when that costs no one else, in batches that end before the next arrival is predicted.
 """
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from cachesmith.planner.grid import TERMS, request_terms, ttft_grid, ttft_totals
 from cachesmith.recompute import full_reuse
 from cachesmith.scheduler.arrivals import ArrivalHistory
 from cachesmith.scheduler.buckets import bucketize, compositions
+from cachesmith.scheduler.feasibility import DeadlinePricer, infeasible
 from cachesmith.scheduler.types import QueuedRequest, ScheduleDecision, batch_shape
-
-MIN_WAIT_S = 0.005  # a wait shorter than a decision takes would only spin the loop
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,6 @@ class SchedulerConfig:
     arrival_window: int = 64  # recent arrivals the prediction is measured on
     # a batch whose budget the waiting queue bounds takes only its share of the room (`_shared_room`)
     is_slack_shared: bool = True
-    # with only doomed requests queued, wait for a predicted arrival that even one of them would
-    # delay: late work then never costs a request still on time. Safe only where something bounds
-    # how long a doomed request can wait (the server's shedding margin answers it refused): under
-    # sustained load it would otherwise wait for as long as arrivals keep coming
-    is_doomed_held: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_candidates < 1 or self.kv_capacity_tokens < 1:
@@ -70,6 +64,7 @@ class SloAwareScheduler:
         self.window_layers = min(num_layers, max(self.config.window_layers or deepest, deepest))
         self.partial_capacity = self.config.kv_capacity_tokens * num_layers // self.window_layers
         self.arrivals = ArrivalHistory(max_requests=self.config.arrival_window)
+        self.pricer = DeadlinePricer(planner, self.config.max_batch_size)  # prices feasibility
 
     def band(self, requests: Sequence[QueuedRequest]) -> tuple[float, float]:
         """(floor, saturation) of running `requests` as one batch."""
@@ -98,12 +93,13 @@ class SloAwareScheduler:
         self._observe(queue, saturation_s)
         floors = dict(zip((r.request_id for r in queue), floor_s.tolist()))
         spans = dict(zip((r.request_id for r in queue), np.maximum(saturation_s - floor_s, 0.0).tolist()))
-        doomed = [r for r in queue if now + floors[r.request_id] > r.deadline_s]
-        live = [r for r in queue if now + floors[r.request_id] <= r.deadline_s]
+        doomed_ids = {v.request.request_id for v in infeasible(self.pricer, queue, now, margin=1.0)}
+        # the doomed, and those only full reuse can still serve in time (their band's floor is too late)
+        doomed = [r for r in queue if r.request_id in doomed_ids or now + floors[r.request_id] > r.deadline_s]
+        live = [r for r in queue if r not in doomed]
         gap = self._next_gap(now)
         if not live:
-            members = self._doomed_members(doomed, gap)
-            return self._doomed_batch(doomed, members, start) if members[0] else self._wait(doomed, gap, start)
+            return self._doomed_batch(doomed, self._doomed_members(doomed, gap), doomed_ids, start)
         priced = self._price(live, floors, now, spans)
         best, window = self._pick(priced, self.config.kv_capacity_tokens), None
         if self._is_burst(priced[0]):
@@ -111,18 +107,17 @@ class SloAwareScheduler:
             wide = self._pick(priced, self.partial_capacity)
             if wide[0] > best[0]:  # only when it places more requests on time
                 best, window = wide, self.window_layers
-        members = self._doomed_members(doomed, gap) if doomed else ([], 0.0, 0.0)
-        if members[0]:  # serve the doomed first only if no live request loses its chance by it
+        if doomed:  # serve the doomed first only if no live request loses its chance by it
+            members = self._doomed_members(doomed, gap)
             later = self._pick(self._price(live, floors, now + members[1], spans), self.config.kv_capacity_tokens)
             if later[0] >= best[0]:
-                return self._doomed_batch(doomed, members, start)
+                return self._doomed_batch(doomed, members, doomed_ids, start)
         on_time, batch, budget, limit = best
         num_candidates = len(priced[1]) - 1  # the fallback row is not one
         return ScheduleDecision(tuple(r.request_id for r in batch), budget, "planned", limit_s=limit,
                                 expected_on_time=on_time, num_candidates=num_candidates,
                                 decision_s=time.perf_counter() - start,
-                                doomed_ids=tuple(r.request_id for r in doomed), kv_window_layers=window,
-                                is_holding=bool(doomed) and not members[0])
+                                doomed_ids=tuple(sorted(doomed_ids)), kv_window_layers=window)
 
     def _observe(self, queue: Sequence[QueuedRequest], saturation_s: np.ndarray) -> None:
         for r, s in zip(queue, saturation_s.tolist()):
@@ -150,15 +145,12 @@ class SloAwareScheduler:
 
     def _doomed_members(self, doomed: list[QueuedRequest], gap: float) -> tuple[list[QueuedRequest], float, float]:
         """The doomed batch with its full reuse (TTFT, free coverage): the earliest arrivals, as many
-        as end before the predicted next arrival `gap` seconds away (at least one; none when held and
-        even one would not). A batch runs to its end once started, so a long doomed batch makes every
+        as end before the predicted next arrival `gap` seconds away (at least one). A batch runs to its end once started, so a long doomed batch makes every
         request arriving meanwhile wait behind work that is late anyway; under sustained overload
         that wait turns the next arrivals doomed in turn."""
         ordered = sorted(doomed, key=lambda r: r.arrival_s)[: self.config.max_batch_size]
         size = len(ordered) if not np.isfinite(gap) else 1
         priced = self.full_reuse_s(ordered[:size])
-        if self.config.is_doomed_held and priced[0] > gap:
-            return [], 0.0, 0.0
         while size < len(ordered):  # one walk per size tried, the first that ends too late the last
             wider = self.full_reuse_s(ordered[: size + 1])
             if wider[0] > gap:
@@ -167,15 +159,12 @@ class SloAwareScheduler:
         return ordered[:size], *priced
 
     def _doomed_batch(self, doomed: list[QueuedRequest], members: tuple[list[QueuedRequest], float, float],
+                      doomed_ids: set[int],
                       start: float) -> ScheduleDecision:
         batch, ttft, coverage = members
         return ScheduleDecision(tuple(r.request_id for r in batch), ttft, "full_reuse", full_reuse(), coverage,
                                 decision_s=time.perf_counter() - start,
-                                doomed_ids=tuple(r.request_id for r in doomed if r not in batch))
-
-    def _wait(self, doomed: list[QueuedRequest], gap: float, start: float) -> ScheduleDecision:
-        return ScheduleDecision((), 0.0, "wait", decision_s=time.perf_counter() - start, wait_s=max(gap, MIN_WAIT_S),
-                                doomed_ids=tuple(r.request_id for r in doomed), is_holding=True)
+                                doomed_ids=tuple(r.request_id for r in doomed if r not in batch and r.request_id in doomed_ids))
 
     def _price(self, live: list[QueuedRequest], floors: dict[int, float], now: float,
                spans: dict[int, float] | None = None):

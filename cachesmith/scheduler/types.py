@@ -2,8 +2,7 @@
 
 In: `QueuedRequest`s (arrival, SLO, token counts). Out: a `ScheduleDecision`: which requests run
 next, under what latency budget, and how (the planner inside its band, a static preset, or full
-reuse for requests that cannot make their SLO anyway), or that nothing runs yet: a wait, with only
-requests past saving queued and an arrival predicted before even one of them would be served.
+reuse for requests that cannot make their SLO anyway).
 """
 from __future__ import annotations
 
@@ -43,23 +42,17 @@ class QueuedRequest:
 class ScheduleDecision:
     request_ids: tuple[int, ...]
     budget_s: float  # seconds from the decision for the batch's TTFT
-    mode: str  # "planned", "static", "full_reuse" or "wait"
+    mode: str  # "planned", "static" or "full_reuse"
     static_plan: RecomputeConfig | None = None  # for "static" and "full_reuse"
     coverage: float = 0.0  # full reuse: coverage the link's idle time pays for
     expected_on_time: int = 0  # requests (batch + modeled queue) the decision expects on time
     num_candidates: int = 0
     decision_s: float = 0.0
-    doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, past saving
+    doomed_ids: tuple[int, ...] = field(default_factory=tuple)  # waiting, infeasible (`scheduler.feasibility`)
     kv_window_layers: int | None = None  # partial KV allocation: layers resident per request
     # seconds from the decision past which a member, or a waiting request that makes its deadline
     # behind the batch, would miss it (>= budget_s); None: the budget is the limit
     limit_s: float | None = None
-    wait_s: float = 0.0  # a wait (no request runs): seconds until the scheduler should look again
-    is_holding: bool = False  # doomed requests held back: even one would end after a predicted arrival
-
-    @property
-    def is_wait(self) -> bool:
-        return not self.request_ids
 
 
 def batch_shape(requests: Sequence[QueuedRequest]) -> BatchShape:

@@ -191,14 +191,8 @@ def _load_metrics(svc: Service, model: str):
               "reason", {reason: svc.num_rejected[reason]
                          for reason in ("queue_full", "closed", "invalid", "slo_unattainable")})
     yield _by(CounterMetricFamily, model, "requests_shed", "Requests refused as unable to meet their SLO by the "
-              "shedding margin (429 slo_unattainable): at arrival, or once queued past their deadline", "when",
+              "shedding margin (429 slo_unattainable): at arrival, or once queued", "when",
               {"arrival": svc.num_rejected["slo_unattainable"], "queued": svc.loop.num_shed_queued})
-    yield _by(GaugeMetricFamily, model, "ttft_estimate_ratio", "Measured / estimated TTFT of admitted requests "
-              "(the estimate deadline-aware admission refuses by), over the latest 512, by quantile", "quantile",
-              svc.estimate_errors.quantiles())
-    yield _single(GaugeMetricFamily, model, "ttft_lateness_ratio", "Measured / estimated TTFT of the latest "
-                  "requests served at their cheapest plan, within [1, 2] (1 until 4 were): admission refuses "
-                  "by the estimate times this", svc.estimate_errors.lateness_ratio)
     yield _single(CounterMetricFamily, model, "turn_stores_dropped", "Chat turns answered without storing their "
                   "conversation for the next turn: the store queue was full", svc.num_turn_stores_dropped)
     yield _by(CounterMetricFamily, model, "feedback", "Verdicts clients sent on completions (POST "
@@ -213,8 +207,6 @@ def _engine_metrics(svc: Service, model: str):
                   st.stall_s)
     yield _single(CounterMetricFamily, model, "monitor_replans", "Runtime-monitor coverage lowerings",
                   st.num_monitor_replans)
-    yield _single(CounterMetricFamily, model, "scheduler_holds", "Scheduling decisions that held requests past "
-                  "saving back for a predicted arrival (with shedding on)", st.num_holding)
 
 
 def _store_metrics(svc: Service, model: str):

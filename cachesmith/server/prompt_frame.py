@@ -17,7 +17,7 @@ from cachesmith.errors import InputError
 from cachesmith.kvstore.keys import validate_key
 from cachesmith.pipeline import RagPipeline
 from cachesmith.request import check_fits
-from cachesmith.scheduler.deadline import PromptSize
+from cachesmith.scheduler.feasibility import PromptSize
 from cachesmith.server.specs import CompletionSpec
 
 

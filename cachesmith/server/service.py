@@ -37,7 +37,7 @@ from cachesmith.calibration.chunk_prefill import time_chunk_prefills
 from cachesmith.request import RequestResult, check_max_tokens, check_slo
 from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
-from cachesmith.shedding import SloUnattainable, is_full_reuse
+from cachesmith.shedding import SloUnattainable
 from cachesmith.server.chunks import ChunkCatalog, NewEntry
 from cachesmith.server.prompt_frame import PromptFrame, prompt_size, tokenize_frame
 from cachesmith.server.jobs import BackgroundJobs
@@ -67,9 +67,7 @@ class Service:
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)
         # a learning method calibrates in idle time: the serving front hands the engine that work
-        # the shedding margin bounds how long a doomed request may be held back for arrivals still on time
-        scheduler = replace(config.engine.scheduler, kv_capacity_tokens=self.memory.kv_capacity_tokens,
-                            is_doomed_held=config.shedding.is_on)
+        scheduler = replace(config.engine.scheduler, kv_capacity_tokens=self.memory.kv_capacity_tokens)
         engine_config = replace(config.engine, scheduler=scheduler,
                                 shadow_work=config.engine.shadow_work or shadow_calibrator)
         self.engine = Engine(self.pipeline, profile, engine_config, LiveClock())
@@ -80,8 +78,6 @@ class Service:
                 self.loop.deadlines.pricer.observe_prefill(num_tokens, seconds)
         self.started_at = time.time()
         self.num_rejected: Counter = Counter()  # "queue_full", "closed", "invalid", "slo_unattainable"
-        self.estimate_errors = self.loop.deadlines.errors  # admitted requests: measured / estimated TTFT
-        self._estimates: dict[int, float] = {}  # request id -> estimated TTFT, until it is answered
         self.listeners: list[Callable[[RequestResult], None]] = []  # hear every finished request
         self.chunks = ChunkCatalog(self.pipeline, config, self.loop.admission)
         self._turn_stores = BackgroundJobs("cachesmith-turns", MAX_PENDING_TURN_STORES)
@@ -136,7 +132,6 @@ class Service:
             future = self.loop.submit(request, on_token, slot)
         except BaseException as exc:
             self.chunks.unpin(pinned)
-            self._estimates.pop(slot.request_id, None)
             if isinstance(exc, (QueueFull, EngineClosed, InputError, SloUnattainable)):
                 self.num_rejected[_reason(exc)] += 1
             raise
@@ -215,7 +210,7 @@ class Service:
     def _check_deadline(self, spec: CompletionSpec, slot: Slot, slo_s: float, frame: PromptFrame,
                         missing: list[NewEntry], prefix: NewEntry | None) -> None:
         """Price the request against the work ahead before any of its documents is prefilled (the
-        loop refuses it with `SloUnattainable` past the shedding margin); keep its estimate."""
+        loop refuses it with `SloUnattainable` when it is not feasible at the shedding margin)."""
         view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, sum(frame.num_document_tokens),
                              max(1, len(frame.suffix_ids)), len(frame.prefix_ids))
         new_tokens = [e.num_tokens for e in missing]
@@ -224,8 +219,7 @@ class Service:
         text_docs = [(len(d.text), n) for d, n in zip(spec.documents, frame.num_document_tokens) if d.text is not None]
         self.loop.deadlines.pricer.sizes.observe(sum(c for c, _ in text_docs), sum(n for _, n in text_docs),
                                                  sum(e.num_tokens for e in missing))
-        estimate = self.loop.check_deadline(slot, view, new_tokens)
-        self._estimates[slot.request_id] = estimate.ttft_s
+        self.loop.check_deadline(slot, view, new_tokens)
 
     def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None], missing_keys: set[str],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:
@@ -272,9 +266,6 @@ class Service:
                   fresh: tuple[bool, ...]) -> None:
         self.chunks.unpin(pinned)
         result = future.result()
-        estimated_s = self._estimates.pop(result.request_id, None)
-        if estimated_s is not None and result.ttft_s is not None:
-            self.estimate_errors.observe(estimated_s, result.ttft_s, is_full_reuse(result.plan, result.num_recomputed))
         # KV prefilled while admitting this request was computed for it, not served from the store:
         # it does not count as cached (this runs before any reader of the result is called back)
         result.num_cached_prefix = min(result.num_cached_prefix, num_prefix_stored)

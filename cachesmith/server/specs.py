@@ -14,7 +14,7 @@ from cachesmith.kvstore import StoreConfig
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import DEFAULT_SLO_S, MAX_SLO_S
 from cachesmith.scheduler import SchedulerConfig
-from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.scheduler.feasibility import SheddingConfig
 from cachesmith.server.memory_budget import ExplicitSizes
 from cachesmith.server.tenancy import Caller
 

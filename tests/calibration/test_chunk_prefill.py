@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cachesmith.calibration.chunk_prefill import time_chunk_prefills
-from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.scheduler.feasibility import SheddingConfig
 from tests.engine_helpers import save_tiny_chat_model
 from tests.server.conftest import make_service
 

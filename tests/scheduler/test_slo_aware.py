@@ -8,6 +8,7 @@ from cachesmith.planner import Planner
 from cachesmith.recompute import preset
 from cachesmith.scheduler import FcfsQueueAware, FcfsStatic, QueuedRequest, SchedulerConfig, SloAwareScheduler
 from cachesmith.scheduler.buckets import compositions
+from cachesmith.scheduler.feasibility import infeasible
 from tests.planner.synthetic_profile import make_profile
 
 
@@ -32,8 +33,8 @@ def test_paper_figure_4_doomed_urgent_short_and_long(scheduler):
     each in its band, and the doomed one at full reuse, never in their way."""
     f_short = scheduler.floor(QueuedRequest(0, 0, 1, 512, 32))
     f_long = scheduler.floor(QueuedRequest(0, 0, 1, 4096, 32))
-    f_doomed = scheduler.floor(QueuedRequest(0, 0, 1, 1024, 32))
-    doomed = QueuedRequest(0, 0.0, 0.5 * f_doomed, 1024, 32)
+    cheapest = scheduler.pricer.alone_s(QueuedRequest(0, 0, 1, 1024, 32))  # its full reuse alone
+    doomed = QueuedRequest(0, 0.0, 0.5 * cheapest, 1024, 32)
     short = QueuedRequest(1, 0.0, 1.3 * f_short, 512, 32)
     long = QueuedRequest(2, 0.0, 1.3 * f_short + 1.6 * f_long, 4096, 32)
     run = drain(scheduler, [doomed, short, long])
@@ -82,39 +83,20 @@ def test_a_doomed_batch_ends_before_the_predicted_next_arrival():
     assert doomed_batch(2.0 * whole) == (0, 1, 2)
 
 
-def test_a_held_doomed_request_waits_for_an_arrival_it_would_delay_and_runs_before_one_it_would_not():
-    """With `is_doomed_held`, a doomed request that would end after the predicted next arrival is not
-    run: the decision is a wait until that arrival. One that ends first runs, as does every doomed
-    request when no arrival is predicted. Without it, one doomed request runs whatever the gap."""
-    doomed = [QueuedRequest(i, 0.0, 0.01, 2048, 32) for i in range(2)]
-    one = SloAwareScheduler(Planner(make_profile())).full_reuse_s(doomed[:1])[0]
-
-    def decide(gap_s: float, is_held: bool = True, num_seen: int = 20):
-        sched = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(is_doomed_held=is_held))
-        for i in range(num_seen):  # past arrivals every gap_s, the latest just now
-            sched.arrivals.observe(100 + i, 10.0 - gap_s * (num_seen - 1 - i), 1.0, 0.5)
-        return sched.next_batch(doomed, 10.0)
-
-    wait = decide(0.5 * one)
-    assert wait.is_wait and wait.mode == "wait" and wait.request_ids == ()
-    assert wait.wait_s == pytest.approx(0.5 * one) and wait.doomed_ids == (0, 1) and wait.is_holding
-    assert decide(0.5 * one, is_held=False).request_ids == (0,)
-    assert decide(1.5 * one).request_ids == (0,) and not decide(1.5 * one).is_wait
-    assert decide(0.5 * one, num_seen=3).request_ids == (0, 1)  # too few arrivals seen: no prediction
-
-
-def test_a_held_doomed_request_does_not_jump_a_live_one_when_an_arrival_is_due():
-    """A live request is served first; the doomed one waits rather than run ahead of a due arrival,
-    even where the live request could afford it."""
-    live = QueuedRequest(1, 10.0, 100.0, 512, 32)
-    doomed = QueuedRequest(0, 0.0, 0.01, 2048, 32)
-    one = SloAwareScheduler(Planner(make_profile())).full_reuse_s([doomed])[0]
-    for is_held, first in ((False, (0,)), (True, (1,))):
-        sched = SloAwareScheduler(Planner(make_profile()), SchedulerConfig(is_doomed_held=is_held))
-        for i in range(20):
-            sched.arrivals.observe(100 + i, 10.0 - 0.5 * one * (19 - i), 1.0, 0.5)
-        decision = sched.next_batch([doomed, live], 10.0)
-        assert decision.request_ids == first and decision.is_holding == is_held
+def test_doomed_means_not_feasible_at_its_slo_behind_the_work_due_first():
+    """The scheduler's doomed requests are exactly those the feasibility walk finds infeasible at
+    margin 1: one in time alone is doomed behind enough feasible work due first."""
+    sched = SloAwareScheduler(Planner(make_profile()))
+    shape = QueuedRequest(0, 0.0, 1.0, 2048, 32)
+    slo = 1.01 * sched.floor(shape)  # alone, in time even at its band's floor
+    behind = QueuedRequest(99, 0.0, slo, 2048, 32)
+    assert sched.next_batch([behind], 0.0).doomed_ids == ()
+    ahead: list[QueuedRequest] = []
+    while not infeasible(sched.pricer, [*ahead, behind], 0.0, 1.0):
+        ahead.append(QueuedRequest(len(ahead), 0.0, slo - 1e-6, 2048, 32))  # due just before it
+    verdicts = infeasible(sched.pricer, [*ahead, behind], 0.0, 1.0)
+    assert [v.request.request_id for v in verdicts] == [99]  # every request ahead is feasible
+    assert sched.next_batch([*ahead, behind], 0.0).doomed_ids == (99,)
 
 
 def test_relaxed_queue_is_served_in_one_batch(scheduler):

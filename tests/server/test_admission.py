@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cachesmith.scheduler.deadline import SheddingConfig
+from cachesmith.scheduler.feasibility import SheddingConfig
 from cachesmith.shedding import SloUnattainable
 from cachesmith.server import ServerConfig
 from cachesmith.server.run import CONNECTION_MARGIN, max_connections
@@ -216,11 +216,6 @@ def test_a_request_that_cannot_be_on_time_is_refused_at_arrival_and_stores_nothi
     assert shed_count(srv, "arrival") == 1 and shed_count(srv, "queued") == 0
     served = httpx.post(srv.url + "/v1/completions", json=body(documents=docs, slo_ms=60_000), timeout=60)
     assert served.status_code == 200
-    metrics = httpx.get(srv.url + "/metrics").text  # the served requests' estimates against their TTFTs
-    ratio = next(x for x in metrics.splitlines() if x.startswith("cachesmith:ttft_estimate_ratio") and '"0.5"' in x)
-    assert float(ratio.rsplit(" ", 1)[1]) > 0
-    lateness = next(x for x in metrics.splitlines() if x.startswith("cachesmith:ttft_lateness_ratio"))
-    assert 1.0 <= float(lateness.rsplit(" ", 1)[1]) <= 2.0
 
 
 def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
@@ -228,7 +223,7 @@ def test_a_queued_request_shed_past_its_deadline_gets_the_same_429(server_for):
     service = srv.server.config.app.state.service
     loop = service.loop
     original = loop.deadlines.expired
-    # every queued request is past saving: as if it had waited behind a long burst
+    # every queued request is infeasible: as if it had waited behind a long burst
     loop.deadlines.expired = lambda queue, now: [(v, f"slo_ms=1: shed {v.request_id}") for v in queue]
     try:
         answer = httpx.post(srv.url + "/v1/completions", json=body(slo_ms=60_000), timeout=60)
@@ -285,7 +280,8 @@ def test_a_cap_no_retry_passes_is_said_before_lateness(server_for):
 
     service.loop.check_deadline = always_late
     over = [" ".join([passage(i)] * 8) for i in range(3)]  # more new tokens than a request may store
-    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=over, slo_ms=50), timeout=60)
+    # an SLO the arrival check (sized from the text) passes: the exact check after tokenizing says late
+    answer = httpx.post(srv.url + "/v1/completions", json=body(documents=over, slo_ms=600_000), timeout=60)
     assert answer.status_code == 429 and error_of(answer)["code"] == "store_quota_exceeded"
     assert "Retry-After" not in answer.headers  # waiting would not help
     within = httpx.post(srv.url + "/v1/completions", json=body(documents=[passage(1)], slo_ms=50), timeout=60)

@@ -263,7 +263,6 @@ def test_metrics_count_what_was_served(server_for):
 
     values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert 1 <= values["cachesmith:batches_total"] <= 3 and values["cachesmith:busy_seconds_total"] > 0
-    assert values["cachesmith:scheduler_holds_total"] == 0  # nothing late was queued
     assert values["cachesmith:prefix_cache_queries_total"] == sum(u["prompt_tokens"] for u in usages)
     hits = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert values["cachesmith:prefix_cache_hits_total"] == hits > 0  # the same documents and prefix again

@@ -1,26 +1,30 @@
-"""The earliest first token a request can have, priced from the work ahead of it: what deadline-aware
-admission refuses on.
+"""Which requests can still be answered in time: the one rule that the scheduler, the live loop
+and the server's admission share.
 
-In: the scheduler's views of the requests ahead (`QueuedRequest`, no tensors), the seconds left of
-the batch running now and of the admissions in progress (their new documents being prefilled), and
-the request itself with the token counts of its documents not yet stored. Out: a `TtftEstimate`,
-when its own work can start at the earliest and what that work costs at its cheapest plan.
+A request is *feasible* at a margin m when
 
-Every price is the planner's cost model at the pace the planner has learned on the serving machine, at
-the cheapest plan there is (full reuse: no row recomputed), with the requests ahead batched as
-densely as the scheduler may (`max_batch_size`, in deadline order). So the estimate errs early: a
-request it says is late could not be on time even if every plan ahead of it were its cheapest.
-What it leaves out (decode steps between batches, recomputation the planner buys with slack) only
-makes the real first token later. One exception: at arrival, before tokenizing, a request's own
-token counts are guessed from its text (`SizeGuess`, learned from recent prompts), and a guess can
-err either way until the exact price replaces it. The server compares it with the SLO
-(`SheddingConfig`).
+    its wait so far + the work ahead of it + its own work <= m x its SLO,
+
+every work priced at its cheapest plan (full reuse: no row recomputed) on the cost model at the
+pace learned on the serving machine. The work ahead is what already runs (the rest of the batch
+prefilling, the new documents of admissions in progress) and the *feasible* requests due no later
+than it, batched `max_batch_size` at a time in deadline order; its own is the prefill of its
+documents not yet stored, then its batch alone. One walk in deadline order decides every request
+of a queue (`walk`): what is infeasible is not work ahead of anyone, since it is either shed or
+served only where that costs no one in time.
+
+The scheduler calls a request *doomed* when it is infeasible at m = 1 (it cannot make its SLO);
+the server refuses at arrival, or sheds at a batch boundary, one infeasible at m = `--shed-late`.
+The price errs early: what it leaves out (decode steps between batches, recomputation bought with
+slack) only makes a first token later. At arrival, before tokenizing, a request's own token counts
+are guessed from its text (`SizeGuess`); the exact price replaces the guess after tokenizing.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,13 +39,14 @@ PREFILL_WINDOW = 64  # chunk prefills the measured prefill pace is the median of
 MIN_PREFILLS = 2  # measured before their pace replaces the planner's
 MIN_PREFILL_PACE, MAX_PREFILL_PACE = 0.25, 8.0  # one page-fault storm must not swing every estimate
 SIZE_WINDOW = 64  # prompts the size guess at arrival learns from
+MAX_KEPT_SHAPES = 4096  # request shapes whose raw price alone is kept
 DEFAULT_CHARS_PER_TOKEN = 4.0  # English text on a BPE vocabulary, until the server has tokenized a prompt
 
 
 @dataclass(frozen=True)
 class SheddingConfig:
-    """Refuse a request whose earliest first token is past `max_lateness` times its SLO (None: never
-    refuse for lateness; requests wait their turn however late)."""
+    """Refuse or shed a request not feasible at `max_lateness` times its SLO (None: never refuse for
+    lateness; requests wait their turn however late)."""
     max_lateness: float | None = 1.5
 
     def __post_init__(self) -> None:
@@ -52,9 +57,6 @@ class SheddingConfig:
     @property
     def is_on(self) -> bool:
         return self.max_lateness is not None
-
-    def is_unattainable(self, ttft_s: float, slo_s: float) -> bool:
-        return self.max_lateness is not None and ttft_s > self.max_lateness * slo_s
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class DeadlinePricer:
         self.planner, self.max_batch_size = planner, max_batch_size
         self._prefill_paces: deque[float] = deque(maxlen=PREFILL_WINDOW)  # measured / priced, per chunk
         self.sizes = SizeGuess()
+        self._alone_raw: dict[tuple[int, int, int, int], float] = {}  # (cost model, tokens) -> raw price
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A chunk prefill the store ran (`num_tokens`, measured `seconds`): the cost model prices a
@@ -148,11 +151,17 @@ class DeadlinePricer:
         base = cost.full_prefill_ttft(BatchShape((0,), (1,), (0,)))
         return max(cost.full_prefill_ttft(BatchShape((num_tokens,), (1,), (0,))) - base, 0.0)
 
+    def _raw(self, shape: BatchShape) -> float:
+        signal, warmup, probe = FULL_REUSE
+        return float(self.planner.cost.ttft(shape, signal, warmup, probe, np.zeros(shape.num_requests))[0])
+
     def _priced(self, shape: BatchShape) -> float:
         """Full reuse of `shape` as one batch, at the pace learned for such batches."""
-        signal, warmup, probe = FULL_REUSE
-        raw = float(self.planner.cost.ttft(shape, signal, warmup, probe, np.zeros(shape.num_requests))[0])
-        return raw * self.planner.pace(signal, probe, shape.num_tokens)
+        return self._raw(shape) * self.planner.pace(FULL_REUSE[0], FULL_REUSE[2], shape.num_tokens)
+
+    def batch_s(self, batch: Sequence[QueuedRequest]) -> float:
+        """`batch` run as one at full reuse."""
+        return self.alone_s(batch[0]) if len(batch) == 1 else self._priced(batch_shape(batch))
 
     def cheapest_s(self, requests: Sequence[QueuedRequest]) -> float:
         """The requests run at full reuse, in deadline order, `max_batch_size` at a time."""
@@ -174,10 +183,55 @@ class DeadlinePricer:
         docs, other, new = self.sizes.guess(size)
         return QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0), new
 
-    def estimate(self, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest], busy_s: float,
-                 num_new_tokens: Sequence[int] = ()) -> TtftEstimate:
-        """`ahead`: the queued requests, of which those due no later than `request` are counted;
-        `busy_s`: seconds left of the batch running and the admissions in progress."""
-        due = [r for r in ahead if r.deadline_s <= request.deadline_s and r.request_id != request.request_id]
-        return TtftEstimate(max(now - request.arrival_s, 0.0), busy_s + self.cheapest_s(due),
-                            self.prefill_s(num_new_tokens), self.cheapest_s([request]))
+    def alone_s(self, request: QueuedRequest) -> float:
+        """`request`'s batch alone at full reuse. The raw price is kept per shape (a queue's walk
+        prices each request at every batch boundary), the pace read each time: it learns."""
+        key = (id(self.planner.cost), request.context_tokens, request.suffix_tokens, request.prefix_tokens)
+        raw = self._alone_raw.get(key)
+        if raw is None:
+            if len(self._alone_raw) >= MAX_KEPT_SHAPES:
+                self._alone_raw.clear()
+            raw = self._alone_raw[key] = self._raw(batch_shape([request]))
+        return raw * self.planner.pace(FULL_REUSE[0], FULL_REUSE[2], request.num_tokens)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    request: QueuedRequest
+    estimate: TtftEstimate  # its first token at the earliest, behind the feasible work due first
+    is_feasible: bool
+
+
+def walk(pricer: DeadlinePricer, queue: Sequence[QueuedRequest], now: float, margin: float, busy_s: float = 0.0,
+         candidate: QueuedRequest | None = None, num_new_tokens: Sequence[int] = ()) -> Iterator[Verdict]:
+    """Each request of `queue` in deadline order, feasible or not at `margin` behind `busy_s` seconds
+    of work already running and the feasible requests due no later than it. `candidate` (one not
+    queued yet, with `num_new_tokens` of documents to prefill first) is walked after the queued
+    requests due when it is; the walk may stop there."""
+    ordered = sorted((r for r in queue if candidate is None or r.request_id != candidate.request_id),
+                     key=lambda r: r.deadline_s)
+    if candidate is not None:
+        ordered.insert(bisect.bisect_right([r.deadline_s for r in ordered], candidate.deadline_s), candidate)
+    done_s, batch, batch_s = busy_s, [], 0.0
+    for r in ordered:
+        prefill_s = pricer.prefill_s(num_new_tokens) if r is candidate else 0.0
+        estimate = TtftEstimate(max(now - r.arrival_s, 0.0), done_s + batch_s, prefill_s, pricer.alone_s(r))
+        is_feasible = estimate.ttft_s <= margin * r.slo_s
+        yield Verdict(r, estimate, is_feasible)
+        if is_feasible:
+            batch.append(r)
+            batch_s = pricer.batch_s(batch)
+            if len(batch) == pricer.max_batch_size:
+                done_s, batch, batch_s = done_s + batch_s, [], 0.0
+
+
+def infeasible(pricer: DeadlinePricer, queue: Sequence[QueuedRequest], now: float, margin: float,
+               busy_s: float = 0.0) -> list[Verdict]:
+    """The requests of `queue` not feasible at `margin` (`walk`)."""
+    return [v for v in walk(pricer, queue, now, margin, busy_s) if not v.is_feasible]
+
+
+def judge(pricer: DeadlinePricer, request: QueuedRequest, now: float, ahead: Sequence[QueuedRequest],
+          margin: float, busy_s: float = 0.0, num_new_tokens: Sequence[int] = ()) -> Verdict:
+    """A request not queued yet, behind `ahead` (`walk`)."""
+    return next(v for v in walk(pricer, ahead, now, margin, busy_s, request, num_new_tokens) if v.request is request)
