@@ -46,11 +46,11 @@ test: $(STAMP) system-deps
 # 1.5 minutes and 3.5 GB; benchmarks/vllm_server.py), then runs the tests marked vllm.
 test-vllm: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
-	$(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); import vllm_server; print(vllm_server.python())"
+	$(BIN)/python -c "from benchmarks import vllm_server; print(vllm_server.python())"
 	$(BIN)/python -m pytest -q -m vllm tests/integrations
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/prefill.py
+	$(BIN)/python -m benchmarks.prefill
 
 # On a machine with an NVIDIA GPU, in its own python3 (torch installed there, no venv, maybe no
 # network; cachesmith imported from this checkout through PYTHONPATH). First, here: `make gpu-kit`
@@ -82,15 +82,15 @@ GPU_CHECK_ARGS ?=
 CUDA_TESTS ?= tests/kvstore tests/model tests/recompute tests/integrations
 CUDA_IGNORE ?= tests/kvstore/test_redis.py tests/integrations/test_vllm_connector.py \
                tests/integrations/test_vllm_install.py tests/integrations/test_vllm_layouts.py
-GPU_INSTALL = $(PY_GPU) benchmarks/gpu_kit.py install --kit $(GPU_KIT) --site $(GPU_SITE)
+GPU_INSTALL = $(PY_GPU) -m benchmarks.gpu_kit install --kit $(GPU_KIT) --site $(GPU_SITE)
 
 gpu-kit: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
-	$(BIN)/python benchmarks/gpu_kit.py build --out $(GPU_KIT) --tests $(CUDA_TESTS) --ignore $(CUDA_IGNORE)
+	$(BIN)/python -m benchmarks.gpu_kit build --out $(GPU_KIT) --tests $(CUDA_TESTS) --ignore $(CUDA_IGNORE)
 
 gpu-check:
 	@$(GPU_INSTALL) --need-tokenizer
-	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) benchmarks/gpu_check.py --shape 8b --tokenizer-dir $(GPU_TOKENIZER) \
+	PYTHONPATH=.:$(GPU_SITE) $(PY_GPU) -m benchmarks.gpu_check --shape 8b --tokenizer-dir $(GPU_TOKENIZER) \
 	  $(GPU_CHECK_ARGS)
 
 test-cuda:

@@ -30,17 +30,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.bench.pace import family, records_by_batch  # noqa: E402
-from cachesmith.model import Decoder, resolve_model  # noqa: E402
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.planner import Profile  # noqa: E402
-from cachesmith.planner.cost_model import execution_steps  # noqa: E402
-from cachesmith.calibration.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
-from cachesmith.recompute import parse_label  # noqa: E402
+from cachesmith.bench.pace import family, records_by_batch
+from cachesmith.model import Decoder, resolve_model
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.planner import Profile
+from cachesmith.planner.cost_model import execution_steps
+from cachesmith.calibration.costs import ALL, RunTiming, TimingBench, design_row, fit_relative, plan_config
+from cachesmith.calibration.packaged import PACKAGED_DIR
+from cachesmith.recompute import parse_label
 
 # (signal, warmup, probe, coverage) of each family as the replays served it
 PLANS = (("kv_dev", 1, 1, 0.3), ("kv_dev", 1, 0, 0.15), ("position", 0, 0, 0.15), ("position", 0, 0, 0.0),

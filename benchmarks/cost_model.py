@@ -59,19 +59,18 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.pace import family, fit_paces, paced_errors, records_by_batch, trace_batches  # noqa: E402
-from cachesmith.bench.setting import instances  # noqa: E402
-from cachesmith.jsonl import load_keyed  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
-from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
-from cachesmith.calibration.quiet import QuietRun  # noqa: E402
-from cachesmith.recompute import parse_label  # noqa: E402
-from cachesmith.workloads.prompts import instance_prompt  # noqa: E402
+from cachesmith.bench import BenchConfig, run_bench
+from cachesmith.bench.pace import family, fit_paces, paced_errors, records_by_batch, trace_batches
+from cachesmith.bench.setting import instances
+from cachesmith.jsonl import load_keyed
+from cachesmith.pipeline import RagPipeline
+from cachesmith.planner import BatchShape, CostModel, Profile
+from cachesmith.calibration.packaged import find_profile, rescaled
+from cachesmith.calibration.quiet import QuietRun
+from cachesmith.recompute import parse_label
+from cachesmith.workloads.prompts import instance_prompt
 
 SETTINGS = (("poisson", 1.0, 21), ("gamma", 2.0, 22), ("gamma", 3.0, 23))  # (pattern, CV, trace seed)
 METHODS = ("cachesmith", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15", "full_prefill",

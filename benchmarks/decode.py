@@ -27,17 +27,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_cpp  # noqa: E402
-from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
+from benchmarks import llama_cpp
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, parse_timing_args, timed
 
-from cachesmith.model import Decoder, resolve_model  # noqa: E402
-from cachesmith.model.decode import is_fused, decode_step  # noqa: E402
+from cachesmith.model import Decoder, resolve_model
+from cachesmith.model.decode import is_fused, decode_step
 
 STREAMS = (1, 4, 8, 16)
 

@@ -9,7 +9,7 @@ the payload, the key path and the value the payload gives. A quote whose text is
 document fails too (the number was reworded or removed: move the quote with it). Every occurrence
 of a quote's text must agree.
 
-`python benchmarks/doc_numbers.py` checks; `--list` prints every quote beside its payload's value;
+`python -m benchmarks.doc_numbers` checks; `--list` prints every quote beside its payload's value;
 `--root DIR` checks another checkout. Standard library only, so it runs before any install.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ model.safetensors, the tokenizer's files; in /dev/shm where it has room), which 
 transformers' `AutoModelForCausalLM` (sdpa) and the server all load: our loader and the model
 identity read the weights from files, so the folder cannot be skipped. transformers 4.x or 5.x:
 the spellings that changed between them are the installed one's (hf_compat).
-Out: a table, one line per row, and the JSON payload (--out, stamped by `common.emit` like every
+Out: a table, one line per row, and the JSON payload (--out, stamped by `payload.emit` like every
 payload). A row is a dict; one that raised holds `error` (the exception's last line, the traceback
 goes to stderr) and the run goes on; one the clock (--max-minutes) or a missing package stopped
 holds `skipped`. Then the bars and whether each passed; the exit status is 1 when one failed.
@@ -40,11 +40,11 @@ Bars: logits cosine >= 0.995; 10/10 RAG requests answered with a plan; on a CUDA
 decode's tokens equal eager decode's (in half precision, a differing step within gpu_paths.TIE_GAP
 logits' std passes: the paths round differently and random weights leave near-ties) and no kind of
 attention call falls to the math kernel; no row errored.
-On the simulated CUDA device (`python -m cachesmith.testing.sim_run benchmarks/gpu_check.py ...`,
+On the simulated CUDA device (`python -m cachesmith.testing.sim_run benchmarks.gpu_check ...`,
 CI: tests/bench/test_gpu_check_sim.py) the server is started under the simulation too (serve_leg).
-Usage: python benchmarks/gpu_check.py --shape 8b   (make gpu-check, after make gpu-kit)
-       python benchmarks/gpu_check.py --shape tiny --device cpu
-       python -m cachesmith.testing.sim_run benchmarks/gpu_check.py --shape tiny --device cuda
+Usage: python -m benchmarks.gpu_check --shape 8b   (make gpu-check, after make gpu-kit)
+       python -m benchmarks.gpu_check --shape tiny --device cpu
+       python -m cachesmith.testing.sim_run benchmarks.gpu_check --shape tiny --device cuda
 """
 from __future__ import annotations
 
@@ -62,18 +62,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_rows import Clock, guarded  # noqa: E402
-from common import emit, median, print_table, random_request, timed  # noqa: E402
-from gpu_paths import SdpaRecorder, TIE_GAP, kernel_row, recompute_calls, tokens_row  # noqa: E402
-from hf_compat import dtype_kwargs, last_logits_kwargs  # noqa: E402
-from random_model import (SHAPES, build_model, config_fields, default_tokenizer_dir, scratch_root,  # noqa: E402
-                          weight_bytes)
-from serve_leg import NUM_RAG, serve_row  # noqa: E402
+from benchmarks.common.check_rows import Clock, guarded
+from benchmarks.common.gpu_paths import SdpaRecorder, TIE_GAP, kernel_row, recompute_calls, tokens_row
+from benchmarks.common.hf_compat import dtype_kwargs, last_logits_kwargs
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.random_model import (SHAPES, build_model, config_fields, default_tokenizer_dir,
+                                            scratch_root, weight_bytes)
+from benchmarks.common.serve_leg import NUM_RAG, serve_row
+from benchmarks.common.timing import median, timed
 
-from cachesmith.model import Decoder, Decoding  # noqa: E402
-from cachesmith.model import device as accel  # noqa: E402
-from cachesmith.recompute import BatchRunner, cacheblend, epic, full_prefill, full_reuse  # noqa: E402
+from cachesmith.calibration.synthetic import random_request
+from cachesmith.model import Decoder, Decoding
+from cachesmith.model import device as accel
+from cachesmith.recompute import BatchRunner, cacheblend, epic, full_prefill, full_reuse
 
 COSINE_BAR = 0.995
 METHODS = {"full_reuse": full_reuse(), "cacheblend@0.15": cacheblend(0.15), "cacheblend@0.3": cacheblend(0.3),

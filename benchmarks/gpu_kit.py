@@ -15,7 +15,7 @@ out of them), requirements.lock, the packaged model's tokenizer. Out, in --out (
                             ones the lock lacks, and the modules `install` checks
 Which packages: a child Python imports the base (BASE, and STACK with the transformers classes
 the runs use), notes the modules loaded, then imports the server (`cachesmith.cli`, every
-`cachesmith.server` module), the check (benchmarks/gpu_check.py's modules) and collects the CUDA
+`cachesmith.server` module), the check (`benchmarks.gpu_check` and its modules) and collects the CUDA
 tests (`pytest --collect-only -m cuda`); the distributions of the modules loaded after the base,
 STACK, and what they require (markers evaluated per Python, never into BASE), are the kit; what
 only STACK requires is listed apart (`stack_only`). A requirement the lock lacks (one that only some
@@ -72,8 +72,7 @@ base = set(sys.modules)
 import cachesmith.cli, cachesmith.server
 for info in pkgutil.walk_packages(cachesmith.server.__path__, "cachesmith.server."):
     importlib.import_module(info.name)
-sys.path.insert(0, "benchmarks")
-import gpu_check, serve_leg
+import benchmarks.gpu_check, benchmarks.common.serve_leg
 import pytest
 code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "pytest_timeout", "-m", "cuda",
                     *tests, *("--ignore=" + i for i in ignore)])
@@ -208,7 +207,7 @@ def copy_tokenizer(dest: Path) -> list[str]:
 
 
 def manifest_text(kit: dict, wheels: Path) -> str:
-    lines = ["The GPU kit (benchmarks/gpu_kit.py build; carry this folder with the checkout).",
+    lines = ["The GPU kit (python -m benchmarks.gpu_kit build; carry this folder with the checkout).",
              f"Beyond: {', '.join(BASE)} (and what they load).",
              f"Carried, used where the machine's is missing or outside pyproject.toml's range: {', '.join(STACK)}.",
              ""]

@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
-from cachesmith.bench.outcomes import OutcomeTable, demand_curves  # noqa: E402
-from cachesmith.bench.results import FOUR_TASKS, arrival, fixed_signal_trail, settings, variant_lines  # noqa: E402
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.planner import Profile  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine
+from cachesmith.bench.outcomes import OutcomeTable, demand_curves
+from cachesmith.bench.results import FOUR_TASKS, arrival, fixed_signal_trail, settings, variant_lines
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.planner import Profile
+from cachesmith.calibration.packaged import PACKAGED_DIR
 
 VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci", "cachesmith+task")
 STATICS = ("full_prefill", "full_reuse", "cacheblend@0.15", "cacheblend@0.3")

@@ -17,7 +17,7 @@ suite). Lines are seeded, so runs compare. The protocol's default families are `
 `continue`: on SmolLM2-135M full prefill answers `bridge` too rarely (4 of 24 held-out requests) for
 any method to stand apart.
 
-    python benchmarks/held_out_families.py --family bridge --num-instances 32 --out bridge.jsonl
+    python -m benchmarks.held_out_families --family bridge --num-instances 32 --out bridge.jsonl
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import json
 import random
 from pathlib import Path
 
-from outside_workload import describe_request, kv_request, outside_passages
+from benchmarks.outside_workload import describe_request, kv_request, outside_passages
 
 from cachesmith.workloads.corpus import load_corpus
 from cachesmith.workloads.text import insert_sentence, person_names, place_names, split_sentences

@@ -14,31 +14,27 @@ writes `{"rows": [{"family", "trace", "arm", "method", "qsa", "mean_coverage"}],
 `docs/bench/held_out_protocol.json`). Every profile verdict and bench run is cached under `--cache`,
 so a stopped run resumes.
 
-    python benchmarks/held_out_protocol.py --num-requests 24 --cache /tmp/held-out
-    python benchmarks/held_out_protocol.py --families kv describe --cache /tmp/held-out  # outside_workload.py's
+    python -m benchmarks.held_out_protocol --num-requests 24 --cache /tmp/held-out
+    python -m benchmarks.held_out_protocol --families kv describe --cache /tmp/held-out  # outside_workload.py's
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common.payload import command, commit, cpu, emit, print_table
+from benchmarks.held_out_families import DEFAULT_FAMILIES, FAMILIES, OUTSIDE, family_requests
 
-from common import emit, print_table  # noqa: E402
-from held_out_families import DEFAULT_FAMILIES, FAMILIES, OUTSIDE, family_requests  # noqa: E402
-from workload_profile import _commit, _cpu  # noqa: E402
-
-from cachesmith.bench.run import run_bench  # noqa: E402
-from cachesmith.bench.setting import BenchConfig  # noqa: E402
-from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.profiler.workload import run_workload_demand  # noqa: E402
-from cachesmith.workloads.corpus import load_corpus  # noqa: E402
+from cachesmith.bench.run import run_bench
+from cachesmith.bench.setting import BenchConfig
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.workload import run_workload_demand
+from cachesmith.workloads.corpus import load_corpus
 
 TRACES = {"poisson-u0.7": ("poisson", 1.0, 0.7), "gamma-cv2-u1.0": ("gamma", 2.0, 1.0)}
 STATIC = ("full_prefill", "full_reuse", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15", "fusionrag@0.15",
@@ -98,7 +94,7 @@ def main() -> None:
             rows += rows_of(profiled, family, trace, "profiled")
     payload = {"rows": rows, "profiles": profiles, "num_requests_per_half": args.num_requests,
                "seed": args.seed, "trace_seed": args.trace_seed, "slo_scale": 2.0,
-               "command": " ".join(sys.argv), "commit": _commit(), "cpu": _cpu()}
+               "command": command(), "commit": commit(), "cpu": cpu()}
     emit(payload, args.json, args.out, lambda: print_table(rows, ["family", "trace", "arm", "method", "qsa",
                                                                   "mean_coverage"]))
 

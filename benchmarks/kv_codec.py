@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,22 +27,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, read_entries  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, read_entries
 
-from cachesmith.kvstore import ChunkStore, StoreConfig, codec  # noqa: E402
-from cachesmith.kvstore.entry_format import serialize  # noqa: E402
-from cachesmith.kvstore.reader import EntryReader  # noqa: E402
-from cachesmith.kvstore.tiers import BytesSource  # noqa: E402
-from cachesmith.model import ChunkKV  # noqa: E402
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.model.generate import greedy_decode  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.plan_one import OnePlanner  # noqa: E402
-from cachesmith.recompute import RecomputeConfig, parse_label, preset  # noqa: E402
-from cachesmith.scoring import score  # noqa: E402
-from cachesmith.workloads.prompts import instance_prompt  # noqa: E402
-from cachesmith.workloads.tasks import MIX_TASKS, generate  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoreConfig, codec
+from cachesmith.kvstore.entry_format import serialize
+from cachesmith.kvstore.reader import EntryReader
+from cachesmith.kvstore.tiers import BytesSource
+from cachesmith.model import ChunkKV
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.model.generate import greedy_decode
+from cachesmith.pipeline import RagPipeline
+from cachesmith.plan_one import OnePlanner
+from cachesmith.recompute import RecomputeConfig, parse_label, preset
+from cachesmith.scoring import score
+from cachesmith.workloads.prompts import instance_prompt
+from cachesmith.workloads.tasks import MIX_TASKS, generate
 
 CODECS = codec.CODECS
 MAX_NEW_TOKENS = 32

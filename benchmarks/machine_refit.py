@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.bench.outcomes import OutcomeTable  # noqa: E402
-from cachesmith.bench.pace import fit_paces, trace_batches  # noqa: E402
-from cachesmith.planner import BatchShape, CostModel, Profile  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR, rescaled  # noqa: E402
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.bench.outcomes import OutcomeTable
+from cachesmith.bench.pace import fit_paces, trace_batches
+from cachesmith.planner import BatchShape, CostModel, Profile
+from cachesmith.calibration.packaged import PACKAGED_DIR, rescaled
 
 COLUMNS = ["key", "batches", "before", "after"]
 

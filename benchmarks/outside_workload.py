@@ -10,7 +10,7 @@ profile, demand curves and outcome tables never saw, written as a workload file 
 Requests alternate the two tasks; both are scored by "a gold answer occurs in the answer" (the
 scorer of any task name outside the suite). The file is seeded (`--seed`), so runs compare.
 
-    python benchmarks/outside_workload.py --out outside.jsonl
+    python -m benchmarks.outside_workload --out outside.jsonl
     cachesmith bench --workload outside.jsonl --pattern gamma --cv 2 --utilization 1.0 \\
         --slo-scale 2 --num-requests 32
 """

@@ -34,22 +34,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
-from lean_http import Exchange  # noqa: E402
-from serve_load import warm_setting  # noqa: E402
+from benchmarks.common.lean_http import Exchange
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.sse import Stream
+from benchmarks.serve_load import warm_setting
 
-from cachesmith.bench.setting import BenchConfig, instances  # noqa: E402
-from cachesmith.engine import EngineConfig  # noqa: E402
-from cachesmith.gates import make_gate  # noqa: E402
-from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.scheduler import SchedulerConfig  # noqa: E402
-from cachesmith.scheduler.feasibility import SheddingConfig  # noqa: E402
-from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
-from cachesmith.server.memory_budget import AvailableMemory, human_bytes  # noqa: E402
-from cachesmith.server.run import BackgroundServer  # noqa: E402
-from cachesmith.workloads.trace import TraceConfig, interarrival_gaps  # noqa: E402
+from cachesmith.bench.setting import BenchConfig, instances
+from cachesmith.engine import EngineConfig
+from cachesmith.gates import make_gate
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.scheduler import SchedulerConfig
+from cachesmith.scheduler.feasibility import SheddingConfig
+from cachesmith.server import ServerConfig, Service, ServiceConfig
+from cachesmith.server.memory_budget import AvailableMemory, human_bytes
+from cachesmith.server.run import BackgroundServer
+from cachesmith.workloads.trace import TraceConfig, interarrival_gaps
 
 GATE = make_gate("task")
 COLUMNS = ["run", "shedding", "sent", "on_time", "qsa", "refused_arrival", "shed_queued", "refusal_ms_max",
@@ -73,28 +73,20 @@ def body(inst, slo_s: float, model: str, documents=None) -> dict:
 
 async def one(exchange: Exchange, slo_s: float, at_s: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
-    sent, first, code, pieces = time.perf_counter(), None, None, []
+    stream = Stream("answer")  # an error event is a refusal, not the first token
     async with exchange:
         status, headers = await exchange.response()
         if status != 200:
             error = json.loads(await exchange.body())["error"]
-            return {"status": status, "code": error["code"], "refusal_s": time.perf_counter() - sent,
+            return {"status": status, "code": error["code"], "refusal_s": time.perf_counter() - stream.sent,
                     "message": error["message"], "retry_after": headers.get("retry-after"), "slo_s": slo_s}
-        async for line in exchange.lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                code = event["error"]["code"] or "error"
-                record_message = event["error"]["message"]
-                continue
-            first = first or time.perf_counter()
-            pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
+        await stream.read(exchange.lines())
+    code = (stream.errors[-1]["code"] or "error") if stream.errors else None
     record = {"status": 200, "code": code, "slo_s": slo_s}
     if code is not None:
-        record.update(message=record_message, refusal_s=time.perf_counter() - sent)
-    if code is None and first is not None:
-        record.update(ttft_s=first - sent, text="".join(pieces))
+        record.update(message=stream.errors[-1]["message"], refusal_s=time.perf_counter() - stream.sent)
+    if code is None and stream.first is not None:
+        record.update(ttft_s=stream.ttft_s, text=stream.text)
     return record
 
 
@@ -115,7 +107,8 @@ def drive(url: str, sends: list[tuple[dict, object, float]], desc: str) -> list[
     event loop do not share one interpreter lock (that alone added 50-100 ms to a refusal in a
     burst); the answers are gated here, against their instances."""
     job = json.dumps({"url": url, "desc": desc, "sends": [(payload, at) for payload, _, at in sends]})
-    child = subprocess.run([sys.executable, __file__, "--client"], input=job, text=True, check=True,
+    # `-m`: by its path the script would not find its own package (benchmarks.common)
+    child = subprocess.run([sys.executable, "-m", __spec__.name, "--client"], input=job, text=True, check=True,
                            stdout=subprocess.PIPE)
     records = json.loads(child.stdout)
     for record, (_, inst, _) in zip(records, sends):
@@ -345,8 +338,8 @@ def main() -> None:
         records_by_run[f"burst {rows[-1]['shedding']}"] = compact(records)
     small = None
     if args.small_machine_gib > 0 and args.burst:
-        child = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], check=True, text=True,
-                               stdout=subprocess.PIPE)
+        child = subprocess.run([sys.executable, "-m", __spec__.name, "--child", *sys.argv[1:]], check=True,
+                               text=True, stdout=subprocess.PIPE)
         small = json.loads(child.stdout.strip().splitlines()[-1])
         rows.append({"load": None, **small["row"]})
     payload = {"setting": f"mix, {args.num_requests} requests per level, Poisson and Gamma CV {args.gamma_cv:g}",

@@ -13,17 +13,15 @@ JSON. About 3 minutes per noise level for the statics and 1.5 per z on 2 cores.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
-from cachesmith.bench.results import variant_lines  # noqa: E402
-from cachesmith.methods import default_methods  # noqa: E402
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine
+from cachesmith.bench.results import variant_lines
+from cachesmith.methods import default_methods
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.calibration.packaged import PACKAGED_DIR
 
 VARIANTS = ("cachesmith", "cachesmith:kv_dev", "cachesmith:qci")
 COLUMNS = ["sigma", "z", "method", "above_best_static", "at_or_above_fp", "per_task", "trail_pts", "mean_qsa"]

@@ -12,16 +12,15 @@ max reported too). demand: median and p90 minimum sufficient coverage per signal
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, load_profile, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.profile import load_profile
 
-from cachesmith.planner import Planner, PlanRequest, Profile  # noqa: E402
-from cachesmith.planner.demand import DemandModel  # noqa: E402
+from cachesmith.planner import Planner, PlanRequest, Profile
+from cachesmith.planner.demand import DemandModel
 
 
 def decision_times(planner: Planner, num_batches: int, seed: int = 0) -> list[float]:

@@ -15,7 +15,7 @@ peak_fraction = gflops / peak_gflops (best_peak_fraction: the same from the fast
 side). max_abs_logit_diff: ours vs HF (last position); runner_logit_diff: runner vs ours.
 load_1m: the machine's 1-minute load average after the row (others' work on a shared machine
 stalls the many small parallel kernels of a prefill more than one large matmul).
-Usage: python benchmarks/prefill.py [--sizes 2048] [--no-hf] [--json] [--out F]
+Usage: python -m benchmarks.prefill [--sizes 2048] [--no-hf] [--json] [--out F]
 """
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ import argparse
 import os
 import random
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, random_request, timed  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, timed
 
-from cachesmith.model import Decoder, ModelConfig, resolve_model  # noqa: E402
-from cachesmith.recompute import BatchRunner, preset  # noqa: E402
+from cachesmith.calibration.synthetic import random_request
+from cachesmith.model import Decoder, ModelConfig, resolve_model
+from cachesmith.recompute import BatchRunner, preset
 
 
 def prefill_flop(cfg: ModelConfig, tokens: int) -> float:

@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, random_request, timed  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, timed
 
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.recompute import preset  # noqa: E402
-from cachesmith.scoring import score  # noqa: E402
-from cachesmith.workloads.corpus import load_corpus  # noqa: E402
-from cachesmith.workloads.needles import multi_needle  # noqa: E402
+from cachesmith.calibration.synthetic import random_request
+from cachesmith.pipeline import RagPipeline
+from cachesmith.recompute import preset
+from cachesmith.scoring import score
+from cachesmith.workloads.corpus import load_corpus
+from cachesmith.workloads.needles import multi_needle
 
 COVERAGES = [0.05, 0.15, 0.30, 0.50]
 SELECTIVE = ["cacheblend", "epic", "prophetkv", "fusionrag"]

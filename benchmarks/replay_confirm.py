@@ -23,12 +23,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.bench import BenchConfig, run_bench
+from cachesmith.pipeline import RagPipeline
 
 SETTINGS = (("poisson", 1.0), ("gamma", 2.0), ("gamma", 3.0))
 METHODS = ("cachesmith", "full_prefill", "full_reuse", "cacheblend@0.15", "epic@0.15", "prophetkv@0.15",

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, parse_timing_args, print_table, timed  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, parse_timing_args, timed
 
-from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt, StoreConfig, TransferEngine  # noqa: E402
-from cachesmith.model import Decoder, resolve_model  # noqa: E402
-from cachesmith.recompute import BatchRunner, preset  # noqa: E402
-from cachesmith.recompute.sequence import build_sequence  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoredEntry, StoredPrompt, StoreConfig, TransferEngine
+from cachesmith.model import Decoder, resolve_model
+from cachesmith.recompute import BatchRunner, preset
+from cachesmith.recompute.sequence import build_sequence
 
 NUM_CHUNKS, NUM_SUFFIX = 16, 19
 

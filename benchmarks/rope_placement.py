@@ -3,20 +3,18 @@
 For a chunk computed in isolation, compares the K placed at offset o with the K the same tokens get
 when computed directly at o (layer 0, where no attention has mixed positions in yet, and the last
 layer). Rows: dtype, offset, method, max_abs_err, rel_err, place_ms (time to place one layer of a
-2K-token context). Usage: python benchmarks/rope_placement.py [--json]
+2K-token context). Usage: python -m benchmarks.rope_placement [--json]
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, median, print_table, timed  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.timing import median, timed
 
-from cachesmith.model import Decoder, prefill_chunk, resolve_model  # noqa: E402
+from cachesmith.model import Decoder, prefill_chunk, resolve_model
 
 
 def _place_cost_ms(model: Decoder, keys: torch.Tensor, offset: int, repeats: int = 20) -> float:

@@ -8,17 +8,15 @@ often the 256 cap was reached. `--json` prints {"rows": [...], "decision_ms_p99"
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.planner import Planner, Profile  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
-from cachesmith.scheduler import QueuedRequest, SchedulerConfig, SloAwareScheduler  # noqa: E402
+from cachesmith.planner import Planner, Profile
+from cachesmith.calibration.packaged import PACKAGED_DIR
+from cachesmith.scheduler import QueuedRequest, SchedulerConfig, SloAwareScheduler
 
 GROUPS = ((1, 4), (5, 16), (17, 32), (33, 64))
 

@@ -17,31 +17,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.sse import Stream
 
-from cachesmith.bench.metrics import summarize  # noqa: E402
-from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes  # noqa: E402
-from cachesmith.bench.setting import BenchConfig, build_requests, instances  # noqa: E402
-from cachesmith.engine import Engine, EngineConfig, EngineStats  # noqa: E402
-from cachesmith.gates import make_gate  # noqa: E402
-from cachesmith.instance import WorkloadInstance  # noqa: E402
-from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
-from cachesmith.calibration.shadow import shadow_calibrator  # noqa: E402
-from cachesmith.request import Request  # noqa: E402
-from cachesmith.scheduler import SchedulerConfig  # noqa: E402
-from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
-from cachesmith.server.run import BackgroundServer  # noqa: E402
+from cachesmith.bench.metrics import summarize
+from cachesmith.bench.run import measure_base, reuse_factor, reuse_probes
+from cachesmith.bench.setting import BenchConfig, build_requests, instances
+from cachesmith.engine import Engine, EngineConfig, EngineStats
+from cachesmith.gates import make_gate
+from cachesmith.instance import WorkloadInstance
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.calibration.packaged import find_profile, rescaled
+from cachesmith.calibration.shadow import shadow_calibrator
+from cachesmith.request import Request
+from cachesmith.scheduler import SchedulerConfig
+from cachesmith.server import ServerConfig, Service, ServiceConfig
+from cachesmith.server.run import BackgroundServer
 
 GATE = make_gate("task")
 
@@ -61,29 +59,21 @@ def chat_body(req: Request, inst: WorkloadInstance, model: str) -> dict:
 
 async def one(client: httpx.AsyncClient, req: Request, inst: WorkloadInstance, model: str, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-    sent, first, final, error, pieces = time.perf_counter(), None, None, None, []
+    stream, error = Stream("event"), None  # TTFT to the first SSE event, an error event too
     async with client.stream("POST", "/v1/chat/completions", json=chat_body(req, inst, model)) as r:
         if r.status_code != 200:
             error = (await r.aread()).decode()[:200]
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            first = first or time.perf_counter()
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                error = event["error"]["message"]
-            else:
-                pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
-                final = event.get("cachesmith", final)
+        await stream.read(r.aiter_lines())
+    error = stream.errors[-1]["message"] if stream.errors else error
+    final = stream.final
     record = {"request_id": req.request_id, "slo_s": req.slo_s, "error": error}
-    if error is None and first is not None and final is not None:
-        client_ttft = first - sent
+    if error is None and stream.first is not None and final is not None:
         # gated here, as the replay gates, from the instance: the server sees only task and gold, not
         # workload metadata such as the VT kv-split variant's item pattern, so its own verdict can differ
-        text = "".join(pieces)
-        record.update(client_ttft_s=client_ttft, server_ttft_s=final["ttft_ms"] / 1e3,
+        text = stream.text
+        record.update(client_ttft_s=stream.ttft_s, server_ttft_s=final["ttft_ms"] / 1e3,
                       is_passed=GATE.passes(inst, text), server_is_passed=final["is_passed"], answer=text,
-                      sent_s=sent - start, coverage=final["coverage"], plan=final["plan"],
+                      sent_s=stream.sent - start, coverage=final["coverage"], plan=final["plan"],
                       batch_size=final["batch_size"], num_recomputed=final["num_recomputed"],
                       num_context_tokens=final["num_context_tokens"])
     return record

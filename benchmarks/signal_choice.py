@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, load_profile, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.profile import load_profile
 
-from cachesmith.bench.outcomes import OutcomeTable, demand  # noqa: E402
-from cachesmith.planner.demand import COVERAGE_GRID, DemandModel  # noqa: E402
+from cachesmith.bench.outcomes import OutcomeTable, demand
+from cachesmith.planner.demand import COVERAGE_GRID, DemandModel
 
 NOISE_COVERAGES = (0.10, 0.15, 0.30)  # the shallow family's measured coverages in the planner's range
 NOISE_DEPTHS = (6, 15)

@@ -9,22 +9,19 @@ tasks' 96 settings, wins per task, the most it trails the better fixed-signal ab
 and writes it as JSON (default `docs/bench/signal_rule_grid.json`). Rows are cached in `--rows`, so
 a stopped run resumes.
 
-    python benchmarks/signal_rule_grid.py --rows /tmp/signal-rule-grid.jsonl
+    python -m benchmarks.signal_rule_grid --rows /tmp/signal-rule-grid.jsonl
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common.payload import command, emit
 
-from common import emit  # noqa: E402
-
-from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine  # noqa: E402
-from cachesmith.bench.results import variant_lines  # noqa: E402
-from cachesmith.methods import default_methods  # noqa: E402
-from cachesmith.calibration.packaged import PACKAGED_DIR  # noqa: E402
+from cachesmith.bench.grid import GridConfig, run_grid, simulator_machine
+from cachesmith.bench.results import variant_lines
+from cachesmith.methods import default_methods
+from cachesmith.calibration.packaged import PACKAGED_DIR
 
 TABLE = Path("docs/results/outcomes-smollm2-135m-float32-cpu.json")
 VARIANTS = ("cachesmith:passes", "cachesmith:kv_dev", "cachesmith:qci")
@@ -46,7 +43,7 @@ def main() -> None:
                     args.workers, machine=machine)
     table = [dict(zip(COLUMNS, (cell.strip("`") for cell in line))) for line in variant_lines(rows)]
     payload = {"rows": table, "num_requests": args.num_requests, "speed_factor": factor, "decision_ms": 2.0,
-               "command": " ".join(sys.argv)}
+               "command": command()}
 
     def show() -> None:
         print("| " + " | ".join(COLUMNS) + " |")

@@ -37,18 +37,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
+from benchmarks.common.payload import emit, print_table
 
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
-from cachesmith.bench import BenchConfig, run_bench  # noqa: E402
-from cachesmith.bench.pace import fit_machine, measure_paces, residuals, trace_batches  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.workloads.tasks import generate  # noqa: E402
-from cachesmith.planner import Profile  # noqa: E402
-from cachesmith.calibration.packaged import find_profile, rescaled  # noqa: E402
-from cachesmith.bench.outcomes import OutcomeTable, default_table_path  # noqa: E402
-from cachesmith.bench.simulate import simulate  # noqa: E402
+from cachesmith.model.assets import cachesmith_home
+from cachesmith.bench import BenchConfig, run_bench
+from cachesmith.bench.pace import fit_machine, measure_paces, residuals, trace_batches
+from cachesmith.pipeline import RagPipeline
+from cachesmith.workloads.tasks import generate
+from cachesmith.planner import Profile
+from cachesmith.calibration.packaged import find_profile, rescaled
+from cachesmith.bench.outcomes import OutcomeTable, default_table_path
+from cachesmith.bench.simulate import simulate
 
 SETTINGS = (("poisson", 1.0), ("gamma", 2.0), ("gamma", 3.0))
 SEEDS = "0,1,2"  # each setting is replayed on traces of these seeds; the bars hold for their means

@@ -3,9 +3,9 @@ capacity for minutes, through a memory + disk + redis store with a small disk qu
 killed and restarted, the disk tier goes read-only for a while and the server itself is killed with
 SIGKILL and restarted on the same store. Run at review, not in CI.
 
-  python benchmarks/soak.py [--minutes 10 --load 1.5] [--out docs/bench/soak.json]
-  python benchmarks/soak.py --minutes 2 --faults kill --capacity-s 10   (a short look)
-  python benchmarks/soak.py --tenant-mode single ...   (a server whose --api-key-file takes one key)
+  python -m benchmarks.soak [--minutes 10 --load 1.5] [--out docs/bench/soak.json]
+  python -m benchmarks.soak --minutes 2 --faults kill --capacity-s 10   (a short look)
+  python -m benchmarks.soak --tenant-mode single ...   (a server whose --api-key-file takes one key)
 
 Steps: its own redis-server (append-only, fsync always) and `cachesmith serve` as children; the
 server's capacity measured by a short closed loop of chats; then Poisson arrivals at --load x that
@@ -30,16 +30,15 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROVENANCE, emit  # noqa: E402
-from server_process import stop_on_sigterm  # noqa: E402
-from soak_faults import FAULT_NAMES, DiskSamples, ReadOnlyDisk, RedisChild, ServeConfig, SoakServer, Timeline, \
-    plan_faults, scan_store, serve_flags  # noqa: E402
-from soak_report import COMPLETIONS, CORRUPT_LINE, bars, cross_tenant_summary, log_summary, parse_metrics, \
-    report_text, summarize_integrity, summarize_requests  # noqa: E402
-from soak_traffic import KINDS, Traffic, build_tenants  # noqa: E402
+from benchmarks.common.payload import PROVENANCE, emit
+from benchmarks.common.server_process import stop_on_sigterm
+from benchmarks.common.soak_faults import FAULT_NAMES, DiskSamples, ReadOnlyDisk, RedisChild, ServeConfig, \
+    SoakServer, Timeline, plan_faults, scan_store, serve_flags
+from benchmarks.common.soak_report import COMPLETIONS, CORRUPT_LINE, bars, cross_tenant_summary, log_summary, \
+    parse_metrics, report_text, summarize_integrity, summarize_requests
+from benchmarks.common.soak_traffic import KINDS, Traffic, build_tenants
 
-from cachesmith.cli_store import parse_bytes  # noqa: E402
+from cachesmith.cli_store import parse_bytes
 
 TENANTS = ("alice", "bob", "carol")
 READ_CHECK_RETRIES = 30

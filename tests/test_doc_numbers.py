@@ -3,12 +3,11 @@ number fails naming its file and number."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
+from benchmarks import doc_numbers
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import doc_numbers  # noqa: E402
 
 
 def test_every_quoted_number_agrees_with_its_payload():

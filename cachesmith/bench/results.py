@@ -165,7 +165,8 @@ def _validation_rows(rows: list[dict]) -> str:
 
 def validation_md(payload: dict | None) -> str:
     if not payload:
-        return "_No validation payload (run `benchmarks/sim_validation.py --out-json docs/bench/sim_validation.json`)._\n"
+        return ("_No validation payload (run `python -m benchmarks.sim_validation --out-json "
+                "docs/bench/sim_validation.json`)._\n")
     text = _validation_rows(payload["rows"])
     if payload.get("cross_validated"):
         text += ("\nThe same with the machine fit leaving each setting out (on the calibration replays and the other "

@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_check.py` on the simulated CUDA device at its tiny shape, run as `make gpu-check`
+"""`benchmarks.gpu_check` on the simulated CUDA device at its tiny shape, run as `make gpu-check`
 runs it (a subprocess, the serve leg's server a simulated child of its own): every leg writes its
 rows without an error, the payload has the schema a GPU run writes, and the server answered. Graph
 decode replayed and gave eager decode's tokens, and every phase's attention calls were seen and got
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common.serve_leg import NUM_RAG
+from benchmarks.gpu_check import METHODS, SIZES
 from cachesmith.model import resolve_model
 from cachesmith.testing.sim_backend import SimBackend
 from cachesmith.testing.sim_cuda import SimCuda
@@ -20,9 +22,6 @@ from cachesmith.testing.sim_cuda import SimCuda
 pytestmark = [pytest.mark.real_model, pytest.mark.sim_cuda]  # the served requests use the packaged tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from gpu_check import METHODS, SIZES  # noqa: E402
-from serve_leg import NUM_RAG  # noqa: E402
 
 TINY = SIZES["tiny"]
 PAYLOAD_KEYS = {"shape", "device", "dtype", "contexts", "versions", "tokenizer_dir", "setup", "rows", "bars",
@@ -32,7 +31,7 @@ PAYLOAD_KEYS = {"shape", "device", "dtype", "contexts", "versions", "tokenizer_d
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("gpu-check") / "gpu_check.json"
-    cmd = [sys.executable, "-m", "cachesmith.testing.sim_run", "benchmarks/gpu_check.py", "--shape", "tiny",
+    cmd = [sys.executable, "-m", "cachesmith.testing.sim_run", "benchmarks.gpu_check", "--shape", "tiny",
            "--device", "cuda", "--tokenizer-dir", str(resolve_model("smollm2-135m")), "--out", str(out),
            "--max-minutes", "2", "--json"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_kit
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_kit  # noqa: E402
 
 RANGES = {"transformers": ">=5.0,<6", "tokenizers": ">=0.21"}
 ASKS = ["huggingface-hub<3.0,>=2.4.0", "tokenizers<0.24.0,>=0.23.1", "numpy>=1.17",

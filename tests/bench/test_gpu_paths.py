@@ -1,22 +1,16 @@
-"""The GPU check's path checks (benchmarks/gpu_paths.py, issue 77): graph decode's tokens against
+"""The GPU check's path checks (benchmarks/common/gpu_paths.py, issue 77): graph decode's tokens against
 eager decode's (on the CPU both are eager; on the simulated device the graph path replays), the
 near-tie rule in half precision, and the recorder of attention calls whose kernels the check asks
 torch about."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import gpu_paths
+from benchmarks.common.gpu_paths import SdpaCall, SdpaRecorder, kernel_row, tokens_row
 from cachesmith.model import Decoder
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_paths  # noqa: E402
-from gpu_paths import SdpaCall, SdpaRecorder, kernel_row, tokens_row  # noqa: E402
 
 CPU = torch.device("cpu")
 

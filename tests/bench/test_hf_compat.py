@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import gpu_check
+from benchmarks.common import hf_compat
+from benchmarks.common.random_model import ROPE_THETA, SHAPES, llama_config
 from cachesmith.model.config import load_hf_config
 from cachesmith.model.rope import RotaryEmbedding
 from tests.tiny_models import TINY_ARCHITECTURES
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_check  # noqa: E402
-import hf_compat  # noqa: E402
-from random_model import ROPE_THETA, SHAPES, llama_config  # noqa: E402
 
 CPU = torch.device("cpu")
 TINY_THETAS = {"llama": 1e4, "qwen3": 1e6, "qwen2": 1e6, "mistral": 1e6}
@@ -129,7 +128,7 @@ def test_a_python_without_transformers_still_writes_the_rows(tmp_path):
     out = tmp_path / "gpu_check.json"
     code = ("import runpy, sys; sys.modules['transformers'] = None; "
             f"sys.argv = ['gpu_check.py', '--shape', 'tiny', '--device', 'cpu', '--skip-serve', '--out', {str(out)!r}, "
-            "'--max-minutes', '1']; runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')")
+            "'--max-minutes', '1']; runpy.run_module('benchmarks.gpu_check', run_name='__main__', alter_sys=True)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and out.is_file(), proc.stderr[-3000:]
     payload = json.loads(out.read_text())

@@ -1,15 +1,12 @@
-"""`benchmarks/lean_http.py`, the overload benchmark's client, against a raw asyncio server: the
+"""`benchmarks/common/lean_http.py`, the overload benchmark's client, against a raw asyncio server: the
 request it sends is the JSON POST it was made from, a refusal's status, headers and body, and a
 chunked event stream split into lines across chunk boundaries."""
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from lean_http import Exchange  # noqa: E402
+from benchmarks.common.lean_http import Exchange
 
 REFUSAL = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 3\r\n"
            b"content-length: 27\r\nconnection: close\r\n\r\n" + b'{"error": {"code": "late"}}')

@@ -2,14 +2,10 @@
 over the traces, and the arrival patterns (Poisson, Gamma with a CV)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import overload  # noqa: E402
+from benchmarks import overload
 
 
 def _row(load, pattern, repeat, shedding, on_time, qsa, refused=0):

@@ -1,21 +1,12 @@
 """`benchmarks/replay_confirm.py --pool`: earlier payloads summarized together, on hand-built rows."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_confirm.py"
-
-
-@pytest.fixture(scope="module")
-def replay_confirm():
-    spec = importlib.util.spec_from_file_location("replay_confirm", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import replay_confirm
 
 
 def payload(path: Path, rows: list[tuple[int, str, float]], slo_scale: float = 2.0) -> Path:
@@ -25,7 +16,7 @@ def payload(path: Path, rows: list[tuple[int, str, float]], slo_scale: float = 2
     return path
 
 
-def test_pooled_means_cover_the_same_seeds_for_every_method(replay_confirm, tmp_path):
+def test_pooled_means_cover_the_same_seeds_for_every_method(tmp_path):
     a = payload(tmp_path / "a.json", [(3, "cachesmith", 0.50), (3, "cacheblend@0.15", 0.48), (3, "epic@0.15", 0.60),
                                       (4, "cachesmith", 0.40), (4, "cacheblend@0.15", 0.43)])
     b = payload(tmp_path / "b.json", [(5, "cachesmith", 0.36), (5, "cacheblend@0.15", 0.20)])
@@ -39,7 +30,7 @@ def test_pooled_means_cover_the_same_seeds_for_every_method(replay_confirm, tmp_
     assert summary["lead_pts"] == pytest.approx(100 * ((0.50 + 0.40 + 0.36) - (0.48 + 0.43 + 0.20)) / 3)
 
 
-def test_a_later_payload_replaces_the_same_run_and_other_settings_are_refused(replay_confirm, tmp_path):
+def test_a_later_payload_replaces_the_same_run_and_other_settings_are_refused(tmp_path):
     a = payload(tmp_path / "a.json", [(3, "cachesmith", 0.50), (3, "cacheblend@0.15", 0.48)])
     rerun = payload(tmp_path / "rerun.json", [(3, "cachesmith", 0.55)])
     rows, _ = replay_confirm.pooled_rows([a, rerun])

@@ -6,17 +6,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from soak_faults import DiskSamples, ReadOnlyDisk, plan_faults, scan_store  # noqa: E402
-from soak_report import Ack, Ledger, Record, bars, classify, is_5xx, percentile, summarize_integrity, \
-    summarize_requests  # noqa: E402
-from soak_traffic import Tenant, Traffic, build_tenants  # noqa: E402
+from benchmarks.common.soak_faults import DiskSamples, ReadOnlyDisk, plan_faults, scan_store
+from benchmarks.common.soak_report import Ack, Ledger, Record, bars, classify, is_5xx, percentile, \
+    summarize_integrity, summarize_requests
+from benchmarks.common.soak_traffic import Tenant, Traffic, build_tenants
 
 KILLED = {"name": "server_killed", "start_s": 100.0, "end_s": 150.0}
 REDIS = {"name": "redis_down", "start_s": 20.0, "end_s": 40.0}

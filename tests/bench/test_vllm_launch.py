@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import vllm_server
 from cachesmith.model.assets import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import vllm_server  # noqa: E402
 
 
 def launches(path: Path) -> list[list[str]]:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.vllm_server import VllmError, VllmServer, plugin_args
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.methods import parse_method
 from cachesmith.model.assets import DEFAULT_MODEL, resolve_model
@@ -34,9 +34,6 @@ from cachesmith.pipeline import RagPipeline
 from cachesmith.workloads.corpus import load_corpus
 from tests.redis_server import free_port
 from tests.server.test_serve_process import wait_up
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from vllm_server import VllmError, VllmServer, plugin_args  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 NUM_REQUESTS, NUM_TOKENS = 20, 32

@@ -4,12 +4,11 @@ them inside vLLM's worker."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
+from benchmarks import vllm_server
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import vllm_server  # noqa: E402
 
 
 def test_the_vllm_venv_pins_what_the_lock_pins():

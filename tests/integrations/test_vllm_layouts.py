@@ -8,16 +8,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import vllm_server
 from tests.integrations.paged_layouts import FLASH_BACKENDS, LAYOUTS
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import vllm_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -11,17 +11,14 @@ error event inside a 200 stream; `code` says server_error or not).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_report import Ack, Ledger, Record, classify  # noqa: E402
+from benchmarks.common.soak_report import Ack, Ledger, Record, classify
+from benchmarks.common.sse import Stream
 
 QUESTIONS = ("Summarize the documents in one sentence.", "What is the first document about?",
              "Name one place mentioned in the documents.", "Which year appears in the documents?")
@@ -144,7 +141,7 @@ class Traffic:
     async def stream(self, rec: Record, path: str, tenant: Tenant, body: dict) -> None:
         """A streamed completion: client TTFT to the first event, server TTFT from the last chunk."""
         self.inflight += 1
-        sent = time.monotonic()
+        stream = Stream("line", time.monotonic)  # TTFT to the first line of the stream, [DONE] too
         try:
             async with self.client.stream("POST", path, json=body, headers=tenant.headers) as r:
                 rec.status = str(r.status_code)
@@ -153,7 +150,7 @@ class Traffic:
                     rec.code, rec.has_retry_after = error_code(r), "retry-after" in r.headers
                     rec.detail = r.text[:300] if r.status_code >= 500 else None
                     return
-                await self._events(rec, r, sent)
+                await self._events(rec, r, stream)
         except httpx.HTTPError as exc:
             rec.status = "stream_cut" if rec.status == "200" else status_of(exc)
             rec.detail = f"{type(exc).__name__}: {exc}"[:200]
@@ -162,23 +159,17 @@ class Traffic:
             rec.end_s = self.clock()
             self.records.append(rec)
 
-    async def _events(self, rec: Record, r: httpx.Response, sent: float) -> None:
-        is_done = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if rec.ttft_client_s is None:
-                rec.ttft_client_s = time.monotonic() - sent
-            if line == "data: [DONE]":
-                is_done = True
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                rec.status, rec.code = "stream_error", event["error"].get("type")
-                rec.detail = str(event["error"].get("message"))[:300]
-            elif "cachesmith" in event:
-                rec.ttft_server_s = event["cachesmith"]["ttft_ms"] / 1e3
-        if not is_done and rec.status == "200":
+    async def _events(self, rec: Record, r: httpx.Response, stream: Stream) -> None:
+        try:
+            await stream.read(r.aiter_lines())
+        finally:  # what came before a cut stream is recorded too
+            rec.ttft_client_s = stream.ttft_s
+            if stream.errors:
+                rec.status, rec.code = "stream_error", stream.errors[-1].get("type")
+                rec.detail = str(stream.errors[-1].get("message"))[:300]
+            if stream.final is not None:
+                rec.ttft_server_s = stream.final["ttft_ms"] / 1e3
+        if not stream.is_done and rec.status == "200":
             rec.status = "stream_cut"
 
     # -- the kinds of request --------------------------------------------------------------------

@@ -28,7 +28,7 @@ from cachesmith.model import DEFAULT_MODEL
 from cachesmith.model.assets import is_complete, models_root
 from cachesmith.model.device import synchronize
 from cachesmith.testing import sim_cuda
-from hf_compat import rope_kwargs
+from benchmarks.common.hf_compat import rope_kwargs
 
 INIT_STD = 0.02  # the Llama family's initializer range
 ROPE_THETA = 500000.0  # Llama 3's base

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,11 +27,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from check_rows import Clock
+from benchmarks.common.check_rows import Clock
+from benchmarks.common.ports import free_port
 
 from cachesmith.testing import sim_cuda
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NUM_RAG = 10
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "xxhash")
 
@@ -53,12 +53,6 @@ def documents(num: int, words: int, seed: int) -> list[str]:
             n += k
         out.append(" ".join(sentences))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_process import ServerProcess, free_port  # noqa: E402
+from benchmarks.common.ports import free_port
+from benchmarks.common.server_process import ServerProcess
 
 FAULT_NAMES = ("redis", "readonly", "kill")
 KILL_HOLD_S = 60.0  # what the schedule leaves for a killed server to start again (a start is ~40 s here)
