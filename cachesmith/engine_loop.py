@@ -144,7 +144,7 @@ class EngineLoop:
                 return False
             slot.is_released = True
             self._num_admitting -= 1
-            self.deadlines.settle(slot.request_id)
+            self.deadlines.settle(slot.request_id, self.engine.clock.now())
             self._cond.notify_all()
             return True
 

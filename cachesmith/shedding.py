@@ -57,16 +57,19 @@ class DeadlineAdmission:
         self.pricer, self.config = pricer, config
         # slot id -> (its view, its documents' prefill s, since): admissions in progress
         self._admitting: dict[int, tuple[QueuedRequest, float, float]] = {}
+        self._settled_s = -math.inf  # when an admission last ended: those after it prefill from then
         self.batch_ends_s = 0.0  # clock time the batch prefilling now ends at its cheapest (0: none runs)
 
     def busy_s(self, now: float, request_id: int | None = None) -> float:
         """Work running before anything new can start: the rest of the running batch, and the rest of
-        each admission's documents' prefill (its batch is priced in the queue, `_ahead`)."""
-        left = max(self.batch_ends_s - now, 0.0)
-        for slot_id, (_, prefill_s, since) in self._admitting.items():
-            if slot_id != request_id:
-                left += max(prefill_s - (now - since), 0.0)
-        return left
+        the admissions' documents' prefill (their batches are priced in the queue, `_ahead`). The
+        admission lock prefills one document at a time, so their prefills drain one after another,
+        in the order they were promised, none before the last admission ended."""
+        ends_s = -math.inf
+        others = sorted((v for i, v in self._admitting.items() if i != request_id), key=lambda v: v[2])
+        for _, prefill_s, since in others:
+            ends_s = max(ends_s, since, self._settled_s) + prefill_s
+        return max(self.batch_ends_s - now, 0.0) + max(ends_s - now, 0.0)
 
     def admit(self, view: QueuedRequest, now: float, queued: Sequence[QueuedRequest],
               num_new_tokens: Sequence[int]) -> TtftEstimate | None:
@@ -114,9 +117,11 @@ class DeadlineAdmission:
     def end_batch(self) -> None:
         self.batch_ends_s = 0.0
 
-    def settle(self, request_id: int) -> None:
-        """The admission ended (queued, or refused): its documents are stored or never will be."""
-        self._admitting.pop(request_id, None)
+    def settle(self, request_id: int, now: float | None = None) -> None:
+        """The admission ended at `now` (queued, or refused): its documents are stored or never will
+        be."""
+        if self._admitting.pop(request_id, None) is not None and now is not None:
+            self._settled_s = max(self._settled_s, now)
 
     def expired(self, queue: Sequence[QueuedRequest], now: float) -> list[tuple[QueuedRequest, str]]:
         """At a batch boundary: the queued requests not feasible at the margin, each with the message

@@ -51,6 +51,19 @@ def test_an_admission_in_progress_is_work_ahead_of_later_arrivals_until_it_settl
     assert adm.busy_s(4.0, request_id=2) == pytest.approx(1.0) and adm.busy_s(6.0, request_id=2) == 0.0
 
 
+def test_admissions_prefill_one_after_another_so_their_promises_drain_in_turn():
+    """Two admissions promised at once with p seconds of new documents each: the admission lock
+    prefills them in turn, so p/2 later 1.5p of prefill is ahead, not 2 x p/2; once the first
+    ended, the second prefills from then."""
+    adm = admission()
+    p = adm.admit(view(0, slo=600.0), 0.0, [], [1000]).prefill_s
+    adm.admit(view(1, slo=600.0), 0.0, [], [1000])
+    assert adm.busy_s(0.5 * p, request_id=9) == pytest.approx(1.5 * p)
+    adm.settle(0, now=1.2 * p)  # the first ended later than priced: the second prefills from then
+    assert adm.busy_s(1.2 * p, request_id=9) == pytest.approx(p)
+    assert adm.busy_s(2.2 * p, request_id=9) == 0.0
+
+
 def test_a_request_late_even_alone_is_refused_and_told_why():
     adm = admission()
     with pytest.raises(SloUnattainable, match="even alone on an idle server") as refused:
