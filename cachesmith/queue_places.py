@@ -45,6 +45,7 @@ class Slot:
         self.arrival_s = arrival_s  # when the request was accepted: its TTFT starts here
         self.is_released = False
         self.slo_s: float | None = None  # the request's SLO once checked at its arrival
+        self.max_tokens = 0  # its answer budget, checked with the SLO
         self._give_back = give_back  # the loop's: it takes a place back once
 
     def request(self, prompt: StoredPrompt, slo_s: float, max_new_tokens: int = 16,

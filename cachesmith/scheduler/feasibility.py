@@ -117,12 +117,11 @@ class TtftEstimate:
         return (f"{self.ttft_s:.2f} s = {self.waited_s:.2f} s waited + {self.start_s:.2f} s of work ahead + "
                 f"{self.own_s:.2f} s of its own at its cheapest plan")
 
-    def scaled(self, factor: float) -> "TtftEstimate":
-        """The work still to come times `factor` (the time already waited is measured, not priced)."""
-        return TtftEstimate(self.waited_s, self.start_s * factor, self.prefill_s * factor, self.run_s * factor)
-
 
 class DeadlinePricer:
+    """Prices at the cheapest plan: a batch at full reuse, new documents' prefill (`observe_prefill`
+    learns its pace), and a request's size from its text (`sizes`)."""
+
     def __init__(self, planner: Planner, max_batch_size: int) -> None:
         self.planner, self.max_batch_size = planner, max_batch_size
         self._prefill_paces: deque[float] = deque(maxlen=PREFILL_WINDOW)  # measured / priced, per chunk

@@ -238,11 +238,6 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
-    limit = service.config.max_tokens_limit
-    for name in ("max_tokens", "max_completion_tokens"):  # chat may give both; the tighter one is used
-        value = getattr(body, name, None)
-        if value is not None and value > limit:
-            raise ApiError(400, f"{name}={value}: must be between 1 and {limit}", name)
     spec = replace(body.to_spec(), caller=Caller(tenant_of(request), body.cache_salt or ""))
     max_tokens = spec.max_tokens or service.config.default_max_tokens
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None

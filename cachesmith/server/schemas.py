@@ -214,12 +214,13 @@ class ChatCompletionRequest(ChatFields, _Generation):
         if prefix is not None:  # cachesmith's answer_prefix goes on where the assistant messages stop
             prefix += self.answer_prefix
         # both are limits on the answer (max_tokens is OpenAI's older name): the tighter one holds
-        limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]
-        spec = self.spec(parts.question, parts.system, prefix, min(limits, default=None),
+        limits = tuple((f, n) for f, n in (("max_tokens", self.max_tokens),
+                                           ("max_completion_tokens", self.max_completion_tokens)) if n is not None)
+        spec = self.spec(parts.question, parts.system, prefix, min((n for _, n in limits), default=None),
                          # asking for top alternatives asks for log-probabilities (a rule a schema can state)
                          (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None)
         return replace(spec, documents=spec.documents + tuple(DocumentRef(text=d) for d in parts.documents),
-                       history=parts.history, is_chat=True, stop=tuple(self.stops))
+                       history=parts.history, is_chat=True, stop=tuple(self.stops), max_tokens_fields=limits)
 
     def ignored_fields(self) -> list[str]:
         """`openai_fields.ignored_fields`, and the fields messages carried that nothing reads."""

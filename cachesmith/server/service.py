@@ -104,11 +104,11 @@ class Service:
     def check_arrival(self, slot: Slot, spec: CompletionSpec) -> None:
         """Before the request is tokenized (the server calls this on its event loop, before handing
         the request to a worker thread): refuse it (`SloUnattainable`, its place given back) when
-        the work ahead of it alone is past the shedding margin. An invalid `slo_ms` is refused
-        first, as `submit` refuses it (`InputError`, a 400 naming the field, at any load): a 429
+        it is not feasible at the shedding margin. A field past its limit (`slo_ms`, `max_tokens`,
+        the documents' count) is refused first (`InputError`, a 400 naming it, at any load): a 429
         would have its client retry a request no server can take."""
         try:
-            slot.slo_s = self._slo_s(spec)  # checked here once: `submit` takes it from the slot
+            slot.max_tokens, slot.slo_s = self._limits(spec)  # checked here once: `submit` takes them
             self.loop.check_arrival(slot, slot.slo_s, prompt_size(spec))
         except (InputError, SloUnattainable) as exc:
             slot.release()
@@ -126,7 +126,9 @@ class Service:
             self.check_arrival(slot, spec)
         pinned: list[str] = []
         try:
-            max_tokens, slo_s = self._limits(spec, slot)
+            if slot.slo_s is None:  # a slot reserved without the arrival check
+                slot.max_tokens, slot.slo_s = self._limits(spec)
+            max_tokens, slo_s = slot.max_tokens, slot.slo_s
             prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned, slot, slo_s)
             request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
             future = self.loop.submit(request, on_token, slot)
@@ -164,7 +166,9 @@ class Service:
         already running (it then finishes and its answer is discarded)."""
         return self.loop.cancel(future.request_id)
 
-    def _limits(self, spec: CompletionSpec, slot: Slot) -> tuple[int, float]:
+    def _limits(self, spec: CompletionSpec) -> tuple[int, float]:
+        """The request's answer budget and SLO in seconds, every field checked against its limit
+        (`InputError` naming it)."""
         cfg = self.config
         if len(spec.documents) > cfg.max_documents:
             raise InputError(f"documents: {len(spec.documents)} documents exceed the limit of {cfg.max_documents}")
@@ -172,8 +176,9 @@ class Service:
         if not isinstance(spec.question, str) or not (spec.question.strip() or spec.documents):
             raise InputError("question: must be a non-empty string")
         max_tokens = cfg.default_max_tokens if spec.max_tokens is None else spec.max_tokens
-        check_max_tokens(max_tokens, "max_tokens", cfg.max_tokens_limit)
-        return max_tokens, self._slo_s(spec) if slot.slo_s is None else slot.slo_s
+        for field, value in spec.max_tokens_fields or (("max_tokens", max_tokens),):
+            check_max_tokens(value, field, cfg.max_tokens_limit)
+        return max_tokens, self._slo_s(spec)
 
     def _slo_s(self, spec: CompletionSpec) -> float:
         """The request's SLO in seconds (the default where it gave none), checked (`InputError`)."""

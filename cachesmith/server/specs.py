@@ -123,6 +123,8 @@ class CompletionSpec:
     is_chat: bool = False  # a chat turn: its exchange is stored for the conversation's next turn
     stop: tuple[str, ...] = ()  # where the client's text ends (what the next turn will send back)
     caller: Caller = Caller()  # the tenant (from the API key) and the request's cache_salt
+    # every answer budget the request gave, by field (chat may give two; `max_tokens` is the tightest)
+    max_tokens_fields: tuple[tuple[str, int], ...] = ()
 
     @property
     def text_field(self) -> str:

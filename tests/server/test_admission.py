@@ -262,13 +262,19 @@ def test_an_invalid_slo_on_a_busy_server_is_a_400_naming_it(server_for, slo_ms):
                                                                  slo_ms=slo_ms), timeout=60)
     late = httpx.post(srv.url + "/v1/completions", json=body(documents=["a passage nobody stored"], slo_ms=5),
                       timeout=60)
+    # every field's limit comes before lateness, in the chat's own field name too
+    over = httpx.post(srv.url + "/v1/chat/completions", json={
+        "model": body()["model"], "messages": [{"role": "user", "content": "Where?"}], "slo_ms": 5,
+        "max_tokens": 4, "max_completion_tokens": 100_000}, timeout=60)
     gate.set()
     ahead.join(60)
     err = error_of(answer)
     assert answer.status_code == 400 and err["param"] == "slo_ms" and f"slo_ms={slo_ms!r}" in err["message"]
     assert "Retry-After" not in answer.headers and shed_count(srv, "arrival") == 1  # the late one only
     assert late.status_code == 429 and error_of(late)["code"] == "slo_unattainable"
-    assert service.queue_depth == 0  # both places given back
+    err = error_of(over)
+    assert over.status_code == 400 and err["param"] == "max_completion_tokens" and "between 1 and" in err["message"]
+    assert service.queue_depth == 0  # every place given back
 
 
 def test_a_cap_no_retry_passes_is_said_before_lateness(server_for):

@@ -118,3 +118,31 @@ def test_each_rule_is_checked_once_per_served_request(served, monkeypatch):
         calls.clear()
         chat(srv.url)
         assert {name: calls[name] for name in RULES} == dict.fromkeys(RULES, 1), is_stored
+
+
+def _readers(attribute: str) -> set[str]:
+    """`module:function` of every function in the package that reads `<something>.attribute`."""
+    import ast
+    from pathlib import Path
+
+    import cachesmith
+
+    root, found = Path(cachesmith.__file__).parent, set()
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(isinstance(n, ast.Attribute) and n.attr == attribute and isinstance(n.ctx, ast.Load)
+                       for n in ast.walk(fn)):
+                    found.add(f"{path.relative_to(root).with_suffix('')}:{fn.name}")
+    return found
+
+
+@pytest.mark.parametrize("limit", ["max_tokens_limit", "max_slo_s", "min_slo_s", "max_documents"])
+def test_each_request_limit_is_read_by_one_check_only(limit):
+    """Besides the configuration validating itself and the published schema stating it, one
+    function reads each request limit: a check written inline a second time would read it too (a
+    spy on the check functions cannot see that)."""
+    readers = _readers(limit) - {"server/openapi:_limits", "server/specs:__post_init__", "cli:_serve"}  # the flag passed on
+    assert readers == {"server/service:_limits"} or (limit.endswith("slo_s") and readers == {"server/service:_slo_s"}), \
+        readers
