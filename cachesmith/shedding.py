@@ -55,21 +55,23 @@ class DeadlineAdmission:
 
     def __init__(self, pricer: DeadlinePricer, config: SheddingConfig) -> None:
         self.pricer, self.config = pricer, config
-        # slot id -> (its view, its documents' prefill s, since): admissions in progress
-        self._admitting: dict[int, tuple[QueuedRequest, float, float]] = {}
+        # slot id -> (its documents' prefill s, its batch alone s, since): admissions in progress
+        self._admitting: dict[int, tuple[float, float, float]] = {}
         self._settled_s = -math.inf  # when an admission last ended: those after it prefill from then
         self.batch_ends_s = 0.0  # clock time the batch prefilling now ends at its cheapest (0: none runs)
 
     def busy_s(self, now: float, request_id: int | None = None) -> float:
-        """Work running before anything new can start: the rest of the running batch, and the rest of
-        the admissions' documents' prefill (their batches are priced in the queue, `_ahead`). The
-        admission lock prefills one document at a time, so their prefills drain one after another,
-        in the order they were promised, none before the last admission ended."""
-        ends_s = -math.inf
+        """Work before anything new can start: the rest of the running batch, and each admission in
+        progress: the rest of its documents' prefill, then its batch alone. One lock prefills one
+        document at a time, so their prefills drain one after another, in the order they were
+        promised, none before the last admission ended; each batch is alone, since its request joins
+        the queue only once its documents are stored, after the requests queued now were batched."""
+        ends_s, runs_s = -math.inf, 0.0
         others = sorted((v for i, v in self._admitting.items() if i != request_id), key=lambda v: v[2])
-        for _, prefill_s, since in others:
+        for prefill_s, run_s, since in others:
             ends_s = max(ends_s, since, self._settled_s) + prefill_s
-        return max(self.batch_ends_s - now, 0.0) + max(ends_s - now, 0.0)
+            runs_s += run_s
+        return max(self.batch_ends_s - now, 0.0) + max(ends_s - now, 0.0) + runs_s
 
     def admit(self, view: QueuedRequest, now: float, queued: Sequence[QueuedRequest],
               num_new_tokens: Sequence[int]) -> TtftEstimate | None:
@@ -88,18 +90,15 @@ class DeadlineAdmission:
                  num_new_tokens: Sequence[int], is_guessed: bool) -> TtftEstimate | None:
         if not self.config.is_on:
             return None
-        verdict = judge(self.pricer, view, now, self._ahead(queued, view.request_id), self.config.max_lateness,
-                        self.busy_s(now, view.request_id), num_new_tokens)
+        verdict = judge(self.pricer, view, now, queued, self.config.max_lateness, self.busy_s(now, view.request_id),
+                        num_new_tokens)
         # sized from its text, only the work ahead refuses it: its own size is a guess, and a prompt
         # too large alone is refused after tokenizing, where one past the model's limits is named first
         if not verdict.is_feasible and (not is_guessed or verdict.estimate.start_s > 0):
             self.settle(view.request_id)
             raise self._refusal(verdict.estimate, view.slo_s, is_guessed)
-        self._admitting[view.request_id] = (view, verdict.estimate.prefill_s, now)
+        self._admitting[view.request_id] = (verdict.estimate.prefill_s, verdict.estimate.run_s, now)
         return verdict.estimate
-
-    def _ahead(self, queued: Sequence[QueuedRequest], request_id: int) -> list[QueuedRequest]:
-        return [*queued, *(v for i, (v, _, _) in self._admitting.items() if i != request_id)]
 
     def _refusal(self, estimate: TtftEstimate, slo_s: float, is_guessed: bool) -> SloUnattainable:
         retry = retry_after_s(estimate, slo_s, self.config.max_lateness)

@@ -41,10 +41,12 @@ def test_an_admission_in_progress_is_work_ahead_of_later_arrivals_until_it_settl
     assert first.start_s == 0.0 and first.prefill_s > 0
     second = adm.admit(view(1, slo=60.0), 0.0, [], [])
     assert second.start_s == pytest.approx(first.own_s)  # the first's prefill and its batch
-    # its documents' prefill drains with the clock; its batch is still to run
-    assert adm.busy_s(first.prefill_s + 10.0, request_id=1) == 0.0
-    later = adm.admit(view(2, arrival=first.prefill_s + 10.0, slo=60.0), first.prefill_s + 10.0, [], [])
-    assert later.start_s == pytest.approx(adm.pricer.cheapest_s([view(0), view(1)]))
+    # its documents' prefill drains with the clock; each batch is still to run, alone: its request
+    # joins the queue only once its documents are stored
+    later_s = first.prefill_s + 10.0
+    assert adm.busy_s(later_s, request_id=2) == pytest.approx(first.run_s + second.run_s)
+    later = adm.admit(view(2, arrival=later_s, slo=60.0), later_s, [], [])
+    assert later.start_s == pytest.approx(2 * adm.pricer.alone_s(view(0)))
     adm.settle(0), adm.settle(1)
     assert adm.busy_s(0.0, request_id=2) == 0.0
     adm.batch_ends_s = 5.0
@@ -56,12 +58,13 @@ def test_admissions_prefill_one_after_another_so_their_promises_drain_in_turn():
     prefills them in turn, so p/2 later 1.5p of prefill is ahead, not 2 x p/2; once the first
     ended, the second prefills from then."""
     adm = admission()
-    p = adm.admit(view(0, slo=600.0), 0.0, [], [1000]).prefill_s
+    first = adm.admit(view(0, slo=600.0), 0.0, [], [1000])
+    p, run = first.prefill_s, first.run_s  # its batch alone, priced after its prefill
     adm.admit(view(1, slo=600.0), 0.0, [], [1000])
-    assert adm.busy_s(0.5 * p, request_id=9) == pytest.approx(1.5 * p)
+    assert adm.busy_s(0.5 * p, request_id=9) == pytest.approx(1.5 * p + 2 * run)
     adm.settle(0, now=1.2 * p)  # the first ended later than priced: the second prefills from then
-    assert adm.busy_s(1.2 * p, request_id=9) == pytest.approx(p)
-    assert adm.busy_s(2.2 * p, request_id=9) == 0.0
+    assert adm.busy_s(1.2 * p, request_id=9) == pytest.approx(p + run)
+    assert adm.busy_s(2.2 * p, request_id=9) == pytest.approx(run)
 
 
 def test_a_request_late_even_alone_is_refused_and_told_why():
@@ -139,7 +142,7 @@ def test_an_arrival_sized_from_its_text_is_promised_ahead_of_later_arrivals_unti
     adm.check_arrival(0, 0.0, 60.0, 0.0, [], size)
     view0, new0 = adm.pricer.guessed(0, 0.0, 60.0, size)
     assert view0.context_tokens == 2000 and new0 == [1000, 1000]  # 4 characters a token, all new
-    assert adm.busy_s(0.0, request_id=1) == pytest.approx(adm.pricer.prefill_s(new0))  # its prefill runs
+    assert adm.busy_s(0.0, request_id=1) == pytest.approx(adm.pricer.prefill_s(new0) + adm.pricer.alone_s(view0))
     small = PromptSize((), 40)  # nothing of its own to prefill
     small_view = adm.pricer.guessed(1, 0.0, 1.0, small)[0]
     # a burst behind it is refused in order, before anyone is tokenized
@@ -149,7 +152,7 @@ def test_an_arrival_sized_from_its_text_is_promised_ahead_of_later_arrivals_unti
     with pytest.raises(SloUnattainable, match="sized from its text"):
         adm.check_arrival(2, 0.0, slo, 0.0, [], size)
     adm.admit(view(0, slo=60.0), 0.0, [], [])  # tokenized: every document was stored after all
-    assert adm.busy_s(0.0, request_id=9) == 0.0  # no prefill of its own left
+    assert adm.busy_s(0.0, request_id=1) == pytest.approx(adm.pricer.alone_s(view(0)))  # its batch alone
     adm.settle(0), adm.settle(1)
     assert adm.admit(view(9, slo=60.0), 0.0, [], []).start_s == 0.0
 
