@@ -231,23 +231,23 @@ class Service:
         """Each document's chunk key, and whether its KV was prefilled now (for this request). Only
         the entries found missing are looked up again (another request may have stored one since);
         one held then and evicted before staging is prefilled there from the request's sources."""
-        keys, fresh, missing = [], [], []
+        keys, fresh = [], []
         for doc, ids, entry in zip(documents, token_ids, entries):
-            key = doc.chunk_id if entry is None else entry.key
-            # before storing, so a delete cannot slip in between (one named by id is known from
-            # `tokenize_frame`; a delete since is caught at staging)
-            self.chunks.pin([key], pinned)
-            if entry is not None and key in missing_keys:
-                missing.append((len(keys), ids, entry))
-            keys.append(key)
-            fresh.append(False)
-        if missing:  # one turn of the lock for all of them: admissions end in the order admitted,
-            with self.loop.admission():  # as their price has them, not all together after a burst
-                for i, ids, entry in missing:
-                    start = time.perf_counter()
-                    _, fresh[i] = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, keys[i])
-                    if fresh[i]:  # what new documents cost here, for the next arrivals' estimates
+            is_new = False
+            if entry is None:
+                key = doc.chunk_id
+                self.chunks.pin([key], pinned)  # known (`tokenize_frame`); a delete since is caught at staging
+            else:
+                key = entry.key
+                self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
+                if key in missing_keys:
+                    with self.loop.admission():
+                        start = time.perf_counter()
+                        _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
+                    if is_new:  # what new documents cost here, for the next arrivals' estimates
                         self.loop.deadlines.pricer.observe_prefill(len(ids), time.perf_counter() - start)
+            keys.append(key)
+            fresh.append(is_new)
         return keys, fresh
 
     def _ensure_prefix(self, spec: CompletionSpec, prefix_ids: list[int], prefix: NewEntry | None,
