@@ -18,7 +18,7 @@ __all__ = ["PROVENANCE", "command", "commit", "cpu", "emit", "print_table", "pro
 def print_table(rows: list[dict], columns: list[str], file=sys.stdout) -> None:
     def fmt(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
-    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(fmt(r[c])) for r in rows)]) for c in columns]  # no rows: the header
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=file)
     for r in rows:
         print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(columns, widths)), file=file)
