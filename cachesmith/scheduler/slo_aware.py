@@ -95,8 +95,9 @@ class SloAwareScheduler:
         spans = dict(zip((r.request_id for r in queue), np.maximum(saturation_s - floor_s, 0.0).tolist()))
         doomed_ids = {v.request.request_id for v in infeasible(self.pricer, queue, now, margin=1.0)}
         # the doomed, and those only full reuse can still serve in time (their band's floor is too late)
-        doomed = [r for r in queue if r.request_id in doomed_ids or now + floors[r.request_id] > r.deadline_s]
-        live = [r for r in queue if r not in doomed]
+        reused = doomed_ids | {r.request_id for r in queue if now + floors[r.request_id] > r.deadline_s}
+        doomed = [r for r in queue if r.request_id in reused]
+        live = [r for r in queue if r.request_id not in reused]
         gap = self._next_gap(now)
         if not live:
             return self._doomed_batch(doomed, self._doomed_members(doomed, gap), doomed_ids, start)
@@ -159,8 +160,8 @@ class SloAwareScheduler:
         return ordered[:size], *priced
 
     def _doomed_batch(self, doomed: list[QueuedRequest], members: tuple[list[QueuedRequest], float, float],
-                      doomed_ids: set[int],
-                      start: float) -> ScheduleDecision:
+                      doomed_ids: set[int], start: float) -> ScheduleDecision:
+        """`members` at full reuse; `doomed_ids`: which of the rest are reported doomed (infeasible)."""
         batch, ttft, coverage = members
         return ScheduleDecision(tuple(r.request_id for r in batch), ttft, "full_reuse", full_reuse(), coverage,
                                 decision_s=time.perf_counter() - start,
