@@ -33,11 +33,12 @@ Replays are cached per (setting, method) under --runs (a stopped run resumes; ca
 replayed). On a machine shared with other jobs, `--quiet BUSY` makes each batch wait (off the
 replay clock, which is virtual) until at most that fraction of the cores is busy; a batch that
 waited the longest and ran anyway is marked contended, and the table also gives the errors over
-the quiet batches alone. `--machine` refits the simulator's `MachinePace` (a pace per plan family
-and batch class, as `benchmarks/machine_refit.py` does: the format-2 profile prices placed rows and
-the batch overhead itself) on these batches against the profile: what is left of it is the
-residual the profile does not describe. `--machine-out FILE` writes that fit in the form
-`cachesmith report --machine` reads (the grid's simulated machine).
+the quiet batches alone. `--machine` (with `--full`, or `--quick`: the fit needs the replays)
+refits the simulator's `MachinePace` (a pace per plan family and batch class,
+`bench.pace.fit_paces`: the format-2 profile prices placed rows and the batch overhead itself) on
+these batches against the profile: what is left of it is the residual the profile does not
+describe. `--machine-out FILE` writes that fit in the form `cachesmith report --machine` reads
+(the grid's simulated machine, `docs/bench/machine.json`).
 
 Each replay's speed factors are computed here for the profile being judged: the replay's measured
 mean single-request full-prefill TTFT (its base SLO) over that profile's mean prediction for the
@@ -329,12 +330,18 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=None, metavar="BUSY",
                     help="each batch first waits until at most this fraction of the cores is busy (shared machine)")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest quiet wait per batch, seconds")
-    ap.add_argument("--machine", action="store_true", help="refit the simulator's MachinePace on these batches")
+    ap.add_argument("--machine", action="store_true",
+                    help="with --full: refit the simulator's MachinePace on the replays' batches")
     ap.add_argument("--machine-out", type=Path, default=None,
                     help="with --machine: write the fit where `cachesmith report --machine` reads it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON payload here")
     args = ap.parse_args()
+    if args.machine_out is not None and not args.machine:
+        ap.error("--machine-out writes the fit of --machine: add --machine")
+    if args.machine and not (args.full or args.quick):
+        ap.error("--machine needs --full: the refit fits the batches of trace replays, which the default "
+                 "check does not run (--quick: a small smoke run of them)")
     if not (args.full or args.quick):
         fast_main(args)
         return

@@ -145,7 +145,7 @@ def add_parsers(sub, add_model_args) -> None:
     rep.add_argument("--validation", type=Path, default=Path("docs/bench/sim_validation.json"))
     rep.add_argument("--machine", type=Path, default=Path("docs/bench/machine.json"),
                      help="speed factor and plan-family paces refit against the profile on the recorded "
-                          "replays (benchmarks/machine_refit.py); overrides the validation's")
+                          "replays (benchmarks/cost_model.py --full --machine); overrides the validation's")
     rep.add_argument("--rows", type=Path, default=None, help="grid rows JSONL (resumable cache)")
     rep.add_argument("--out", type=Path, default=Path("docs/results.md"))
     rep.add_argument("--num-requests", type=int, default=200)
