@@ -4,19 +4,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCK := requirements.lock
-# torch's CPU build: these machines carry its wheel (a plain range may pull a CUDA build of several GB)
+# torch's CPU build, by its pin. Where pip's default index serves torch's CUDA build (PyPI on Linux
+# x86-64: several GB, without the CUDA libraries it links to), choose torch's CPU index:
+# `make TORCH_INDEX=https://download.pytorch.org/whl/cpu test`. Empty: pip's own index and
+# find-links (machines that carry the CPU wheel). The one place this is said; the README points here.
 TORCH := torch==2.13.0
+TORCH_INDEX ?=
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test test-vllm test-cuda gpu-check gpu-kit setup system-deps bench sanitize lock latest clean
+.PHONY: demo test test-vllm test-cuda gpu-check gpu-kit setup system-deps bench sanitize lock latest clean wheel-check
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
 # install when the lock and pyproject.toml's ranges disagree.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-deps "$(TORCH)"
+	$(BIN)/pip install -q --no-deps $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/pip install -q --no-deps --require-hashes -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip check
@@ -48,6 +52,12 @@ test-vllm: $(STAMP)
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -c "from benchmarks import vllm_server; print(vllm_server.python())"
 	$(BIN)/python -m pytest -q -m vllm tests/integrations
+
+# A wheel of this checkout installed (not editable) into a clean venv with the lock's dependencies
+# answers one `cachesmith ask`, its native kernels built from the wheel's sources (.ci/wheel_check.sh).
+wheel-check: $(STAMP)
+	$(BIN)/cachesmith models fetch smollm2-135m
+	TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" .ci/wheel_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.prefill

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from cachesmith.engine import Engine, PrefilledBatch
 from cachesmith.errors import ConfigError, InputError
 from cachesmith.model import Generation
-from cachesmith.queue_places import EngineClosed, QueueFull, RequestFuture, Slot
+from cachesmith.queue_places import AdmissionTurns, EngineClosed, QueueFull, RequestFuture, Slot
 from cachesmith.request import Request, RequestResult
 from cachesmith.scheduler import QueuedRequest
 from cachesmith.scheduler.feasibility import DeadlinePricer, PromptSize, SheddingConfig, TtftEstimate
@@ -62,7 +62,7 @@ class EngineLoop:
         self.deadlines = DeadlineAdmission(pricer, shedding)
         self.num_shed_queued = 0  # queued requests answered refused: no longer feasible at the margin
         self._cond = threading.Condition()
-        self._admit_lock = threading.Lock()  # the store and tokenizer see one admission at a time
+        self._admit_lock = AdmissionTurns()  # the store and tokenizer see one admission at a time, in turn
         self._futures: dict[int, Future] = {}
         self._streams = TokenStreams(engine.clock)
         self._ids = itertools.count()
@@ -105,8 +105,9 @@ class EngineLoop:
     def is_closing(self) -> bool:
         return self._is_closing
 
-    def admission(self) -> threading.Lock:
-        """The lock admissions hold; hold it too to write the store beside the loop."""
+    def admission(self) -> AdmissionTurns:
+        """The turns admissions take, first come first served (reentrant); take one too to write
+        the store beside the loop."""
         return self._admit_lock
 
     def reserve(self) -> Slot:

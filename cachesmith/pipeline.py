@@ -78,9 +78,10 @@ class RagPipeline:
                 continue  # not a token prefix of this one (the template may differ at the seam)
             base = self.store.get(self.store.key_for(self.model, base_ids, namespace), self.model)
             if base is not None:
-                self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]), namespace)
+                self.store.put(extend_chunk(self.model, base, ids[len(base_ids):]), namespace, key)
                 return key, len(base_ids)
-        return self.store.ensure(self.model, ids, namespace, key)[0], 0
+        # found missing above: prefilled without opening it (staging opens it, once)
+        return self.store.ensure_held(self.model, ids, namespace, key)[0], 0
 
     def chunk(self, token_ids: Sequence[int]) -> ChunkKV:
         """The stored KV of one chunk (computed and stored on a miss)."""

@@ -2,11 +2,13 @@
 
 In: how the loop that handed out a place takes it back. Out: `Slot` (held from a request's
 acceptance until it is queued or refused; it builds the engine's `Request` with its id and
-arrival), `RequestFuture` (a submitted request's result, by its id), and the refusals `QueueFull`
-(with a retry-after estimate) and `EngineClosed`.
+arrival), `RequestFuture` (a submitted request's result, by its id), the refusals `QueueFull`
+(with a retry-after estimate) and `EngineClosed`, and `AdmissionTurns` (the line admissions wait in
+to write the store, one whole admission per turn, first come first served).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -55,3 +57,53 @@ class Slot:
 
     def release(self) -> None:
         self._give_back(self)
+
+
+class AdmissionTurns:
+    """A reentrant lock granted in the order it was asked for: each admission stores its documents,
+    its prefix and joins the queue in one turn. With a plain lock, a burst's admissions interleave
+    document by document and all end together, each far past the time it was promised; in turns,
+    they end one after another, in the order their prices drain (`DeadlineAdmission.busy_s`)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next_ticket = 0
+        self._serving = 0  # the ticket whose turn it is
+        self._abandoned: set[int] = set()  # tickets whose waiter gave up (interrupted)
+        self._owner: int | None = None
+        self._depth = 0
+
+    def __enter__(self) -> "AdmissionTurns":
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            try:
+                while self._owner is not None or self._serving != ticket:
+                    self._cond.wait()
+            except BaseException:
+                self._abandoned.add(ticket)
+                self._advance()
+                raise
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("an admission turn was ended by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._serving += 1
+                self._advance()
+
+    def _advance(self) -> None:
+        """Caller holds the condition: skip abandoned tickets, and wake the waiters."""
+        while self._owner is None and self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()

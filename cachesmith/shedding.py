@@ -62,8 +62,8 @@ class DeadlineAdmission:
 
     def busy_s(self, now: float, request_id: int | None = None) -> float:
         """Work before anything new can start: the rest of the running batch, and each admission in
-        progress: the rest of its documents' prefill, then its batch alone. One lock prefills one
-        document at a time, so their prefills drain one after another, in the order they were
+        progress: the rest of its documents' prefill, then its batch alone. Admissions take turns
+        (`AdmissionTurns`), so their prefills drain one after another, in the order they were
         promised, none before the last admission ended; each batch is alone, since its request joins
         the queue only once its documents are stored, after the requests queued now were batched."""
         ends_s, runs_s = -math.inf, 0.0

@@ -1,4 +1,4 @@
-"""The README's and docs/serving.md's examples, run as written.
+"""The examples of the README, docs/serving.md and docs/vllm.md, run as written.
 
 Every fenced block of those files says what it is in its info string (```sh example:KIND):
 - `run`: run here, in order, against a `cachesmith serve` this test starts on the packaged model
@@ -27,7 +27,7 @@ from tests.server.test_serve_process import wait_up
 
 pytestmark = pytest.mark.real_model
 REPO = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/serving.md")
+FILES = ("README.md", "docs/serving.md", "docs/vllm.md")
 KINDS = ("run", "flags", "vllm", "setup", "config")
 BIN = Path(sys.executable).parent
 

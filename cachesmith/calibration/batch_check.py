@@ -33,6 +33,14 @@ def family(signal: str, warmup: int, probe: int) -> str:
     return f"{signal}/{min(warmup, 1)}/{min(probe, 1)}"
 
 
+def plan_family(plan: RecomputeConfig) -> str:
+    """`family`, with full reuse (no warm-up, no probe, nothing recomputed) apart: it is the plan
+    every feasibility term is priced at, and its passes' mix differs from any plan that recomputes."""
+    if plan.warmup == 0 and plan.probe == 0 and plan.coverage == 0:
+        return "full_reuse"
+    return family(plan.signal.value, plan.warmup, plan.probe)
+
+
 @dataclass(frozen=True)
 class CheckedBatch:
     family: str
@@ -109,8 +117,7 @@ def check_batch(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredProm
     predicted_between = max(ttft - sum(per_pass), 0.0)  # overhead, selection, and link waits it prices
     terms[BETWEEN] = (max(total - sum(passes) - stall, 0.0), predicted_between)
     terms[STALL] = (stall, 0.0)
-    name = family(plan.signal.value, plan.warmup, plan.probe)
-    return CheckedBatch(name, plan.label(), shape, total, ttft, terms)
+    return CheckedBatch(plan_family(plan), plan.label(), shape, total, ttft, terms)
 
 
 def check_repeated(pipe: RagPipeline, cost: CostModel, prompts: Sequence[StoredPrompt], plan: RecomputeConfig,

@@ -4,10 +4,12 @@ else the profile shipped for the packaged model, rescaled to this machine's spee
 The shipped profile's demand distributions and entropy threshold depend on the model only; its
 layer costs depend on the machine, so they are multiplied by measured/predicted ratios of a few
 single-request runs on this machine: full-layer passes by full prefills' (`speed_factor`), every
-other cost by full reuse's with a few rows recomputed (EPIC's plan: placing cached rows,
-partial passes and per-batch work, which is memory- and overhead-bound). The two do not move
-together from one machine to the next: on a machine with twice the matmul speed but not twice the
-memory speed, one factor priced the reuse families 22-28% low (docs/adr/0018-cost-profile.md).
+other cost by two factors fitted to a full-reuse run and one with a few rows recomputed (EPIC's
+plan): one for the work a batch does whatever it recomputes (per-batch work, placing cached rows,
+selection), one for each recomputed row and its attention. The factors do not move together from
+one machine to the next: on a machine with twice the matmul speed but not twice the memory speed,
+one factor priced the reuse families 22-28% low (docs/adr/0018-cost-profile.md), and one reuse
+factor fitted to EPIC's plan priced full reuse, the plan feasibility is priced at, 13% high.
 A model nothing is packaged for gets a profile made at its first start: costs measured on a quick grid,
 the packaged model's demand mapped onto its depth (`mapped_demand`), saved as this machine's
 measured profile. In: a pipeline (model, dtype, device). Out: a `Profile` and where it came from.
@@ -19,18 +21,27 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from cachesmith.pipeline import RagPipeline
 from cachesmith.planner.cost_model import BatchShape, CostModel
-from cachesmith.planner.profile import Profile, ProfileError
+from cachesmith.planner.profile import PhaseCost, Profile, ProfileError
 from cachesmith.calibration.mapped_demand import PACKAGED_DIR, REFERENCE_PROFILE, read_demand_source
 from cachesmith.calibration.cost_run import (QUICK_COSTS, ProfileConfig, codec_path, default_path,
                                             kv_bytes_per_token_layer, run_costs_profile)
 from cachesmith.calibration.workload_demand import load_workload_demand, with_workload_demand
-from cachesmith.recompute.config import epic
+from cachesmith.recompute.config import epic, full_reuse
 
 FULL_KIND = "full"  # the layer kind a full prefill runs: it alone scales with the full-prefill factor
-# the reuse probe: cached rows placed, a few recomputed, no full-layer pass (its time is all `reuse`)
+# the reuse probes: cached rows placed, none or a few recomputed, no full-layer pass
 REUSE_PROBE = epic(0.15)
+FIXED_PROBE = full_reuse()
+SELECT_KIND = "select"  # the selection between passes: per-batch work, not per recomputed row
+# the probes' context, as long as a served RAG prompt: fitted at 512-1024 tokens, the factors priced
+# the attention of 2,000-token prompts 5-17% off, depending on the run
+CALIBRATION_TOKENS = (2048,)
+WARMUP_TOKENS = 256  # a first run's one-off costs (allocations, the kernels' first calls)
+PROBE_REPEATS = 3
 log = logging.getLogger(__name__)
 
 
@@ -139,7 +150,7 @@ def serving_profile(pipe: RagPipeline, path: Path | None = None,
     if source == "packaged":
         factors = calibrate(pipe, profile)
         log.info("packaged profile calibrated to this machine: %s", factors.label())
-        return rescaled(profile, factors.full, factors.reuse), f"packaged ({factors.label()})"
+        return rescaled(profile, factors.full, factors.reuse, factors.row), f"packaged ({factors.label()})"
     return profile, source if path is None else f"given ({path})"
 
 
@@ -174,28 +185,43 @@ def measured_or_packaged(own: Path, key: tuple[str, str, str] | None = None,
     return Profile.load(shipped, *(key or ())), "packaged"
 
 
-def rescaled(profile: Profile, factor: float, reuse_factor: float | None = None) -> Profile:
-    """Full-layer passes (kind "full") times `factor`, every other compute cost (partial passes,
-    probes, selection, the per-batch overhead) times `reuse_factor` (default: `factor`); link
-    bandwidths unchanged."""
+def rescaled(profile: Profile, factor: float, reuse_factor: float | None = None,
+             row_factor: float | None = None) -> Profile:
+    """Full-layer passes (kind "full") times `factor`; every other compute cost times
+    `reuse_factor` (default: `factor`), except each recomputed row and its attention in the
+    partial passes and probes (their per-row and per-pair costs), times `row_factor` (default:
+    `reuse_factor`); link bandwidths unchanged."""
     reuse_factor = factor if reuse_factor is None else reuse_factor
-    for name, value in (("speed factor", factor), ("reuse factor", reuse_factor)):
+    row_factor = reuse_factor if row_factor is None else row_factor
+    for name, value in (("speed factor", factor), ("reuse factor", reuse_factor), ("row factor", row_factor)):
         if not value > 0:
             raise ValueError(f"{name} {value} must be positive")
-    return replace(profile, layer_costs={k: v.scaled(factor if k == FULL_KIND else reuse_factor)
-                                         for k, v in profile.layer_costs.items()},
-                   overhead=profile.overhead.scaled(reuse_factor))
+    return _scaled(profile, factor, reuse_factor, row_factor)
+
+
+def _scaled(profile: Profile, factor: float, fixed: float, row: float) -> Profile:
+    def cost(kind: str, c: PhaseCost) -> PhaseCost:
+        if kind == FULL_KIND:
+            return c.scaled(factor)
+        if kind == SELECT_KIND:
+            return c.scaled(fixed)
+        return PhaseCost(c.intercept_s * fixed, c.per_row_s * row, c.per_pair_s * row, c.per_aux_s * fixed,
+                         c.per_request_s * fixed)
+    return replace(profile, layer_costs={k: cost(k, v) for k, v in profile.layer_costs.items()},
+                   overhead=profile.overhead.scaled(fixed))
 
 
 @dataclass(frozen=True)
 class SpeedFactors:
     """Measured / predicted time on this machine for a profile: `full` for full-layer passes,
-    `reuse` for the rest (`rescaled`)."""
+    `reuse` for the rest, but `row` for each recomputed row outside them (`rescaled`)."""
     full: float
     reuse: float
+    row: float | None = None
 
     def label(self) -> str:
-        return f"speed factor {self.full:.2f}, reuse {self.reuse:.2f}"
+        row = "" if self.row is None else f", recomputed rows {self.row:.2f}"
+        return f"speed factor {self.full:.2f}, reuse {self.reuse:.2f}{row}"
 
 
 def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[float]) -> float:
@@ -205,23 +231,43 @@ def speed_factor(profile: Profile, shapes: list[BatchShape], measured_s: list[fl
     return float(statistics.median(ratios))
 
 
+def _probe_ttft(profile: Profile, shape: BatchShape, plan, coverage: float) -> float:
+    return float(CostModel(profile).ttft(shape, plan.signal.value, plan.warmup, plan.probe, [coverage])[0])
+
+
 def reuse_ratio(profile: Profile, shape: BatchShape, coverage: float, measured_s: float) -> float:
     """Measured / predicted TTFT of one EPIC-plan run (`REUSE_PROBE`) at the coverage it ran at."""
-    plan = REUSE_PROBE
-    return measured_s / float(CostModel(profile).ttft(shape, plan.signal.value, plan.warmup, plan.probe,
-                                                      [coverage])[0])
+    return measured_s / _probe_ttft(profile, shape, REUSE_PROBE, coverage)
 
 
-def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ...] = (512, 1024),
+def reuse_factors(profile: Profile, probes: list[tuple[BatchShape, object, float, float]]) -> tuple[float, float]:
+    """(fixed, row) factors fitted by least squares to reuse probes (shape, plan, coverage, measured
+    s): each probe's price splits into the work it does whatever it recomputes and its recomputed
+    rows' work. A fit that is not positive in both (noise on a machine too busy to tell them apart)
+    falls back to one factor: the median measured/predicted ratio."""
+    fixed_only = _scaled(profile, 1.0, 1.0, 0.0)
+    rows_a = []
+    for shape, plan, coverage, _ in probes:
+        fixed_s = _probe_ttft(fixed_only, shape, plan, coverage)
+        rows_a.append((fixed_s, _probe_ttft(profile, shape, plan, coverage) - fixed_s))
+    a, y = np.array(rows_a), np.array([m for *_, m in probes])  # [num_probes, 2], [num_probes]
+    (fixed, row), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if fixed > 0 and row > 0:
+        return float(fixed), float(row)
+    one = float(statistics.median(y / a.sum(1)))
+    return one, one
+
+
+def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ...] = CALIBRATION_TOKENS,
               seed: int = 0) -> SpeedFactors:
     """This machine's speed factors for `profile` from a few single-request runs of random tokens
-    (layer cost depends on shapes, not words), each a full prefill and a reuse probe of the same
-    request: what a server does at start-up when it has only the packaged profile. Each run is
-    staged from a scratch memory store by a transfer engine as serving stages a batch: its loader
-    threads share the cores with the passes they overlap, and probes of in-memory KV, which leave
-    them out, priced served reuse batches 13-29% low by family (benchmarks/cost_model.py). Takes
-    about two full prefills of the given lengths, a warm-up and the probes (a fraction of a
-    prefill)."""
+    (layer cost depends on shapes, not words), each a full prefill and two reuse probes of the same
+    request (full reuse, and EPIC's plan): what a server does at start-up when it has only the
+    packaged profile. Each run is staged from a scratch memory store by a transfer engine as
+    serving stages a batch: its loader threads share the cores with the passes they overlap, and
+    probes of in-memory KV, which leave them out, priced served reuse batches 13-29% low by family
+    (benchmarks/cost_model.py). Takes about two full prefills of the given lengths, a warm-up and
+    the probes (a fraction of a prefill)."""
     import random
 
     from cachesmith.calibration.synthetic import random_prompt
@@ -231,20 +277,28 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     rng, full = random.Random(seed), full_prefill(pipe.model.num_layers)
     scratch = ChunkStore(StoreConfig(tiers=("memory",)))
     transfer = TransferEngine(scratch, pipe.model, pipe.transfer.config)
-    shapes, seconds, reuse = [], [], []
+    shapes, seconds, probes = [], [], []
     try:
-        for i, n in enumerate((context_tokens[0], *context_tokens)):  # the first run warms up
+        for i, n in enumerate((WARMUP_TOKENS, *context_tokens)):  # the first run warms up
             prompt = random_prompt(pipe.model, scratch, n, rng)
             shape = BatchShape((n,), (len(prompt.suffix_ids),), (0,))
             full_s, _ = _timed(transfer, pipe.runner, prompt, full)
-            probe_s, selected = _timed(transfer, pipe.runner, prompt, REUSE_PROBE)
+            runs = [(plan, *_median_timed(transfer, pipe.runner, prompt, plan)) for plan in (FIXED_PROBE, REUSE_PROBE)]
             if i > 0:
                 shapes.append(shape)
                 seconds.append(full_s)
-                reuse.append(reuse_ratio(profile, shape, selected / n, probe_s))
+                probes += [(shape, plan, selected / n, probe_s) for plan, probe_s, selected in runs]
     finally:
         transfer.close()
-    return SpeedFactors(speed_factor(profile, shapes, seconds), float(statistics.median(reuse)))
+    fixed, row = reuse_factors(profile, probes)
+    return SpeedFactors(speed_factor(profile, shapes, seconds), fixed, row)
+
+
+def _median_timed(transfer, runner, prompt, plan) -> tuple[float, int]:
+    """`_timed`, the median of `PROBE_REPEATS` runs: a probe is a fraction of a second, and the two
+    factors fitted to two probes move with each one's noise."""
+    runs = sorted(_timed(transfer, runner, prompt, plan) for _ in range(PROBE_REPEATS))
+    return runs[len(runs) // 2]
 
 
 def _timed(transfer, runner, prompt, plan) -> tuple[float, int]:

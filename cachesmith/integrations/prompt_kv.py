@@ -16,11 +16,13 @@ imports vLLM, so it is tested on tiny models in `make test`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from cachesmith.errors import CachesmithError, InputError
 from cachesmith.methods import parse_method
+from cachesmith.model.assets import DEFAULT_MODEL
 from cachesmith.model.kv_cache import KVCache
 from cachesmith.model.tokenizer import PromptParts
 from cachesmith.pipeline import RagPipeline
@@ -82,6 +84,20 @@ class ConnectorParams:
         if framed > num_prompt_tokens - 1:  # the question keeps at least the prompt's last token
             raise InputError(f"{PARAMS_KEY}: num_prefix_tokens + sum(chunk_token_counts) = {framed} must leave "
                              f"at least one question token of the prompt's {num_prompt_tokens}")
+
+    @classmethod
+    def of(cls, parts: PromptParts, method: str = PLANNED, slo_ms: float | None = None) -> ConnectorParams:
+        """The parameters of a prompt laid out as `parts`, checked as the connector checks them."""
+        params = cls(len(parts.prefix_ids), tuple(len(c) for c in parts.chunk_ids), method,
+                     DEFAULT_SLO_S * 1000.0 if slo_ms is None else slo_ms)
+        params._check(len(parts.token_ids))
+        return params
+
+    def to_params(self) -> dict:
+        """The request's `kv_transfer_params`."""
+        return {PARAMS_KEY: {"num_prefix_tokens": self.num_prefix_tokens,
+                             "chunk_token_counts": list(self.chunk_token_counts),
+                             "method": self.method, "slo_ms": self.slo_ms}}
 
     def parts(self, token_ids: list[int]) -> PromptParts:
         """The prompt split as the parameters say: prefix, the chunks, the question."""
@@ -148,3 +164,20 @@ def build_prompt_kv(pipe: RagPipeline, token_ids: list[int], params: ConnectorPa
                         sum(len(ids) for ids, hit in zip(parts.chunk_ids, was_stored) if hit),
                         int(out.selected.numel()), plan.config.label(), plan.budget_ms)
     return PromptKV(out.cache, report, plan)
+
+
+def vllm_request(documents: Sequence[str], question: str, model: str = DEFAULT_MODEL, *,
+                 served_name: str | None = None, system: str | None = None, max_tokens: int = 64,
+                 method: str = PLANNED, slo_ms: float | None = None) -> dict:
+    """The body of a vLLM `/v1/completions` request for `documents` and `question`: the prompt as
+    `model`'s tokenizer lays it out for cachesmith (token ids), and its layout in
+    `kv_transfer_params`, so that no client counts tokens by hand. `model`: a registered name or a
+    folder (only its tokenizer is read); `served_name`: vLLM's `--served-model-name` (default:
+    `model`)."""
+    from cachesmith.model.assets import resolve_model
+    from cachesmith.model.tokenizer import Tokenizer
+
+    parts = Tokenizer(resolve_model(model)).rag_prompt_parts(documents, question, system=system)
+    params = ConnectorParams.of(parts, method, slo_ms)
+    return {"model": served_name or model, "prompt": parts.token_ids, "max_tokens": max_tokens,
+            "kv_transfer_params": params.to_params()}

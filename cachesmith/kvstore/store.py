@@ -24,6 +24,7 @@ from cachesmith.model import ChunkKV, Decoder, prefill_chunk
 from cachesmith.model.assets import cachesmith_home
 
 log = logging.getLogger(__name__)
+Keyed = tuple[str, Sequence[int]]  # (namespace, token ids) a caller hashed into a key
 TIER_NAMES = ("memory", "disk", "redis")
 MISSED_WRITES_JOURNAL = "missed_writes.log"
 DEFAULT_MEMORY_BYTES = 1 << 30  # the memory tier's bound where no server sized it (`server.memory_budget`)
@@ -134,9 +135,19 @@ class ChunkStore:
         """The key of `token_ids`' entry in `namespace`, stored by this store's codec."""
         return chunk_key(model.fingerprint, dtype_name(model.dtype), token_ids, namespace, self.config.codec)
 
-    def _verify(self, reader: EntryReader, key: str, model: Decoder | None) -> None:
+    def _verify(self, reader: EntryReader, key: str, model: Decoder | None, keyed: Keyed | None = None) -> None:
+        """The entry is the one its key names, for `model`: its header's token ids, namespace and codec
+        hash to the key. Where the caller keyed it (`keyed`: the namespace and token ids it hashed),
+        they are compared instead of hashed again: a chunk is hashed once a request. Its header passed
+        its crc32, and each block is checked by its checksum as it is read."""
         h = reader.header
-        if h.key != key or chunk_key(h.model_fingerprint, h.dtype, h.token_ids, h.namespace, h.codec) != key:
+        if keyed is not None:
+            namespace, token_ids = keyed
+            is_match = (h.key == key and h.namespace == namespace and h.codec == self.config.codec
+                        and tuple(h.token_ids) == tuple(token_ids))
+        else:
+            is_match = h.key == key and chunk_key(h.model_fingerprint, h.dtype, h.token_ids, h.namespace, h.codec) == key
+        if not is_match:
             raise CorruptEntry("entry does not match its key")
         if model is None:
             return
@@ -151,10 +162,11 @@ class ChunkStore:
         self.stats.evicted_corrupt += 1
         tier.delete(key)
 
-    def open(self, key: str, model: Decoder | None = None) -> EntryReader | None:
-        """A verified reader from the fastest tier holding `key`, filling faster tiers on the way."""
+    def open(self, key: str, model: Decoder | None = None, keyed: Keyed | None = None) -> EntryReader | None:
+        """A verified reader from the fastest tier holding `key`, filling faster tiers on the way.
+        `keyed`: the (namespace, token ids) its caller hashed into `key`, compared without hashing."""
         validate_key(key)
-        reader = self._first_verified(key, model, self.tiers)
+        reader = self._first_verified(key, model, self.tiers, keyed)
         if reader is None:
             self.stats.misses += 1
             return None
@@ -165,7 +177,8 @@ class ChunkStore:
         self._write_back(key, reader.source)
         return reader
 
-    def _first_verified(self, key: str, model: Decoder | None, tiers: Sequence[Tier]) -> EntryReader | None:
+    def _first_verified(self, key: str, model: Decoder | None, tiers: Sequence[Tier],
+                        keyed: Keyed | None = None) -> EntryReader | None:
         """A verified reader from the first of `tiers` holding `key`; a holder whose entry fails
         verification on the way is evicted."""
         for tier in tiers:
@@ -174,7 +187,7 @@ class ChunkStore:
                 continue
             try:
                 reader = EntryReader(source)
-                self._verify(reader, key, model)
+                self._verify(reader, key, model, keyed)
             except (CorruptEntry, ValueError, KeyError) as exc:
                 source.close()
                 self._evict(tier, key, exc)
@@ -207,15 +220,16 @@ class ChunkStore:
                 reader.close()
         return None
 
-    def put(self, chunk: ChunkKV, namespace: str = "") -> str:
-        """Store `chunk` in every tier that takes it; its key. A tier that cannot (full of entries in
-        use, down, read-only) is skipped, and gets the entry when it is next read (`_write_back`)."""
-        return self._put(chunk, namespace)[0]
+    def put(self, chunk: ChunkKV, namespace: str = "", key: str | None = None) -> str:
+        """Store `chunk` in every tier that takes it; its key (`key`: the caller's `key_for` of the
+        same, not hashed again). A tier that cannot (full of entries in use, down, read-only) is
+        skipped, and gets the entry when it is next read (`_write_back`)."""
+        return self._put(chunk, namespace, key)[0]
 
-    def _put(self, chunk: ChunkKV, namespace: str) -> tuple[str, int]:
+    def _put(self, chunk: ChunkKV, namespace: str, key: str | None = None) -> tuple[str, int]:
         validate_namespace(namespace)
         codec = self.config.codec
-        key = chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace, codec)
+        key = key or chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace, codec)
         data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace, codec)
         written = [tier.put(key, data) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
@@ -352,7 +366,7 @@ class ChunkStore:
         return self._prefill(model, token_ids, namespace, key)
 
     def _prefill(self, model: Decoder, token_ids: Sequence[int], namespace: str, key: str) -> tuple[str, bool]:
-        if not self._put(prefill_chunk(model, list(token_ids)), namespace)[1]:
+        if not self._put(prefill_chunk(model, list(token_ids)), namespace, key)[1]:
             raise StoreWriteFailed(f"chunk {key[:12]}: no store tier took its KV ({', '.join(t.name for t in self.tiers)}: "
                                    f"full of entries in use, read-only or down)")
         return key, True

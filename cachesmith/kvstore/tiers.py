@@ -141,6 +141,10 @@ class DiskTier(Tier):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.num_swept = self._sweep_temp_files()
+        # temporary files a failed write could not remove (a folder gone read-only), each with the
+        # key and bytes it reserved: still on disk, so still counted, until a later put removes them
+        self._stranded: list[tuple[Path, str, int]] = []
+        self._stranded_lock = threading.Lock()
         self.is_default_quota = not max_bytes
         self.quota = self._scan(max_bytes)
 
@@ -197,6 +201,7 @@ class DiskTier(Tier):
         path = self.path(key)
         if self.quota.holds(key, len(data)) and path.exists():  # the same bytes, by their key: nothing to write
             return True
+        self._remove_stranded()
         num_reserved = self.quota.reserve(key, len(data))  # evicts first, so the files never exceed it
         if num_reserved is None:
             return False
@@ -211,14 +216,29 @@ class DiskTier(Tier):
         except OSError as exc:
             try:
                 tmp.unlink(missing_ok=True)
-            except OSError:  # a folder gone read-only keeps it: swept at the next start (`_sweep_temp_files`)
-                pass
-            self.quota.cancel(key, num_reserved)
+                self.quota.cancel(key, num_reserved)
+            except OSError:  # a folder gone read-only keeps it, and its bytes stay reserved
+                with self._stranded_lock:
+                    self._stranded.append((tmp, key, num_reserved))
             level = "disk full" if exc.errno == errno.ENOSPC else "write failed"
             log.warning("disk tier: %s for %s (%s); serving continues without it", level, key[:12], exc)
             return False
         self.quota.commit(key, len(data), num_reserved)
         return True
+
+    def _remove_stranded(self) -> None:
+        """Remove the temporary files earlier writes left behind, and give back their reservations."""
+        with self._stranded_lock:
+            stranded, self._stranded = self._stranded, []
+        for entry in stranded:
+            tmp, key, num_reserved = entry
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # still read-only: tried again at the next put
+                with self._stranded_lock:
+                    self._stranded.append(entry)
+                continue
+            self.quota.cancel(key, num_reserved)
 
     def delete(self, key: str) -> bool:
         """Remove the entry even while in use (a corrupt or deleted chunk): open readers keep their file."""

@@ -228,13 +228,14 @@ class BatchTransfer(RunnerHooks):
     # -- staging -----------------------------------------------------------------------------
     def _open(self, entry: StoredEntry, field_name: str) -> EntryReader:
         store = self.engine.store
-        reader = store.open(entry.key, self.model)
+        keyed = None if entry.token_ids is None else (entry.namespace, entry.token_ids)  # one hash a request
+        reader = store.open(entry.key, self.model, keyed)
         if reader is None and entry.token_ids is not None:
             log.warning("%s: chunk %s left every store tier after its request was admitted; prefilled again",
                         field_name, entry.key[:12])
             store.ensure(self.model, entry.token_ids, entry.namespace, entry.key)
             self.engine.stats.num_recomputed += 1
-            reader = store.open(entry.key, self.model)
+            reader = store.open(entry.key, self.model, keyed)
         if reader is None:
             raise CorruptEntry(f"{field_name}: chunk {entry.key[:12]} is not in the store (or was corrupt)")
         return reader

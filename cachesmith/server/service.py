@@ -48,6 +48,8 @@ from cachesmith.server.streaming import answer_text
 from cachesmith.server.turns import conversation_key, turn_prefixes
 
 log = logging.getLogger(__name__)
+
+
 MAX_PENDING_TURN_STORES = 64  # chat exchanges waiting to be stored; past it a turn is answered unstored
 
 
@@ -129,9 +131,7 @@ class Service:
             if slot.slo_s is None:  # a slot reserved without the arrival check
                 slot.max_tokens, slot.slo_s = self._limits(spec)
             max_tokens, slo_s = slot.max_tokens, slot.slo_s
-            prompt, num_prefix_stored = self._store_prompt(spec, max_tokens, pinned, slot, slo_s)
-            request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
-            future = self.loop.submit(request, on_token, slot)
+            future, prompt, num_prefix_stored = self._queue_prompt(spec, slot, max_tokens, slo_s, on_token, pinned)
         except BaseException as exc:
             self.chunks.unpin(pinned)
             if isinstance(exc, (QueueFull, EngineClosed, InputError, SloUnattainable)):
@@ -187,12 +187,12 @@ class Service:
         check_slo(slo_s * 1e3, "slo_ms", cfg.max_slo_s, cfg.min_slo_s, scale=1e3)
         return slo_s
 
-    def _store_prompt(self, spec: CompletionSpec, max_tokens: int, pinned: list[str], slot: Slot,
-                      slo_s: float) -> tuple[StoredPrompt, int]:
+    def _queue_prompt(self, spec: CompletionSpec, slot: Slot, max_tokens: int, slo_s: float, on_token,
+                      pinned: list[str]) -> tuple[RequestFuture, StoredPrompt, int]:
         """Tokenize the prompt once, key each entry once in the caller's namespaces, refuse a
-        request that cannot be in time or that passes a store cap before writing anything, then
-        store (and pin) every chunk and the prefix. Returns the stored prompt and how many prefix
-        tokens were stored before this request."""
+        request that cannot be in time or that passes a store cap before writing anything, then,
+        in one admission turn, store (and pin) every chunk and the prefix and queue the request.
+        Returns its future, its stored prompt and how many prefix tokens were stored before it."""
         spaces = self.chunks.namespaces(spec.caller)
         frame = tokenize_frame(spec, max_tokens, self.pipeline, lambda key, field: self.chunks.check_known(
             key, spaces, field))
@@ -204,13 +204,32 @@ class Service:
         self.chunks.reserve(missing, spaces, "documents")
         if prefix is not None and self.config.tenant_max_bytes is not None:  # the tenant's bytes only
             self.chunks.reserve(self.chunks.new_entries([prefix]), spaces, spec.text_field)
-        keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, {e.key for e in missing}, pinned)
-        num_prefix_stored = self._ensure_prefix(spec, frame.prefix_ids, prefix, spaces, pinned)
-        chunks = tuple(StoredEntry(key, n, None if e is None else tuple(ids), "" if e is None else e.namespace, not f)
-                       for key, n, ids, e, f in zip(keys, frame.num_document_tokens, frame.document_ids, entries, fresh))
-        stored_prefix = None if prefix is None else \
-            StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
-        return StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix), num_prefix_stored
+        earlier = self._earlier_turns(spec, spaces) if prefix is not None else []
+        # one turn for storing the prompt and joining the queue: a burst's admissions end one after
+        # another, in the order they were priced, not all together at its end
+        with self.loop.admission():
+            keys, fresh = self._store_chunks(spec.documents, frame.document_ids, entries, {e.key for e in missing}, pinned)
+            num_prefix_stored = 0
+            if prefix is not None:  # system, earlier turns, the last user turn's opening: the caller's own
+                self.chunks.pin([prefix.key], pinned)
+                num_prefix_stored = self.pipeline.ensure_prefix(frame.prefix_ids, earlier, spaces.own, prefix.key)[1]
+            chunks = tuple(StoredEntry(key, n, None if e is None else tuple(ids), "" if e is None else e.namespace, not f)
+                           for key, n, ids, e, f in zip(keys, frame.num_document_tokens, frame.document_ids, entries, fresh))
+            stored_prefix = None if prefix is None else \
+                StoredEntry(prefix.key, len(frame.prefix_ids), tuple(frame.prefix_ids), prefix.namespace)
+            prompt = StoredPrompt(chunks, tuple(frame.suffix_ids), stored_prefix)
+            request = slot.request(prompt, slo_s, max_tokens, spec.sampling, Expected(spec.task, spec.gold))
+            return self.loop.submit(request, on_token, slot), prompt, num_prefix_stored
+
+    def _earlier_turns(self, spec: CompletionSpec, spaces: Namespaces) -> list[list[int]]:
+        """A conversation's earlier turns as token prefixes (its stored head extends instead of
+        prefilling again), rendered and tokenized before the admission turn. The previous turn's
+        exchange may still be waiting to be stored: its job takes a turn, so it is settled first."""
+        if not spec.history:
+            return []
+        system = spec.system or self.pipeline.system
+        self._turn_stores.take_over(conversation_key(spaces.own, system, spec.history))
+        return turn_prefixes(self.pipeline.tokenizer, system, spec.history)[1]
 
     def _check_deadline(self, spec: CompletionSpec, slot: Slot, slo_s: float, frame: PromptFrame,
                         missing: list[NewEntry], prefix: NewEntry | None) -> None:
@@ -228,8 +247,8 @@ class Service:
 
     def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None], missing_keys: set[str],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:
-        """Each document's chunk key, and whether its KV was prefilled now (for this request). Only
-        the entries found missing are looked up again (another request may have stored one since);
+        """Caller holds an admission turn. Each document's chunk key, and whether its KV was
+        prefilled now (for this request). Only the entries found missing are looked up again (another request may have stored one since);
         one held then and evicted before staging is prefilled there from the request's sources."""
         keys, fresh = [], []
         for doc, ids, entry in zip(documents, token_ids, entries):
@@ -240,32 +259,14 @@ class Service:
             else:
                 key = entry.key
                 self.chunks.pin([key], pinned)  # before storing: a delete cannot slip in between
-                if key in missing_keys:
-                    with self.loop.admission():
-                        start = time.perf_counter()
-                        _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
+                if key in missing_keys:  # the caller's admission turn keeps other writers out
+                    start = time.perf_counter()
+                    _, is_new = self.store.ensure_held(self.pipeline.model, ids, entry.namespace, key)
                     if is_new:  # what new documents cost here, for the next arrivals' estimates
                         self.loop.deadlines.pricer.observe_prefill(len(ids), time.perf_counter() - start)
             keys.append(key)
             fresh.append(is_new)
         return keys, fresh
-
-    def _ensure_prefix(self, spec: CompletionSpec, prefix_ids: list[int], prefix: NewEntry | None,
-                       spaces: Namespaces, pinned: list[str]) -> int:
-        """Store the prompt prefix's KV (system, earlier turns, the last user turn's opening) in the
-        caller's own namespace and pin it; returns how many of its tokens were stored before this
-        request. A conversation's next turn extends the stored earlier turns instead of
-        prefilling them again."""
-        if prefix is None:
-            return 0
-        system = spec.system or self.pipeline.system
-        if spec.history:  # the previous turn's exchange may still be waiting to be stored: now, here
-            self._turn_stores.take_over(conversation_key(spaces.own, system, spec.history))
-        # within the window (`tokenize_frame`); rendered and tokenized outside the admission lock
-        earlier = turn_prefixes(self.pipeline.tokenizer, system, spec.history)[1] if spec.history else []
-        self.chunks.pin([prefix.key], pinned)
-        with self.loop.admission():
-            return self.pipeline.ensure_prefix(prefix_ids, earlier, spaces.own, prefix.key)[1]
 
     def _finished(self, future: RequestFuture, spec: CompletionSpec, pinned: list[str], num_prefix_stored: int,
                   fresh: tuple[bool, ...]) -> None:

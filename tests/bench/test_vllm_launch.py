@@ -49,7 +49,7 @@ def flags_of_the_tested_launch() -> dict:
 def test_the_docs_cpu_launch_is_the_tested_one(path):
     argv = launches(Path(path))[0]
     assert argv[:3] == ["PYTHONPATH=/path/to/cachesmith", "vllm", "serve"]
-    assert argv[3] == f"$CACHESMITH_HOME/models/{DEFAULT_MODEL}"
+    assert argv[3] == f"$(cachesmith models path {DEFAULT_MODEL})"  # set whether or not $CACHESMITH_HOME is
     documented, ours = flags(argv[4:]), flags_of_the_tested_launch()
     for flag in ("served-model-name", "dtype", "enable-prefix-caching", "kv-transfer-config"):
         assert documented[flag] == ours[flag], flag

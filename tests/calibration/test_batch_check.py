@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from cachesmith.calibration.batch_check import (
-    BETWEEN, STALL, CheckedBatch, check_batch, check_repeated, family, repeat_spread, summary)
+    BETWEEN, STALL, CheckedBatch, check_batch, check_repeated, family, plan_family, repeat_spread, summary)
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.methods import parse_method
 from cachesmith.pipeline import RagPipeline
@@ -65,6 +65,15 @@ def test_families_are_named_as_the_replays_name_them():
     assert family("qci", 0, 30) == "qci/0/1"
     assert family("kv_dev", 1, 1) == "kv_dev/1/1"
     assert family("position", 0, 0) == "position/0/0"
+
+
+def test_full_reuse_is_checked_as_a_family_of_its_own():
+    """Feasibility prices every term at full reuse: its bias is read apart from EPIC's plan,
+    which shares its signal and depths but recomputes rows."""
+    from cachesmith.recompute.config import epic, full_reuse
+    assert plan_family(full_reuse()) == "full_reuse"
+    assert plan_family(epic(0.15)) == "position/0/0"
+    assert plan_family(RecomputeConfig("qci", 0, 30, 0.0)) == "qci/0/1"  # its probe still runs
 
 
 def test_the_summary_names_the_term_that_moves_a_family_most():

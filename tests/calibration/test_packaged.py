@@ -6,6 +6,7 @@ import logging
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cachesmith.planner import BatchShape, Planner, PlanRequest, Profile
@@ -63,29 +64,60 @@ def test_calibrate_measures_finite_positive_factors(tmp_path):
     assert all(math.isfinite(f) and f > 0 for f in (factors.full, factors.reuse))  # real runs: sane only
 
 
-def test_calibrate_recovers_a_machines_two_speed_factors(tmp_path, monkeypatch):
-    """On a machine priced by known costs (full-layer passes 2x the profile's, the rest 3x), each
-    timed run takes what that machine's cost model says: the factors come out exactly, whatever
-    else the test machine is doing."""
+def test_calibrate_recovers_a_machines_three_speed_factors(tmp_path, monkeypatch):
+    """On a machine priced by known costs (full-layer passes 2x the profile's, the reuse path's
+    fixed work 3x, each recomputed row 5x), each timed run takes what that machine's cost model
+    says: the factors come out exactly, whatever else the test machine is doing."""
     pipe = tiny_pipeline(save_tiny_chat_model(tmp_path / "m"), tmp_path / "kv")
     profile = make_profile(num_layers=pipe.model.num_layers)
-    machine = CostModel(rescaled(profile, 2.0, 3.0))
+    machine = CostModel(rescaled(profile, 2.0, 3.0, 5.0))
     shapes = []
 
     def timed_on_machine(transfer, runner, prompt, plan):
         n = prompt.num_context_tokens
         shape = BatchShape((n,), (len(prompt.suffix_ids),), (0,))
-        shapes.append(shape)
+        if plan.is_full_prefill(pipe.model.num_layers):
+            shapes.append(shape)
         selected = n if plan.coverage >= 1.0 else round(plan.coverage * n)
         return float(machine.ttft(shape, plan.signal.value, plan.warmup, plan.probe, [selected / n])[0]), selected
 
     monkeypatch.setattr(packaged, "_timed", timed_on_machine)
     factors = calibrate(pipe, profile, context_tokens=(128, 256))
-    assert factors.reuse == pytest.approx(3.0, rel=1e-9)  # EPIC's probe: no full-layer pass
-    ratios = [machine.full_prefill_ttft(s) / CostModel(profile).full_prefill_ttft(s) for s in shapes[2::2]]
+    assert factors.reuse == pytest.approx(3.0, rel=1e-6)  # the probes run no full-layer pass
+    assert factors.row == pytest.approx(5.0, rel=1e-6)
+    ratios = [machine.full_prefill_ttft(s) / CostModel(profile).full_prefill_ttft(s) for s in shapes[1:]]  # [0]: warm-up
     assert 2.0 < factors.full < 3.0 and factors.full == pytest.approx(sum(ratios) / 2, rel=1e-9)
     slower = calibrate(pipe, rescaled(profile, 1.0, 10.0), context_tokens=(128, 256))
-    assert slower.reuse == pytest.approx(0.3, rel=1e-9)  # against a profile 10x slower on the reuse path
+    assert slower.reuse == pytest.approx(0.3, rel=1e-6)  # against a profile 10x slower on the reuse path
+    assert slower.row == pytest.approx(0.5, rel=1e-6)
+
+
+def test_one_reuse_factor_priced_full_reuse_high_where_two_price_both_probes():
+    """A machine whose recomputed rows cost 2x the profile's and the rest of the reuse path 0.8x:
+    one factor fitted to EPIC's plan prices full reuse high; the two fitted price both plans."""
+    profile = make_profile(num_layers=6)
+    machine = CostModel(rescaled(profile, 1.0, 0.8, 2.0))
+    shape = BatchShape((1024,), (32,), (0,))
+    probes = [(shape, plan, c, float(machine.ttft(shape, plan.signal.value, plan.warmup, plan.probe, [c])[0]))
+              for plan, c in ((packaged.FIXED_PROBE, 0.0), (packaged.REUSE_PROBE, 0.15))]
+    one = packaged.reuse_ratio(profile, shape, 0.15, probes[1][3])
+    reuse_at_one = CostModel(rescaled(profile, 1.0, one))
+    plan = packaged.FIXED_PROBE
+    assert reuse_at_one.ttft(shape, plan.signal.value, 0, 0, [0.0])[0] > 1.05 * probes[0][3]
+    fixed, row = packaged.reuse_factors(profile, probes)
+    assert (fixed, row) == (pytest.approx(0.8, rel=1e-6), pytest.approx(2.0, rel=1e-6))
+
+
+def test_reuse_factors_fall_back_to_one_ratio_when_the_fit_is_not_positive():
+    profile = make_profile(num_layers=6)
+    model = CostModel(profile)
+    shape = BatchShape((1024,), (32,), (0,))
+    plans = ((packaged.FIXED_PROBE, 0.0), (packaged.REUSE_PROBE, 0.15))
+    priced = [float(model.ttft(shape, p.signal.value, p.warmup, p.probe, [c])[0]) for p, c in plans]
+    # full reuse measured slower than EPIC's plan: only a negative row cost would fit both
+    probes = [(shape, plans[0][0], 0.0, priced[1] * 1.2), (shape, plans[1][0], 0.15, priced[1])]
+    fixed, row = packaged.reuse_factors(profile, probes)
+    assert fixed == row == pytest.approx(float(np.median([priced[1] * 1.2 / priced[0], 1.0])), rel=1e-9)
 
 
 # QUICK_COSTS shrunk to a few seconds (the serve test in tests/server runs the real one)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cachesmith.errors import InputError
-from cachesmith.integrations.prompt_kv import ConnectorParams, build_prompt_kv
+from cachesmith.integrations.prompt_kv import ConnectorParams, build_prompt_kv, vllm_request
+from cachesmith.model.tokenizer import Tokenizer
 from cachesmith.kvstore.keys import namespace_of
 from cachesmith.kvstore import ChunkStore, StoreConfig, StoreWriteFailed
 from cachesmith.pipeline import RagPipeline
@@ -86,6 +87,21 @@ def test_the_parameters_split_the_prompt_as_given(pipe):
                                                                  raw["chunk_token_counts"][-1] + len(parts.suffix_ids) - 1]},
                                   len(parts.token_ids))
     assert whole.parts(parts.token_ids).suffix_ids == parts.token_ids[-1:]
+
+
+def test_vllm_request_builds_the_body_the_connector_parses(tiny_dir):
+    """One call gives a client the prompt's ids and its layout: the connector splits them back into
+    the documents and the question, and refuses nothing."""
+    body = vllm_request(INST.documents, INST.question, str(tiny_dir), served_name="tiny", slo_ms=1500,
+                        method="cacheblend@0.15", max_tokens=8)
+    assert (body["model"], body["max_tokens"]) == ("tiny", 8)
+    raw = body["kv_transfer_params"]["cachesmith"]
+    params = ConnectorParams.parse(raw, len(body["prompt"]))
+    want = Tokenizer(tiny_dir).rag_prompt_parts(INST.documents, INST.question)
+    assert params.parts(body["prompt"]) == want and body["prompt"] == want.token_ids
+    assert (params.method, params.slo_ms) == ("cacheblend@0.15", 1500)
+    with pytest.raises(InputError, match="slo_ms=-5"):
+        vllm_request(INST.documents, INST.question, str(tiny_dir), slo_ms=-5)
 
 
 def test_full_coverage_is_full_prefill_and_the_report_counts_the_store(pipe):

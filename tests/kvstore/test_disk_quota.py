@@ -228,4 +228,37 @@ def test_a_write_into_a_folder_gone_read_only_is_refused_not_raised(tmp_path, mo
     monkeypatch.setattr(os, "replace", denied)  # the rename into a read-only folder fails...
     monkeypatch.setattr(Path, "unlink", denied)  # ...and so does removing the temporary file
     assert tier.put(_key(1), _data(1)) is False
-    assert tier.quota.num_reserved == 0 and not tier.contains(_key(1)) and tier.contains(_key(0))
+    assert not tier.contains(_key(1)) and tier.contains(_key(0))
+    stranded = list(tmp_path.glob("*/.*.tmp"))
+    assert len(stranded) == 1  # still on disk, so its bytes are still counted against the quota
+    assert tier.quota.num_reserved == len(_data(1)) == stranded[0].stat().st_size
+    monkeypatch.undo()  # the folder is writable again: the next put removes it and gives its room back
+    assert tier.put(_key(2), _data(2)) is True
+    assert not list(tmp_path.glob("*/.*.tmp")) and tier.quota.num_reserved == 0
+
+
+def test_a_temporary_file_left_by_a_read_only_folder_counts_until_removed(tmp_path, monkeypatch):
+    """The files on disk stay within the quota even while a failed write's temporary file cannot be
+    removed: the next write evicts as if that file were an entry."""
+    tier = DiskTier(tmp_path, max_bytes=3 * len(_data(0)))
+    tier.put(_key(0), _data(0))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", denied)
+        m.setattr(Path, "unlink", denied)
+        assert tier.put(_key(1), _data(1)) is False
+    unlink = Path.unlink
+
+    def tmp_kept(self, *args, **kwargs):  # the temporary file's folder is still read-only
+        if self.name.endswith(".tmp"):
+            raise PermissionError(1, "Operation not permitted")
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", tmp_kept)
+    for i in (2, 3):
+        assert tier.put(_key(i), _data(i)) is True
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*/*") if f.is_file())
+    assert on_disk <= tier.quota.max_bytes and not tier.contains(_key(0))  # evicted for the stranded bytes

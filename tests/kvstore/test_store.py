@@ -86,6 +86,14 @@ def test_a_namespace_keys_apart_and_its_header_is_verified(model, tmp_path):
     forged = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, globex)
     store.tiers[0].path(key).write_bytes(forged)
     assert store.get(key, model) is None and store.stats.evicted_corrupt == 1
+    # opened as a request keyed it (namespace and ids known, compared without hashing): refused too
+    store.tiers[0].path(key).write_bytes(forged)
+    assert store.open(key, model, (acme, _ids())) is None
+    assert store.stats.evicted_corrupt == 2
+    store.ensure(model, _ids(), acme)
+    reader = store.open(key, model, (acme, _ids()))
+    assert reader is not None
+    reader.close()
     assert namespace_of() == "" and namespace_of("", "salt") not in ("", acme)
     with pytest.raises(InputError, match="cache_salt"):
         namespace_of("acme", "x" * 257)

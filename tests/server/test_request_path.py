@@ -1,5 +1,5 @@
-"""One request path: a chat completion reaches `BatchRunner.run` with each chunk keyed once and its
-entry opened once (verified where staging reads it), the engine never re-derives a prompt, and
+"""One request path: a chat completion reaches `BatchRunner.run` with each chunk keyed (hashed) once
+and its entry opened once (verified where staging reads it), the engine never re-derives a prompt, and
 each rule of every request is checked once."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cachesmith import request as rules
-from cachesmith.kvstore import ChunkStore
+from cachesmith.kvstore import ChunkStore, keys
 from cachesmith.pipeline import RagPipeline
 from cachesmith.recompute import BatchRunner
 from cachesmith.server.run import BackgroundServer
@@ -23,7 +23,7 @@ DOCS = ("river glacier lantern harbor meadow falcon", "copper amber silent froze
 
 class Spies:
     def __init__(self, monkeypatch) -> None:
-        self.keyed, self.opened, self.runs, self.held = [], [], [], []
+        self.keyed, self.opened, self.runs, self.held, self.hashed = [], [], [], [], []
         real_key, real_open, real_run = ChunkStore.key_for, ChunkStore.open, BatchRunner.run
         real_held = ChunkStore.ensure_held
 
@@ -31,9 +31,9 @@ class Spies:
             self.keyed.append(tuple(token_ids))
             return real_key(store, model, token_ids, namespace)
 
-        def open_(store, key, model=None):
+        def open_(store, key, model=None, keyed=None):
             self.opened.append(key)
-            return real_open(store, key, model)
+            return real_open(store, key, model, keyed)
 
         def ensure_held(store, model, token_ids, *args):
             self.held.append(tuple(token_ids))
@@ -41,8 +41,20 @@ class Spies:
 
         def run(runner, requests, *args, **kwargs):
             self.runs.append([len(r.chunks) for r in requests])
-            return real_run(runner, requests, *args, **kwargs)
+            try:
+                return real_run(runner, requests, *args, **kwargs)
+            finally:  # what was opened up to the first token (a chat's turn is stored after it)
+                self.num_opened_by_answer = len(self.opened)
 
+        def hashed(model_fingerprint, dtype, token_ids, *args, **kwargs):  # every sha256 of a chunk
+            self.hashed.append(tuple(token_ids))
+            return real_hash(model_fingerprint, dtype, token_ids, *args, **kwargs)
+
+        # each module holding the hash gets the spy, so an inline call is counted too
+        real_hash = keys.chunk_key
+        for module in [m for n, m in list(sys.modules.items())
+                       if n.startswith("cachesmith") and getattr(m, "chunk_key", None) is real_hash]:
+            monkeypatch.setattr(module, "chunk_key", hashed)
         monkeypatch.setattr(ChunkStore, "key_for", key_for)
         monkeypatch.setattr(ChunkStore, "open", open_)
         monkeypatch.setattr(ChunkStore, "ensure_held", ensure_held)
@@ -52,7 +64,7 @@ class Spies:
         self.real_key = real_key
 
     def reset(self) -> None:
-        self.keyed.clear(), self.opened.clear(), self.runs.clear(), self.held.clear()
+        self.keyed.clear(), self.opened.clear(), self.runs.clear(), self.held.clear(), self.hashed.clear()
 
 
 def chat(url: str) -> dict:
@@ -82,7 +94,10 @@ def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served,
         answer = chat(srv.url)
         assert answer["choices"][0]["message"]["content"] is not None
         assert sorted(k for k in spies.keyed if k in chunk_ids) == sorted(chunk_ids), is_stored  # keyed once
+        assert sorted(k for k in spies.hashed if k in chunk_ids) == sorted(chunk_ids), is_stored  # one sha256 each
         assert [spies.opened.count(k) for k in chunk_keys] == [1, 1], is_stored  # opened once: staging
+        # the prefix too, stored or not (the exchange's turn store reads it again, after the answer)
+        assert max(Counter(spies.opened[:spies.num_opened_by_answer]).values()) == 1, is_stored
         assert spies.runs == [[2]], is_stored  # one batch of this request, both chunks staged
         # a chunk found missing is stored; one found stored is not looked up a second time
         assert sorted(k for k in spies.held if k in chunk_ids) == ([] if is_stored else sorted(chunk_ids))

@@ -127,3 +127,44 @@ def test_a_prompt_past_the_window_is_refused_before_its_chunks_are_prefilled(ser
     assert res.error is None and res.num_prompt_tokens == num_prompt
     with pytest.raises(InputError, match=r"^prompt: the prompt's"):  # no documents: the prompt is at fault
         service.submit(CompletionSpec((), " ".join(["river"] * 1100), max_tokens=4))
+
+
+def test_each_admission_stores_its_documents_and_joins_the_queue_in_one_turn(service):
+    """A burst's admissions, each with new documents, end one after another: no request's document
+    prefill falls between another's first prefill and its joining the queue (with one lock turn a
+    document, they interleaved and all ended together, each far past its price)."""
+    import itertools
+    import threading
+    import time
+
+    events: list[tuple[str, int]] = []
+    ensure, enqueue = service.store.ensure_held, service.engine.enqueue
+
+    def slow_ensure(*args, **kwargs):  # slow enough that the other admissions pile up behind it
+        events.append(("prefill", threading.get_ident()))
+        time.sleep(0.02)
+        return ensure(*args, **kwargs)
+
+    def spy_enqueue(request, view):
+        events.append(("queued", threading.get_ident()))
+        return enqueue(request, view)
+
+    service.store.ensure_held = slow_ensure
+    service.engine.enqueue = spy_enqueue
+    futures, lock = [], threading.Lock()
+
+    def send(i: int) -> None:
+        docs = [DocumentRef(text=f"burst {i} passage {j}: {DOCS[j % 2]}") for j in range(3)]
+        future = service.submit(spec(docs))
+        with lock:
+            futures.append(future)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(f.result(timeout=60).error is None for f in futures) and len(futures) == 4
+    turns = [list(g) for _, g in itertools.groupby(events, key=lambda e: e[1])]  # by thread, in order
+    assert len(turns) == 4  # each admission's events in one run: no other's prefill in between
+    assert all([kind for kind, _ in turn][-1] == "queued" and len(turn) >= 4 for turn in turns)
