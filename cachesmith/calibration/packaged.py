@@ -39,7 +39,7 @@ FIXED_PROBE = full_reuse()
 SELECT_KIND = "select"  # the selection between passes: per-batch work, not per recomputed row
 # the probes' context, as long as a served RAG prompt: fitted at 512-1024 tokens, the factors priced
 # the attention of 2,000-token prompts 5-17% off, depending on the run
-CALIBRATION_TOKENS = (2048,)
+CALIBRATION_TOKENS = (1024, 2048)
 WARMUP_TOKENS = 256  # a first run's one-off costs (allocations, the kernels' first calls)
 PROBE_REPEATS = 3
 log = logging.getLogger(__name__)
@@ -266,8 +266,9 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     packaged profile. Each run is staged from a scratch memory store by a transfer engine as
     serving stages a batch: its loader threads share the cores with the passes they overlap, and
     probes of in-memory KV, which leave them out, priced served reuse batches 13-29% low by family
-    (benchmarks/cost_model.py). Takes about two full prefills of the given lengths, a warm-up and
-    the probes (a fraction of a prefill)."""
+    (benchmarks/cost_model.py). Takes a full prefill of each given length, a short warm-up and
+    three runs of each probe (a fraction of a prefill each): about 11 s on 2 cores for the
+    packaged model."""
     import random
 
     from cachesmith.calibration.synthetic import random_prompt
