@@ -40,7 +40,6 @@ SELECT_KIND = "select"  # the selection between passes: per-batch work, not per 
 # the probes' context, as long as a served RAG prompt: fitted at 512-1024 tokens, the factors priced
 # the attention of 2,000-token prompts 5-17% off, depending on the run
 CALIBRATION_TOKENS = (1024, 2048)
-WARMUP_TOKENS = 256  # a first run's one-off costs (allocations, the kernels' first calls)
 PROBE_REPEATS = 3
 log = logging.getLogger(__name__)
 
@@ -266,9 +265,9 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     packaged profile. Each run is staged from a scratch memory store by a transfer engine as
     serving stages a batch: its loader threads share the cores with the passes they overlap, and
     probes of in-memory KV, which leave them out, priced served reuse batches 13-29% low by family
-    (benchmarks/cost_model.py). Takes a full prefill of each given length, a short warm-up and
-    three runs of each probe (a fraction of a prefill each): about 11 s on 2 cores for the
-    packaged model."""
+    (benchmarks/cost_model.py). Takes a full prefill of each given length and three runs of each
+    probe (a fraction of a prefill each), after a first run of each at the first length: about
+    12 s on 2 cores for the packaged model."""
     import random
 
     from cachesmith.calibration.synthetic import random_prompt
@@ -280,15 +279,19 @@ def calibrate(pipe: RagPipeline, profile: Profile, context_tokens: tuple[int, ..
     transfer = TransferEngine(scratch, pipe.model, pipe.transfer.config)
     shapes, seconds, probes = [], [], []
     try:
-        for i, n in enumerate((WARMUP_TOKENS, *context_tokens)):  # the first run warms up
+        # a first run of each at the first length pays the one-off costs (allocations, the kernels'
+        # first calls); warmed at a shorter one, the 1,024-token full prefill still ran 10-15% slow
+        warm = random_prompt(pipe.model, scratch, context_tokens[0], rng)
+        for plan in (full, FIXED_PROBE, REUSE_PROBE):
+            _timed(transfer, pipe.runner, warm, plan)
+        for n in context_tokens:
             prompt = random_prompt(pipe.model, scratch, n, rng)
             shape = BatchShape((n,), (len(prompt.suffix_ids),), (0,))
-            full_s, _ = _timed(transfer, pipe.runner, prompt, full)
-            runs = [(plan, *_median_timed(transfer, pipe.runner, prompt, plan)) for plan in (FIXED_PROBE, REUSE_PROBE)]
-            if i > 0:
-                shapes.append(shape)
-                seconds.append(full_s)
-                probes += [(shape, plan, selected / n, probe_s) for plan, probe_s, selected in runs]
+            shapes.append(shape)
+            seconds.append(_timed(transfer, pipe.runner, prompt, full)[0])
+            for plan in (FIXED_PROBE, REUSE_PROBE):
+                probe_s, selected = _median_timed(transfer, pipe.runner, prompt, plan)
+                probes.append((shape, plan, selected / n, probe_s))
     finally:
         transfer.close()
     fixed, row = reuse_factors(profile, probes)
