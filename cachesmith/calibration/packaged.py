@@ -38,7 +38,8 @@ REUSE_PROBE = epic(0.15)
 FIXED_PROBE = full_reuse()
 SELECT_KIND = "select"  # the selection between passes: per-batch work, not per recomputed row
 # the probes' context, as long as a served RAG prompt: fitted at 512 and 1,024 tokens, one check
-# priced the recomputing families of 2,000-token prompts 7-17% low (ADR 0051)
+# priced the recomputing families of 2,000-token prompts 7-17% low (ADR 0051; full prefill's
+# factor fits 2,000-token prompts worse at these lengths, 13.5% high against 1.8%)
 CALIBRATION_TOKENS = (1024, 2048)
 PROBE_REPEATS = 3
 log = logging.getLogger(__name__)
