@@ -104,8 +104,9 @@ def _paired(name: str, field: str) -> tuple:
 
 
 QUOTES: tuple[Quote, ...] = (
-    Quote("docs/measurements.md", "| position/0/0 | +{}% | 1.9% | no |", BIAS, _family("position/0/0", "bias"), ".1f", scale=100),
-    Quote("docs/measurements.md", "| qci_last/0/1 | {}% | 1.4% | no |", BIAS, _family("qci_last/0/1", "bias"), ".1f", scale=100),
+    Quote("docs/measurements.md", "| full_reuse | 5 | {}% |", BIAS, _family("full_reuse", "bias"), ".1f", scale=100),
+    Quote("docs/measurements.md", "| position/1/0 | 10 | +{}% |", BIAS, _family("position/1/0", "bias"), ".1f", scale=100),
+    Quote("docs/measurements.md", "| qci_last/0/1 | 10 | {}% |", BIAS, _family("qci_last/0/1", "bias"), ".1f", scale=100),
     Quote("docs/measurements.md", "| 2x Poisson | {} | 254 |", OVERLOAD, _level("2x poisson", "on_time_on"), ".0f"),
     Quote("docs/measurements.md", "| 4x Poisson | 163 | {} |", OVERLOAD, _level("4x poisson", "on_time_off"), ".0f"),
     Quote("docs/measurements.md", "| 25.0% | 27.3% | -2.3 points [-4.9, +{}]", OVERLOAD, _paired("2x poisson", "qsa_diff_hi"),
