@@ -233,28 +233,32 @@ class Timeline:
 
 def scan_store(root: Path) -> tuple[int, int, set[str]]:
     """(bytes of entry files, bytes of in-progress temporary files, keys of entry files) under the
-    disk tier's root; files vanishing mid-scan (evicted) are skipped."""
+    disk tier's root; files vanishing mid-scan (evicted) are skipped. Every folder is listed before
+    any file is sized: sized folder by folder, an entry evicted after its folder was sized and the
+    write that evicted it, listed in a later folder, were both counted, though they never lay on
+    disk together. Listed first, every file counted was on disk when the last listing ended."""
     entry_bytes = tmp_bytes = 0
     keys = set()
     try:
         subdirs = [d for d in os.scandir(root) if d.is_dir()]
     except FileNotFoundError:
         return 0, 0, keys
+    files = []
     for sub in subdirs:
         try:
-            files = list(os.scandir(sub.path))
+            files += list(os.scandir(sub.path))
         except FileNotFoundError:
             continue
-        for f in files:
-            try:
-                size = f.stat().st_size
-            except FileNotFoundError:
-                continue
-            if f.name.endswith(".cskv"):
-                entry_bytes += size
-                keys.add(f.name[:-5])
-            elif f.name.endswith(".tmp"):
-                tmp_bytes += size
+    for f in files:  # each on disk from its folder's listing to its stat, so at the listings' end
+        try:
+            size = f.stat().st_size  # a system call now, not cached by the listing
+        except FileNotFoundError:
+            continue
+        if f.name.endswith(".cskv"):
+            entry_bytes += size
+            keys.add(f.name[:-5])
+        elif f.name.endswith(".tmp"):
+            tmp_bytes += size
     return entry_bytes, tmp_bytes, keys
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -278,3 +280,26 @@ def test_an_own_chunk_answered_404_counts_as_lost_only_outside_fault_windows_and
     assert out["num_own_lost_steady"] == 1
     assert out["own_missing_by_phase"] == {"steady:own_lost": 1, "redis_down:own_lost": 1,
                                            "steady:own_evicted_disk_quota": 1}
+
+
+def test_a_scan_never_counts_an_evicted_entry_beside_the_write_that_evicted_it(tmp_path, monkeypatch):
+    """The server evicts an entry in a folder already listed, then writes one in a folder listed
+    later, during one scan: the two never lay on disk together, and the scan counts only the new."""
+    old, new = "a" * 64, "b" * 64
+    for sub in ("aa", "bb"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / f"{old}.cskv").write_bytes(b"x" * 100)  # the first folder listed keeps it
+    real, listed = os.scandir, []
+
+    def scandir(path):
+        if Path(path) != tmp_path:
+            listed.append(Path(path))
+            if len(listed) == 1:
+                (listed[0].parent / ("bb" if listed[0].name == "aa" else "aa") / f"{old}.cskv").unlink()
+            else:  # between the two folders' listings: evict from the first, then write in the second
+                (listed[0] / f"{old}.cskv").unlink()
+                (listed[1] / f"{new}.cskv").write_bytes(b"x" * 100)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert scan_store(tmp_path) == (100, 0, {new})
