@@ -157,5 +157,6 @@ def test_cli_ask_plans_with_the_serving_profile(tmp_path, capsys):
     assert cli.main(["ask", "--doc", str(tmp_path / "d.txt"), "--question", QUESTION, "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     # this machine's measured profile, else the packaged one calibrated to it (as `serve` does)
-    assert re.search(r"profile: (measured|packaged \(speed factor [0-9.]+, reuse [0-9.]+\))\n", err), err
+    assert re.search(r"profile: (measured|packaged \(speed factor [0-9.]+, reuse [0-9.]+, recomputed rows [0-9.]+\))\n",
+                     err), err
     assert "[cachesmith (" in err and "for SLO 5000 ms" in err
