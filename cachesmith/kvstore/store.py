@@ -19,7 +19,8 @@ from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validate_namespace
 from cachesmith.kvstore.missed_writes import MissedWrites, WriteRetrier
 from cachesmith.kvstore.reader import EntryReader, read_bytes
-from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, DiskTier, MemoryTier, RedisTier, Tier
+from cachesmith.kvstore.disk_tier import DiskTier
+from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, MemoryTier, RedisTier, Tier
 from cachesmith.model import ChunkKV, Decoder, prefill_chunk
 from cachesmith.model.assets import cachesmith_home
 

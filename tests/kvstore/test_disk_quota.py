@@ -13,7 +13,7 @@ import torch
 
 from cachesmith.kvstore import ChunkStore, StoreConfig, disk_quota
 from cachesmith.kvstore.reader import read_bytes
-from cachesmith.kvstore.tiers import DiskTier
+from cachesmith.kvstore.disk_tier import DiskTier
 from cachesmith.model import prefill_chunk
 
 

@@ -12,7 +12,8 @@ from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.entry_format import BLOCK_ROWS, CorruptEntry, serialize
 from cachesmith.kvstore.keys import chunk_key, dtype_name
 from cachesmith.kvstore.reader import EntryReader
-from cachesmith.kvstore.tiers import BytesSource, DiskTier, MemoryTier
+from cachesmith.kvstore.disk_tier import DiskTier
+from cachesmith.kvstore.tiers import BytesSource, MemoryTier
 from cachesmith.model import prefill_chunk
 
 
@@ -107,7 +108,7 @@ def test_disk_full_fails_cleanly(model, tmp_path, monkeypatch, caplog):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("cachesmith.kvstore.tiers.os.fsync", full)
+    monkeypatch.setattr("cachesmith.kvstore.disk_tier.os.fsync", full)
     key = store.put(chunk)
     assert "disk full" in caplog.text
     assert not store.tiers[1].contains(key) and list(tmp_path.glob("*/*")) == []

@@ -8,7 +8,8 @@ import time
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.store import MISSED_WRITES_JOURNAL
 from cachesmith.kvstore.missed_writes import MissedWrites, WriteRetrier
-from cachesmith.kvstore.tiers import DiskTier, MemoryTier
+from cachesmith.kvstore.disk_tier import DiskTier
+from cachesmith.kvstore.tiers import MemoryTier
 from cachesmith.model import prefill_chunk
 from tests.kvstore.test_store import _Flaky, _ids
 

@@ -132,7 +132,7 @@ def test_keys_and_describe_across_tiers_count_nothing(model, tmp_path):
 
 
 def test_temp_files_of_dead_writers_are_swept_on_open(tmp_path):
-    from cachesmith.kvstore.tiers import DiskTier
+    from cachesmith.kvstore.disk_tier import DiskTier
 
     (tmp_path / "ab").mkdir()
     dead = tmp_path / "ab" / f".{'ab' + '0' * 62}.cskv.999999999.deadbeef.tmp"  # no such pid

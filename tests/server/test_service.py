@@ -136,6 +136,7 @@ def test_each_admission_stores_its_documents_and_joins_the_queue_in_one_turn(ser
     import itertools
     import threading
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     events: list[tuple[str, int]] = []
     ensure, enqueue = service.store.ensure_held, service.engine.enqueue
@@ -151,19 +152,12 @@ def test_each_admission_stores_its_documents_and_joins_the_queue_in_one_turn(ser
 
     service.store.ensure_held = slow_ensure
     service.engine.enqueue = spy_enqueue
-    futures, lock = [], threading.Lock()
-
-    def send(i: int) -> None:
+    def send(i: int):
         docs = [DocumentRef(text=f"burst {i} passage {j}: {DOCS[j % 2]}") for j in range(3)]
-        future = service.submit(spec(docs))
-        with lock:
-            futures.append(future)
+        return service.submit(spec(docs))
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    with ThreadPoolExecutor(4) as pool:  # four admissions at once
+        futures = list(pool.map(send, range(4)))
     assert all(f.result(timeout=60).error is None for f in futures) and len(futures) == 4
     turns = [list(g) for _, g in itertools.groupby(events, key=lambda e: e[1])]  # by thread, in order
     assert len(turns) == 4  # each admission's events in one run: no other's prefill in between
