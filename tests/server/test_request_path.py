@@ -96,8 +96,9 @@ def test_a_chat_completion_keys_each_chunk_once_and_opens_its_entry_once(served,
         assert sorted(k for k in spies.keyed if k in chunk_ids) == sorted(chunk_ids), is_stored  # keyed once
         assert sorted(k for k in spies.hashed if k in chunk_ids) == sorted(chunk_ids), is_stored  # one sha256 each
         assert [spies.opened.count(k) for k in chunk_keys] == [1, 1], is_stored  # opened once: staging
-        # the prefix too, stored or not (the exchange's turn store reads it again, after the answer)
-        assert max(Counter(spies.opened[:spies.num_opened_by_answer]).values()) == 1, is_stored
+        if not is_stored:  # the prefix too, on a miss (the first exchange's turn store, in the
+            # background after its answer, reads it again and may overlap the next request)
+            assert max(Counter(spies.opened[:spies.num_opened_by_answer]).values()) == 1
         assert spies.runs == [[2]], is_stored  # one batch of this request, both chunks staged
         # a chunk found missing is stored; one found stored is not looked up a second time
         assert sorted(k for k in spies.held if k in chunk_ids) == ([] if is_stored else sorted(chunk_ids))
