@@ -111,11 +111,11 @@ class Engine:
         return config.shadow_work(pipeline, self.planner, config.shadow)
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, request: Request) -> QueuedRequest:
+    def admit(self, request: Request, view: QueuedRequest | None = None) -> QueuedRequest:
         """The scheduler's view of a request whose caller keyed and stored its prompt (the engine
-        stores nothing: `RagPipeline.stored_prompt` and the server do), or an `InputError` naming
-        the engine limit it breaks."""
-        return self.executor.admit(request, self.config.scheduler.kv_capacity_tokens)
+        stores nothing: `RagPipeline.stored_prompt` and the server do; `view`: the one its caller
+        made, checked), or an `InputError` naming the engine limit it breaks."""
+        return self.executor.admit(request, self.config.scheduler.kv_capacity_tokens, view)
 
     def enqueue(self, request: Request, view: QueuedRequest) -> RequestResult | None:
         """Queue an admitted request (`view`: its `admit`); one whose id is queued already comes

@@ -123,20 +123,20 @@ class EngineLoop:
             self._num_admitting += 1
             return Slot(self._give_back, next(self._ids), self.engine.clock.now())
 
-    def check_deadline(self, slot: Slot, view: QueuedRequest, num_new_tokens: list[int]) -> TtftEstimate | None:
+    def check_deadline(self, slot: Slot, num_new_tokens: list[int]) -> TtftEstimate | None:
         """Before any of its documents is prefilled: `SloUnattainable` when the request in `slot`
-        (`view`, with its documents not yet stored) is not feasible at the shedding margin; else its
-        work is counted ahead of later arrivals until it is queued (its estimate; None with shedding
-        off)."""
+        (its view measured, its documents not yet stored) is not feasible at the shedding margin;
+        else its work is counted ahead of later arrivals until it is queued (its estimate; None with
+        shedding off)."""
         with self._cond:
-            return self.deadlines.admit(view, self.engine.clock.now(), self.engine.queued_views(), num_new_tokens)
+            return self.deadlines.admit(slot.view, self.engine.clock.now(), self.engine.queued_views(), num_new_tokens)
 
     def check_arrival(self, slot: Slot, slo_s: float, size: PromptSize) -> None:
-        """Before any work for the request in `slot`: `SloUnattainable` when, sized from its text, it
-        is not feasible at the shedding margin of `slo_s`."""
+        """Before any work for the request in `slot`: its view (`slot.view`), sized from its text,
+        and `SloUnattainable` when it is not feasible at the shedding margin of `slo_s`."""
+        slot.view = self.deadlines.pricer.guessed(slot.request_id, slot.arrival_s, slo_s, size)
         with self._cond:
-            self.deadlines.check_arrival(slot.request_id, slot.arrival_s, slo_s, self.engine.clock.now(),
-                                         self.engine.queued_views(), size)
+            self.deadlines.check_arrival(slot.view, self.engine.clock.now(), self.engine.queued_views(), size)
 
     def _give_back(self, slot: Slot) -> bool:
         """Caller may hold the condition. Give `slot` back, once: False if it was already."""
@@ -170,19 +170,19 @@ class EngineLoop:
         slot = slot or self.reserve()
         try:
             future = RequestFuture(request.request_id)
-            view = self._admit(request, future)
+            view = self._admit(request, future, slot.view)
             if view is not None:
                 self._enqueue(slot, request, view, future, on_token)
         finally:
             slot.release()  # a no-op once queued; the one release on a refusal or an exception
         return future
 
-    def _admit(self, request: Request, future: Future) -> QueuedRequest | None:
-        """The scheduler's view of the request, or None with `future` resolved: refused
-        (`InputError`) or failed."""
+    def _admit(self, request: Request, future: Future, view: QueuedRequest | None) -> QueuedRequest | None:
+        """The scheduler's view of the request (`view`: made at its arrival), or None with `future`
+        resolved: refused (`InputError`) or failed."""
         try:
             with self._admit_lock:
-                return self.engine.admit(request)
+                return self.engine.admit(request, view)
         except InputError as exc:
             future.set_result(RequestResult.refused(request, str(exc)))
         except Exception as exc:  # the server's fault (a store read, memory): this request only

@@ -31,12 +31,11 @@ from cachesmith.model import Decoding, Generation
 from cachesmith.model import device as accel
 from cachesmith.model.generate import start_generation
 from cachesmith.pipeline import RagPipeline
-from cachesmith.planner import BatchPlan, Planner, PlanRequest
+from cachesmith.planner import BatchPlan, BatchShape, Planner, PlanRequest
 from cachesmith.planner.monitor import RuntimeMonitor
 from cachesmith.recompute import HookChain, RecomputeConfig, RecomputeOutput, Signal
 from cachesmith.request import Request
 from cachesmith.scheduler import QueuedRequest, ScheduleDecision
-from cachesmith.scheduler.types import batch_shape
 
 # stages nothing beyond layer 0: the real plan (and what it loads) is decided there
 PROVISIONAL = RecomputeConfig(Signal.POSITION, 1, 0, 0.0)
@@ -44,15 +43,27 @@ TAIL_WINDOW = 8  # recent batches whose tail (last layer to first tokens) the mo
 
 
 def queued_view(request: Request, prefix: int, context: int, suffix: int,
-                kv_capacity_tokens: int | None = None) -> QueuedRequest:
-    """The scheduler's view of a request of these token counts; with `kv_capacity_tokens`, an
-    `InputError` if it cannot run even alone (the engine's own limit: the rules of every request
-    were checked where it entered, `cachesmith.request`)."""
+                kv_capacity_tokens: int | None = None, view: QueuedRequest | None = None) -> QueuedRequest:
+    """The scheduler's view of a request of these token counts (`view`: the one its caller made,
+    checked against them); with `kv_capacity_tokens`, an `InputError` if it cannot run even alone
+    (the engine's own limit: the rules of every request were checked where it entered,
+    `cachesmith.request`)."""
     total = prefix + context + suffix
     if kv_capacity_tokens is not None and total > kv_capacity_tokens:
         raise InputError(f"request {request.request_id}: context of {total} tokens exceeds the KV capacity of "
                          f"{kv_capacity_tokens} tokens (scheduler.kv_capacity_tokens) even alone")
-    return QueuedRequest(request.request_id, request.arrival_s, request.slo_s, context, suffix, prefix)
+    if view is None:
+        return QueuedRequest(request.request_id, request.arrival_s, request.slo_s, context, suffix, prefix)
+    if (view.request_id, view.counts()) != (request.request_id, (context, suffix, prefix)):
+        raise ValueError(f"request {request.request_id}: its view (request {view.request_id}, counts "
+                         f"{view.counts()}) is not of its prompt ({(context, suffix, prefix)})")
+    return view
+
+
+def prompt_counts(request: Request) -> tuple[int, int, int]:
+    """A stored prompt's (context, suffix, prefix) token counts."""
+    p = request.prompt
+    return p.num_context_tokens, len(p.suffix_ids), p.num_prefix_tokens
 
 
 TokenHook = Callable[[int, int, int], None]  # (request id, token index, token id)
@@ -95,7 +106,7 @@ class BatchExecution:
 class Executor(Protocol):
     """Runs batches for the `Engine`: the model's `BatchExecutor` or the simulator's."""
 
-    def admit(self, request: Request, kv_capacity_tokens: int) -> QueuedRequest: ...
+    def admit(self, request: Request, kv_capacity_tokens: int, view: QueuedRequest | None = None) -> QueuedRequest: ...
 
     def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution: ...
 
@@ -112,18 +123,15 @@ class BatchExecutor:
         self._decoding: Decoding | None = None  # `decode`'s, kept across batches
         self._stream = accel.new_stream(pipeline.model.device)  # prefill's (inert on the CPU)
 
-    def admit(self, request: Request, kv_capacity_tokens: int) -> QueuedRequest:
+    def admit(self, request: Request, kv_capacity_tokens: int, view: QueuedRequest | None = None) -> QueuedRequest:
         """The scheduler's view of a request whose caller keyed and stored its prompt (it runs with
-        the keys it gave), or an `InputError` naming the engine limit it breaks."""
+        the keys it gave; `view`: the caller's, made at its arrival), or an `InputError` naming the
+        engine limit it breaks."""
         if request.prompt is None:
             raise InputError(f"request {request.request_id}: no stored prompt (build it with "
                              f"RagPipeline.request or RagPipeline.stored_prompt)")
-        return self.view(request, kv_capacity_tokens)
-
-    @staticmethod
-    def view(request: Request, kv_capacity_tokens: int | None = None) -> QueuedRequest:
-        p = request.prompt
-        return queued_view(request, p.num_prefix_tokens, p.num_context_tokens, len(p.suffix_ids), kv_capacity_tokens)
+        context, suffix, prefix = prompt_counts(request)
+        return queued_view(request, prefix, context, suffix, kv_capacity_tokens, view)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
         """Run the batch up to its first tokens (the timed part), on the prefill stream."""
@@ -166,12 +174,11 @@ class BatchExecutor:
         """The runner's `replan` after layer 0: plan from the real entropies under the decision's
         budget, stage what the plan reads, and join the runtime monitor to the layer hooks."""
         planner = self.planner
-        views = [self.view(r) for r in batch]
-        shape = batch_shape(views)
+        counts = [prompt_counts(r) for r in batch]  # (context, suffix, prefix)
+        shape = BatchShape(*(tuple(c[i] for c in counts) for i in range(3)))  # the same three, per request
 
         def replan(entropies, staged, hooks: HookChain, start: float):
-            reqs = [PlanRequest(q.context_tokens, q.suffix_tokens, q.prefix_tokens, e, r.task)
-                    for q, r, e in zip(views, batch, entropies)]
+            reqs = [PlanRequest(*c, e, r.task) for c, r, e in zip(counts, batch, entropies)]
             plan = planner.plan(reqs, decision.budget_s)
             config = plan.recompute_config()
             staged.set_plan(config)

@@ -16,6 +16,7 @@ from cachesmith.errors import CachesmithError
 from cachesmith.kvstore import StoredPrompt
 from cachesmith.model.sampling import GREEDY, SamplingParams
 from cachesmith.request import Request
+from cachesmith.scheduler import QueuedRequest
 from cachesmith.scoring import Expected
 
 
@@ -48,6 +49,7 @@ class Slot:
         self.is_released = False
         self.slo_s: float | None = None  # the request's SLO once checked at its arrival
         self.max_tokens = 0  # its answer budget, checked with the SLO
+        self.view: QueuedRequest | None = None  # the scheduler's view of it, made at its arrival
         self._give_back = give_back  # the loop's: it takes a place back once
 
     def request(self, prompt: StoredPrompt, slo_s: float, max_new_tokens: int = 16,

@@ -80,11 +80,11 @@ class DeadlineAdmission:
         it is queued."""
         return self._promise(view, now, queued, num_new_tokens, is_guessed=False)
 
-    def check_arrival(self, request_id: int, arrival_s: float, slo_s: float, now: float,
-                      queued: Sequence[QueuedRequest], size: PromptSize) -> None:
-        """Before tokenizing, as `admit` with its size guessed from its text."""
-        view, new_tokens = self.pricer.guessed(request_id, arrival_s, slo_s, size)
-        self._promise(view, now, queued, new_tokens, is_guessed=True)
+    def check_arrival(self, view: QueuedRequest, now: float, queued: Sequence[QueuedRequest],
+                      size: PromptSize) -> None:
+        """Before tokenizing, as `admit`: `view`'s counts and its documents' tokens not yet stored
+        are guessed from its text (`size`)."""
+        self._promise(view, now, queued, self.pricer.sizes.guess(size)[2], is_guessed=True)
 
     def _promise(self, view: QueuedRequest, now: float, queued: Sequence[QueuedRequest],
                  num_new_tokens: Sequence[int], is_guessed: bool) -> TtftEstimate | None:

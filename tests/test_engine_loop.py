@@ -261,7 +261,7 @@ def test_places_are_held_from_acceptance_and_an_admission_that_raises_gives_its_
     held[1].release()
     original = engine.admit
     for error in (OSError("disk went away"), MemoryError("no room"), RuntimeError("bug")):
-        engine.admit = lambda request, e=error: (_ for _ in ()).throw(e)
+        engine.admit = lambda request, view=None, e=error: (_ for _ in ()).throw(e)
         for seed in range(3):  # more than max_queue: a leaked place would refuse the next
             res = submit(loop, instance(70 + seed), 30.0).result(timeout=5)
             assert res.is_internal_error and f"{type(error).__name__}: {error}" in res.error
@@ -277,7 +277,8 @@ def test_a_request_priced_past_its_slo_is_refused_before_it_is_queued(pipe):
     loop = EngineLoop(live_engine(pipe), shedding=SheddingConfig(1.5))
 
     def priced(slot, slo_s, new_tokens):
-        return loop.check_deadline(slot, QueuedRequest(slot.request_id, slot.arrival_s, slo_s, 300, 10, 20), new_tokens)
+        slot.view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, 300, 10, 20)
+        return loop.check_deadline(slot, new_tokens)
 
     first, second = loop.reserve(), loop.reserve()
     admitted = priced(first, 30.0, [300])

@@ -11,6 +11,11 @@ from cachesmith.shedding import DeadlineAdmission, SloUnattainable, retry_after_
 from tests.planner.synthetic_profile import make_profile
 
 
+
+def arrive(adm, request_id, arrival_s, slo_s, now, queued, size):
+    """A request checked at its arrival, its view made from its text as the serving front does."""
+    adm.check_arrival(adm.pricer.guessed(request_id, arrival_s, slo_s, size), now, queued, size)
+
 def admission(max_lateness: float | None = 1.5) -> DeadlineAdmission:
     return DeadlineAdmission(DeadlinePricer(Planner(make_profile(num_layers=4)), 4), SheddingConfig(max_lateness))
 
@@ -73,9 +78,9 @@ def test_a_request_late_even_alone_is_refused_and_told_why():
         adm.admit(view(0, slo=0.001), 0.0, [], [])
     assert refused.value.retry_after_s == 0.0  # nothing ahead to wait for: only a looser SLO helps
     # at arrival its size is a guess: alone it passes, to be priced exactly after tokenizing
-    adm.check_arrival(1, 0.0, 0.001, 0.0, [], PromptSize((4000,), 100))
+    arrive(adm, 1, 0.0, 0.001, 0.0, [], PromptSize((4000,), 100))
     with pytest.raises(SloUnattainable, match="sized from its text"):  # behind work, the guess refuses
-        adm.check_arrival(2, 0.0, 0.001, 0.0, [], PromptSize((4000,), 100))
+        arrive(adm, 2, 0.0, 0.001, 0.0, [], PromptSize((4000,), 100))
     # queued, alone, it is shed too: it would be late whoever else waits
     assert [v.request_id for v, _ in adm.expired([view(7, arrival=-5.0, slo=0.001)], 0.0)] == [7]
 
@@ -83,7 +88,7 @@ def test_a_request_late_even_alone_is_refused_and_told_why():
 def test_with_shedding_off_nothing_is_refused_or_priced():
     adm = admission(None)
     assert adm.admit(view(0, slo=0.001), 0.0, [], [4000]) is None
-    adm.check_arrival(1, 0.0, 0.001, 0.0, [], PromptSize((40_000,), 100))
+    arrive(adm, 1, 0.0, 0.001, 0.0, [], PromptSize((40_000,), 100))
     assert adm.busy_s(0.0) == 0.0
     assert adm.expired([view(1, arrival=-1e3, slo=0.001)], 0.0) == []
 
@@ -139,18 +144,18 @@ def test_the_running_batch_is_work_ahead_at_its_cheapest_until_it_ends():
 def test_an_arrival_sized_from_its_text_is_promised_ahead_of_later_arrivals_until_it_is_priced():
     adm = admission()
     size = PromptSize((4000, 4000), 200)  # two documents of about 1,000 tokens, none stored yet
-    adm.check_arrival(0, 0.0, 60.0, 0.0, [], size)
-    view0, new0 = adm.pricer.guessed(0, 0.0, 60.0, size)
+    arrive(adm, 0, 0.0, 60.0, 0.0, [], size)
+    view0, new0 = adm.pricer.guessed(0, 0.0, 60.0, size), adm.pricer.sizes.guess(size)[2]
     assert view0.context_tokens == 2000 and new0 == [1000, 1000]  # 4 characters a token, all new
     assert adm.busy_s(0.0, request_id=1) == pytest.approx(adm.pricer.prefill_s(new0) + adm.pricer.alone_s(view0))
     small = PromptSize((), 40)  # nothing of its own to prefill
-    small_view = adm.pricer.guessed(1, 0.0, 1.0, small)[0]
+    small_view = adm.pricer.guessed(1, 0.0, 1.0, small)
     # a burst behind it is refused in order, before anyone is tokenized
     ahead_s = adm.pricer.prefill_s(new0) + adm.pricer.alone_s(view0)
     slo = (ahead_s + adm.pricer.alone_s(small_view)) / 1.5 + 1e-3
-    adm.check_arrival(1, 0.0, slo, 0.0, [], small)  # in time behind the first
+    arrive(adm, 1, 0.0, slo, 0.0, [], small)  # in time behind the first
     with pytest.raises(SloUnattainable, match="sized from its text"):
-        adm.check_arrival(2, 0.0, slo, 0.0, [], size)
+        arrive(adm, 2, 0.0, slo, 0.0, [], size)
     adm.admit(view(0, slo=60.0), 0.0, [], [])  # tokenized: every document was stored after all
     assert adm.busy_s(0.0, request_id=1) == pytest.approx(adm.pricer.alone_s(view(0)))  # its batch alone
     adm.settle(0), adm.settle(1)

@@ -95,11 +95,12 @@ class SimExecutor:
             self._machines[key] = (paced, paced.with_bandwidth(INFINITE_GBPS))
         return self._machines[key]
 
-    def admit(self, request: Request, kv_capacity_tokens: int | None = None) -> QueuedRequest:
+    def admit(self, request: Request, kv_capacity_tokens: int | None = None,
+              view: QueuedRequest | None = None) -> QueuedRequest:
         """The scheduler's view of a simulated request: its outcome's token counts (measured on the
         model, so within its positions), or an `InputError` past the KV capacity."""
         o = self.outcomes[request.request_id]
-        return queued_view(request, o.prefix_tokens, o.context_tokens, o.suffix_tokens, kv_capacity_tokens)
+        return queued_view(request, o.prefix_tokens, o.context_tokens, o.suffix_tokens, kv_capacity_tokens, view)
 
     def prefill(self, decision: ScheduleDecision, batch: list[Request]) -> BatchExecution:
         views = [self.admit(r) for r in batch]

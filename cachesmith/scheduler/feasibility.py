@@ -175,12 +175,11 @@ class DeadlinePricer:
         measured on the chunks prefilled so far (`observe_prefill`)."""
         return self.prefill_pace * sum(self._raw_prefill_s(n) for n in num_new_tokens if n)
 
-    def guessed(self, request_id: int, arrival_s: float, slo_s: float,
-                size: PromptSize) -> tuple[QueuedRequest, list[int]]:
-        """A request not yet tokenized: its view with token counts guessed from its text, and its
-        documents' tokens guessed not yet stored."""
-        docs, other, new = self.sizes.guess(size)
-        return QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0), new
+    def guessed(self, request_id: int, arrival_s: float, slo_s: float, size: PromptSize) -> QueuedRequest:
+        """A request not yet tokenized: its view, with token counts guessed from its text (its
+        front `measured`s them once tokenized)."""
+        docs, other, _ = self.sizes.guess(size)
+        return QueuedRequest(request_id, arrival_s, slo_s, sum(docs), other, 0)
 
     def alone_s(self, request: QueuedRequest) -> float:
         """`request`'s batch alone at full reuse. The raw price is kept per shape (a queue's walk

@@ -14,8 +14,11 @@ from cachesmith.planner import BatchShape
 from cachesmith.recompute import RecomputeConfig
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class QueuedRequest:
+    """The scheduler's view of one request, made once per request: by the serving front at its
+    arrival (token counts guessed from its text, then `measured` once tokenized), else by the
+    engine's admission. Compared by identity: two requests may have equal counts."""
     request_id: int
     arrival_s: float
     slo_s: float
@@ -24,6 +27,19 @@ class QueuedRequest:
     prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self._check()
+
+    def measured(self, context_tokens: int, suffix_tokens: int, prefix_tokens: int) -> "QueuedRequest":
+        """The counts of the tokenized prompt in place of those guessed at arrival (the same view:
+        the queue's promises name it)."""
+        self.context_tokens, self.suffix_tokens, self.prefix_tokens = context_tokens, suffix_tokens, prefix_tokens
+        self._check()
+        return self
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.context_tokens, self.suffix_tokens, self.prefix_tokens
+
+    def _check(self) -> None:
         if self.context_tokens < 0:  # 0: a plain chat, no documents
             raise InputError(f"request {self.request_id}: context_tokens={self.context_tokens} must be >= 0")
         if self.suffix_tokens < 1:

@@ -19,7 +19,6 @@ import time
 import uuid
 from urllib.parse import quote
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import anyio
 from fastapi import FastAPI, Path, Query, Request
@@ -238,7 +237,7 @@ async def _generate(service: Service, body: CompletionRequest | ChatCompletionRe
     if body.model != service.config.name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {service.config.name!r}",
                        "model", "model_not_found")
-    spec = replace(body.to_spec(), caller=Caller(tenant_of(request), body.cache_salt or ""))
+    spec = body.to_spec(tenant_of(request))
     max_tokens = spec.max_tokens or service.config.default_max_tokens
     stream = TokenStream(service.pipeline.tokenizer.decode, body.stops) if body.stream else None
     future = await _submit(service, spec, stream)

@@ -1,8 +1,9 @@
 """Chat messages and how a conversation becomes the parts of a RAG prompt.
 
-In: the `messages` of a chat completion body. Out: `ChatParts`: the system prompt, the earlier
+In: the `messages` of a chat completion body. Out (`chat_parts`): the system prompt, the earlier
 turns (the exact prefix whose KV a conversation's next turn reuses), the question, the text that
-opens the answer, and the documents sent inside messages.
+opens the answer, and the documents sent inside messages: the completion spec's fields, which the
+body builds its one `CompletionSpec` from.
 
 Documents inside messages: a client that cannot add a `documents` field (a framework that builds
 the request for it) sends each retrieved passage as a content part marked as one:
@@ -13,7 +14,6 @@ the message's text, joined. In earlier turns, document parts are that turn's tex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -70,13 +70,7 @@ class ChatMessage(BaseModel):
         return [] if isinstance(self.content, str) else [p.passage for p in self.content if p.document]
 
 
-@dataclass(frozen=True)
-class ChatParts:
-    system: str
-    history: tuple[tuple[str, str], ...]  # earlier turns (role, text)
-    question: str
-    answer_prefix: str | None  # assistant messages after the question (None: none)
-    documents: tuple[str, ...]  # passages sent as document parts
+ChatParts = tuple[str, tuple[tuple[str, str], ...], str, "str | None", tuple[str, ...]]
 
 
 def chat_parts(messages: list[ChatMessage]) -> ChatParts:
@@ -84,7 +78,8 @@ def chat_parts(messages: list[ChatMessage]) -> ChatParts:
     message is the question; the turns before it are the history. Assistant messages after the
     question open the answer, which the model continues. Document parts of the system messages and
     of the question's turn are documents; an earlier turn's are part of that turn's text (the
-    conversation as it was), and a question's turn of documents alone asks about them."""
+    conversation as it was), and a question's turn of documents alone asks about them. Returns
+    (system, history as (role, text) turns, question, answer opening or None, documents)."""
     users = [i for i, m in enumerate(messages) if m.role == "user"]
     if not users:
         raise InputError("messages: a user message (the question) is required; got roles "
@@ -94,6 +89,5 @@ def chat_parts(messages: list[ChatMessage]) -> ChatParts:
     turns = [m for m in messages[:last] if m.role not in SYSTEM_ROLES]
     after = [m for m in messages[last + 1:] if m.role not in SYSTEM_ROLES]  # assistant messages only
     documents = [d for i, m in enumerate(messages) if m.role in SYSTEM_ROLES or i == last for d in m.documents]
-    return ChatParts("\n\n".join(m.text for m in system if m.text), tuple((m.role, m.full_text) for m in turns),
-                     messages[last].text, "\n\n".join(m.full_text for m in after) if after else None,
-                     tuple(documents))
+    return ("\n\n".join(m.text for m in system if m.text), tuple((m.role, m.full_text) for m in turns),
+            messages[last].text, "\n\n".join(m.full_text for m in after) if after else None, tuple(documents))

@@ -14,7 +14,6 @@ are refused with the reason rather than ignored. Every text and field name must 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -27,6 +26,7 @@ from cachesmith.server.json_types import (NON_BLANK, SAFE_INT, Bool, UnicodeBody
 from cachesmith.server.chat_messages import ChatMessage, chat_parts
 from cachesmith.server.openai_fields import TOOLS_RULE, ChatFields, CommonFields, ignored_fields
 from cachesmith.server.specs import CompletionSpec, DocumentRef
+from cachesmith.server.tenancy import Caller
 
 MAX_STOP = 4
 CHUNK_ID_PATTERN = "^[0-9a-f]{64}$"
@@ -161,13 +161,19 @@ class _Generation(UnicodeBody, CommonFields):
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
-    def spec(self, question: str, system: str = "", answer_prefix: str | None = None,
-             max_tokens: int | None = None, num_logprobs: int | None = None) -> CompletionSpec:
-        return CompletionSpec(tuple(_document(d) for d in self.documents), question, system,
-                              max_tokens or self.max_tokens, None if self.slo_ms is None else self.slo_ms / 1e3,
-                              tuple(self.gold or ()), self.task,
+    def spec(self, question: str, caller: Caller, system: str = "", answer_prefix: str | None = None,
+             max_tokens: int | None = None, num_logprobs: int | None = None, documents: tuple[str, ...] = (),
+             **chat) -> CompletionSpec:
+        """The one `CompletionSpec` of this body; `documents`: passages sent inside messages (after
+        `documents`'), `chat`: a chat's own fields (history, stop, every answer budget it gave)."""
+        refs = tuple(_document(d) for d in self.documents) + tuple(DocumentRef(text=d) for d in documents)
+        return CompletionSpec(refs, question, system, max_tokens or self.max_tokens,
+                              None if self.slo_ms is None else self.slo_ms / 1e3, tuple(self.gold or ()), self.task,
                               self.answer_prefix if answer_prefix is None else answer_prefix,
-                              self.sampling(num_logprobs))
+                              self.sampling(num_logprobs), caller=caller, **chat)
+
+    def caller(self, tenant: str) -> Caller:
+        return Caller(tenant, self.cache_salt or "")
 
 
 def _document(doc: Document) -> DocumentRef:
@@ -187,13 +193,13 @@ class CompletionRequest(_Generation):
     def ignored_fields(self) -> list[str]:
         return ignored_fields(self)
 
-    def to_spec(self) -> CompletionSpec:
+    def to_spec(self, tenant: str = "") -> CompletionSpec:
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise InputError(f"prompt: one prompt per request, got a list of {len(prompt)}")
             prompt = prompt[0]
-        return self.spec(prompt, num_logprobs=self.logprobs)
+        return self.spec(prompt, self.caller(tenant), num_logprobs=self.logprobs)
 
 
 class ChatCompletionRequest(ChatFields, _Generation):
@@ -205,22 +211,20 @@ class ChatCompletionRequest(ChatFields, _Generation):
     logprobs: Bool = False
     top_logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
 
-    def to_spec(self) -> CompletionSpec:
+    def to_spec(self, tenant: str = "") -> CompletionSpec:
         """The conversation's parts (`chat_messages.chat_parts`): the documents go into the last
         user turn, before the question; the turns before it are the exact prefix (their KV is
         stored and reused by the next turn)."""
-        parts = chat_parts(self.messages)
-        prefix = parts.answer_prefix
+        system, history, question, prefix, documents = chat_parts(self.messages)
         if prefix is not None:  # cachesmith's answer_prefix goes on where the assistant messages stop
             prefix += self.answer_prefix
         # both are limits on the answer (max_tokens is OpenAI's older name): the tighter one holds
         limits = tuple((f, n) for f, n in (("max_tokens", self.max_tokens),
                                            ("max_completion_tokens", self.max_completion_tokens)) if n is not None)
-        spec = self.spec(parts.question, parts.system, prefix, min((n for _, n in limits), default=None),
+        return self.spec(question, self.caller(tenant), system, prefix, min((n for _, n in limits), default=None),
                          # asking for top alternatives asks for log-probabilities (a rule a schema can state)
-                         (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None)
-        return replace(spec, documents=spec.documents + tuple(DocumentRef(text=d) for d in parts.documents),
-                       history=parts.history, is_chat=True, stop=tuple(self.stops), max_tokens_fields=limits)
+                         (self.top_logprobs or 0) if self.logprobs or self.top_logprobs is not None else None,
+                         documents, history=history, is_chat=True, stop=tuple(self.stops), max_tokens_fields=limits)
 
     def ignored_fields(self) -> list[str]:
         """`openai_fields.ignored_fields`, and the fields messages carried that nothing reads."""

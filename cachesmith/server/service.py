@@ -235,15 +235,17 @@ class Service:
                         missing: list[NewEntry], prefix: NewEntry | None) -> None:
         """Price the request against the work ahead before any of its documents is prefilled (the
         loop refuses it with `SloUnattainable` when it is not feasible at the shedding margin)."""
-        view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, sum(frame.num_document_tokens),
-                             max(1, len(frame.suffix_ids)), len(frame.prefix_ids))
+        counts = sum(frame.num_document_tokens), len(frame.suffix_ids), len(frame.prefix_ids)
+        if slot.view is None:  # a slot reserved without the arrival check
+            slot.view = QueuedRequest(slot.request_id, slot.arrival_s, slo_s, *counts)
+        slot.view.measured(*counts)
         new_tokens = [e.num_tokens for e in missing]
         if prefix is not None and self.chunks.new_entries([prefix]):
             new_tokens.append(prefix.num_tokens)
         text_docs = [(len(d.text), n) for d, n in zip(spec.documents, frame.num_document_tokens) if d.text is not None]
         self.loop.deadlines.pricer.sizes.observe(sum(c for c, _ in text_docs), sum(n for _, n in text_docs),
                                                  sum(e.num_tokens for e in missing))
-        self.loop.check_deadline(slot, view, new_tokens)
+        self.loop.check_deadline(slot, new_tokens)
 
     def _store_chunks(self, documents, token_ids, entries: list[NewEntry | None], missing_keys: set[str],
                       pinned: list[str]) -> tuple[list[str], list[bool]]:

@@ -281,7 +281,7 @@ def test_a_cap_no_retry_passes_is_said_before_lateness(server_for):
     srv = server_for(max_store_tokens_per_request=200)
     service = srv.server.config.app.state.service
 
-    def always_late(slot, view, new_tokens):  # as if the work ahead made every request late
+    def always_late(slot, new_tokens):  # as if the work ahead made every request late
         raise SloUnattainable("slo_ms=50: late", 2.0)
 
     service.loop.check_deadline = always_late
