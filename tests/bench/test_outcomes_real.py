@@ -62,6 +62,7 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
         assert res.is_passed == o.plans[plan.label()], method
 
 
+@pytest.mark.slow  # forks and batches every plan on the packaged model
 def test_forked_batched_verdicts_equal_the_serving_path_and_tables_grow_by_append(tmp_path):
     pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
     inst = generate("pr", 20)  # its verdict flips at 55% (qci/6) and 70% (kv_dev/2) in the packaged table

@@ -41,7 +41,9 @@ def flags(argv: list[str]) -> dict:
 
 
 def flags_of_the_tested_launch() -> dict:
-    server = vllm_server.VllmServer(Path("/m"), DEFAULT_MODEL, extra_args=vllm_server.plugin_args(DEFAULT_MODEL))
+    # the flags are the launch's whatever Python runs it: naming one keeps vLLM's install in `make test-vllm`
+    server = vllm_server.VllmServer(Path("/m"), DEFAULT_MODEL, extra_args=vllm_server.plugin_args(DEFAULT_MODEL),
+                                    vllm_python=Path("/venv/bin/python"))
     return flags([str(c) for c in server.command()])
 
 

@@ -17,6 +17,7 @@ from tests.engine_helpers import save_tiny_chat_model
 pytestmark = pytest.mark.real_model
 
 
+@pytest.mark.slow  # a profile of the 30-layer model: about a minute and a half
 def test_profile_end_to_end_and_resume(tmp_path, monkeypatch):
     pipe = RagPipeline(store=ChunkStore(StoreConfig(tiers=("memory",))))
     config = ProfileConfig(num_requests=2, max_tokens=256, num_shapes=3, plans_per_shape=5, num_pool_chunks=8,
