@@ -225,7 +225,7 @@ class Soak:
     def in_redis(self, ids: list[str]) -> dict[str, bool]:
         import redis
 
-        from cachesmith.kvstore.tiers import RedisTier
+        from cachesmith.kvstore.redis_tier import RedisTier
 
         try:
             client = redis.Redis.from_url(self.redis.url, socket_timeout=5)

@@ -194,6 +194,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"loading {config.model} ({config.dtype}, {config.device}) ...", file=sys.stderr, flush=True)
     service = Service(config)
     print(f"memory: {service.memory.describe()}", file=sys.stderr, flush=True)
+    for tier in service.store.tiers:
+        if tier.name == "redis":  # one server, or a cluster's primaries and replicas, with each one's maxmemory
+            print(f"redis: {tier.describe()}", file=sys.stderr, flush=True)
     print(f"profile: {service.profile_source}; serving {config.name!r} with method {args.method} on "
           f"http://{args.host}:{args.port}" + _auth_note(api_keys), file=sys.stderr, flush=True)
     run_server(service, server)

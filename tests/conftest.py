@@ -43,6 +43,17 @@ def redis_url(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    """A Redis Cluster of 3 primaries and 3 replicas shared by the session's tests (none kills a node
+    of it: a test that does starts its own, `tests/redis_cluster.py`)."""
+    from tests.redis_cluster import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster.url
+    cluster.stop()
+
+
 @pytest.fixture()
 def redis_server(tmp_path):
     """A redis-server of this test's own, which the test may stop (an outage) before the end."""

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cachesmith.kvstore.tiers import REDIS_RETRY_AFTER_S
+from cachesmith.kvstore.redis_tier import REDIS_RETRY_AFTER_S
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""A redis server's byte bound: read it, warn when there is none, or set it when asked.
+"""A redis server's byte bound: read it, warn when there is none, or set it when asked; on a cluster,
+each node's.
 
-In: a redis client and, optionally, the bytes the operator wants redis to hold at most. Out: the
-server's `maxmemory*` settings as text ({} when CONFIG is refused, as managed services do, or the
-server is unreachable). A tier cannot bound the bytes of a redis that other servers write to, so
+In: a redis client (one server's, or a cluster's) and, optionally, the bytes the operator wants each
+redis server to hold at most. Out: the `maxmemory*` settings as text ({} when CONFIG is refused, as
+managed services do, or the server is unreachable), for a cluster one dict per node by its name. A tier cannot bound the bytes of a redis that other servers write to, so
 the server's own `maxmemory` with `allkeys-lru` is the bound: set here at start when
 `redis_max_bytes` is given, for a redis the store may configure.
 """
@@ -21,9 +22,44 @@ def _text(value) -> str:
 
 
 def memory_config(client, url: str, ttl_s: int | None, refused: tuple[type[BaseException], ...],
-                  max_bytes: int | None = None) -> dict[str, str]:
+                  max_bytes: int | None = None, is_cluster: bool = False) -> dict:
     """The server's maxmemory settings after setting them to `max_bytes` (None: left as they are,
-    warned about when unbounded). Raises `ConfigError` when `max_bytes` cannot be set."""
+    warned about when unbounded); on a cluster, every node's by name, replicas included (one may
+    become a primary). Raises `ConfigError` when `max_bytes` cannot be set."""
+    if not is_cluster:
+        return _node_config(client, url, ttl_s, refused, max_bytes)
+    import redis
+
+    config = {}
+    for name in node_roles(client):
+        host, port = name.rsplit(":", 1)
+        node = redis.Redis(host=host, port=int(port), **_timeouts(client))
+        try:
+            config[name] = _node_config(node, f"{url} node {name}", ttl_s, refused, max_bytes)
+        finally:
+            node.close()
+    return config
+
+
+def node_roles(client) -> dict[str, str]:
+    """A cluster's nodes as the cluster tells them now (`CLUSTER NODES`): "host:port" -> "primary"
+    (serving slots) or "replica"; a node marked failed is left out."""
+    roles = {}
+    for address, node in client.cluster_nodes().items():
+        flags = node.get("flags", "")
+        if "fail" in flags or "noaddr" in flags:
+            continue
+        roles[address.split("@")[0]] = "primary" if "master" in flags and node.get("slots") else "replica"
+    return roles
+
+
+def _timeouts(client) -> dict:
+    kwargs = client.get_connection_kwargs() if hasattr(client, "get_connection_kwargs") else {}
+    return {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
+
+
+def _node_config(client, url: str, ttl_s: int | None, refused: tuple[type[BaseException], ...],
+                 max_bytes: int | None) -> dict[str, str]:
     if max_bytes is not None:
         try:
             client.config_set("maxmemory", max_bytes)

@@ -20,7 +20,8 @@ from cachesmith.kvstore.keys import chunk_key, dtype_name, validate_key, validat
 from cachesmith.kvstore.missed_writes import MissedWrites, WriteRetrier
 from cachesmith.kvstore.reader import EntryReader, read_bytes
 from cachesmith.kvstore.disk_tier import DiskTier
-from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, MemoryTier, RedisTier, Tier
+from cachesmith.kvstore.redis_tier import DEFAULT_REDIS_TTL_S, RedisTier
+from cachesmith.kvstore.tiers import MemoryTier, Tier
 from cachesmith.model import ChunkKV, Decoder, prefill_chunk
 from cachesmith.model.assets import cachesmith_home
 

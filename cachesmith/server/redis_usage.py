@@ -3,13 +3,14 @@
 In: the store's redis tier (its client, entry names, back-off), a namespace's new entries (key ->
 bytes) with a cap, and deleted keys. Out: reservations that pass, or `StoreQuotaExceeded` with
 nothing counted. Each check-and-count runs as one Lua script on the redis server, so two servers
-racing for a tenant's last bytes cannot both pass (one redis server, as the tier uses: the scripts
-check entry names they are not passed as KEYS, which a redis cluster would refuse). `tenant_usage`
+racing for a tenant's last bytes cannot both pass. A script touches only the namespace's two hashes,
+passed as KEYS and tagged to one slot, so it runs on a Redis Cluster too; the entries it asks about
+live in slots of their own and are looked up first, by the server (`_exist`). `tenant_usage`
 picks this count or the per-process `StoreUsage` from the store's tiers.
 
 Redis keys, per namespace `<ns>` ("-" for the empty one):
-- `cachesmith:tenant-bytes:<ns>`: a hash, entry key -> bytes, and field `total`, their sum;
-- `cachesmith:tenant-bytes-pending:<ns>`: a hash, entry key -> when it was reserved (ms, redis's
+- `cachesmith:tenant-bytes:{<ns>}`: a hash, entry key -> bytes, and field `total`, their sum;
+- `cachesmith:tenant-bytes-pending:{<ns>}`: a hash, entry key -> when it was reserved (ms, redis's
   clock), for entries reserved and not yet seen in redis (being prefilled).
 
 An entry counts while redis holds it, so it follows the tier's TTL and `maxmemory` eviction: a
@@ -34,13 +35,13 @@ from collections.abc import Callable, Iterable
 from cachesmith.kvstore import ChunkStore
 from cachesmith.kvstore.entry_format import CorruptEntry, EntryHeader
 from cachesmith.kvstore.reader import EntryReader
-from cachesmith.kvstore.tiers import RedisTier
+from cachesmith.kvstore.redis_tier import RedisTier
 from cachesmith.server.tenancy import StoreUsage, TenantUsage, quota_exceeded
 
 log = logging.getLogger(__name__)
 COUNTS = "cachesmith:tenant-bytes:"
 PENDING = "cachesmith:tenant-bytes-pending:"
-SEEDED = "cachesmith:tenant-bytes-seeded"  # set once the store's earlier entries are counted
+SEEDED = "cachesmith:tenant-bytes-seeded:2"  # set once the store's earlier entries are counted (2: tagged counts)
 SEEDING = "cachesmith:tenant-bytes-seeding"  # held by the server counting them
 PENDING_GRACE_S = 600  # a reserved entry not in redis by then was never written: its bytes are freed
 SEEDING_LOCK_S = 300  # a server that died while counting leaves the work to the next after this
@@ -57,23 +58,31 @@ local function drop(counts, pending, key)
 end
 """
 
-# KEYS: counts, pending. ARGV: cap (-1: none), grace ms, entry name prefix, then key, bytes pairs.
-# Returns {passed (1/0), bytes counted before, new bytes}.
+# KEYS: counts, pending (one hash tag: one slot on a cluster). ARGV: cap (-1: none), grace ms, swept
+# (1: the entries found gone are listed), then a count and that many pending entries found written,
+# a count and that many counted entries found gone, then key, bytes pairs. Entries live in slots of
+# their own, so the caller looks them up and passes what it saw: a script touches only its KEYS.
+# Returns {passed (1/0), bytes counted before, new bytes, a sweep would be needed (1/0)}.
 RESERVE = _DROP + """
 local counts, pending = KEYS[1], KEYS[2]
-local cap, grace, prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local cap, grace, swept = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local written, n = {}, tonumber(ARGV[4])
+for i = 5, 4 + n do written[ARGV[i]] = true end
+local at = 5 + n
+local gone, m = {}, tonumber(ARGV[at])
+for i = at + 1, at + m do table.insert(gone, ARGV[i]) end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local held = redis.call('HGETALL', pending)
 for i = 1, #held, 2 do
-  if redis.call('EXISTS', prefix .. held[i]) == 1 then
+  if written[held[i]] then
     redis.call('HDEL', pending, held[i])
   elseif now - tonumber(held[i + 1]) > grace then
     drop(counts, pending, held[i])
   end
 end
 local fresh, num_fresh = {}, 0
-for i = 4, #ARGV, 2 do
+for i = at + m + 1, #ARGV, 2 do
   if redis.call('HEXISTS', counts, ARGV[i]) == 0 then
     table.insert(fresh, i)
     num_fresh = num_fresh + tonumber(ARGV[i + 1])
@@ -81,21 +90,19 @@ for i = 4, #ARGV, 2 do
 end
 local used = tonumber(redis.call('HGET', counts, 'total') or '0')
 if cap >= 0 and used + num_fresh > cap then
-  for _, key in ipairs(redis.call('HKEYS', counts)) do
-    if key ~= 'total' and redis.call('HEXISTS', pending, key) == 0
-        and redis.call('EXISTS', prefix .. key) == 0 then
-      drop(counts, pending, key)
-    end
+  if swept == 0 then return {0, used, num_fresh, 1} end
+  for _, key in ipairs(gone) do
+    if redis.call('HEXISTS', pending, key) == 0 then drop(counts, pending, key) end
   end
   used = tonumber(redis.call('HGET', counts, 'total') or '0')
-  if used + num_fresh > cap then return {0, used, num_fresh} end
+  if used + num_fresh > cap then return {0, used, num_fresh, 0} end
 end
 for _, i in ipairs(fresh) do
   redis.call('HSET', counts, ARGV[i], ARGV[i + 1])
   redis.call('HSET', pending, ARGV[i], now)
 end
 redis.call('HINCRBY', counts, 'total', num_fresh)
-return {1, used, num_fresh}
+return {1, used, num_fresh, 0}
 """
 
 # KEYS: counts, pending. ARGV: keys deleted.
@@ -116,11 +123,21 @@ return 0
 
 
 def counts_key(namespace: str) -> str:
-    return COUNTS + (namespace or "-")
+    return COUNTS + _tag(namespace)
 
 
 def pending_key(namespace: str) -> str:
-    return PENDING + (namespace or "-")
+    return PENDING + _tag(namespace)
+
+
+def _tag(namespace: str) -> str:
+    """The namespace as a hash tag: its count and pending hashes share a slot on a cluster (a
+    namespace is empty or 32 hex digits: `kvstore.keys.validate_namespace`)."""
+    return "{" + (namespace or "-") + "}"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def tenant_usage(store: ChunkStore) -> TenantUsage:
@@ -138,9 +155,8 @@ class RedisUsage(TenantUsage):
         import redis
 
         self.store, self.tier = store, tier
-        self._failed = (redis.exceptions.RedisError, OSError)
-        # registered here, sent on first use: a server starts while redis is away
-        self._reserve, self._forget, self._seed = (tier.client.register_script(s) for s in (RESERVE, FORGET, SEED))
+        self._failed = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+        self._scripts: tuple | None = None  # registered once the tier has a client: a server starts while redis is away
         self._lock = threading.Lock()
         self.local: StoreUsage | None = None  # the per-process count while redis is away
         self._down_until = 0.0
@@ -169,21 +185,42 @@ class RedisUsage(TenantUsage):
         with self._lock:
             for key in keys:
                 self._unsynced.get(namespace, {}).pop(key, None)
-        done = self._redis(lambda: self._forget(keys=[counts_key(namespace), pending_key(namespace)], args=keys))
+        done = self._redis(lambda: self._script(1)(keys=[counts_key(namespace), pending_key(namespace)], args=keys))
         if done is _AWAY:  # a count left in redis is dropped when a cap would refuse (its entry is gone)
             self._local().forget(namespace, keys)
 
     def _reserve_in_redis(self, namespace: str, new: dict[str, int], cap: int | None) -> list:
-        args = [-1 if cap is None else cap, PENDING_GRACE_S * 1000, RedisTier.PREFIX]
-        for key, num_bytes in new.items():
-            args += [key, num_bytes]
-        return self._reserve(keys=[counts_key(namespace), pending_key(namespace)], args=args)
+        """The reservation in one script on the namespace's slot; the entries it asks about (pending
+        ones written since, counted ones gone when a cap would refuse) looked up first, where they live."""
+        keys, client = [counts_key(namespace), pending_key(namespace)], self.tier.client
+        written = [k for k, here in self._exist(list(map(_text, client.hkeys(keys[1])))) if here]
+        answer = self._script(0)(keys=keys, args=_reserve_args(cap, 0, written, [], new))
+        if int(answer[0]) or not int(answer[3]):
+            return answer[:3]
+        counted = [k for k in map(_text, client.hkeys(keys[0])) if k != "total"]
+        gone = [k for k, here in self._exist(counted) if not here]
+        return self._script(0)(keys=keys, args=_reserve_args(cap, 1, written, gone, new))[:3]
+
+    def _exist(self, keys: list[str]) -> list[tuple[str, bool]]:
+        """(key, whether redis holds its entry), each asked of the node holding it."""
+        if not keys:
+            return []
+        pipe = self.tier.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(RedisTier.PREFIX + key)
+        return list(zip(keys, (bool(x) for x in pipe.execute())))
+
+    def _script(self, index: int):
+        """RESERVE, FORGET or SEED, registered with the tier's client."""
+        if self._scripts is None:
+            self._scripts = tuple(self.tier.client.register_script(s) for s in (RESERVE, FORGET, SEED))
+        return self._scripts[index]
 
     # -- redis away and back ---------------------------------------------------------------------
     def _redis(self, call: Callable[[], object]):
         """`call()` against redis, after catching up on what redis missed; `_AWAY` while redis is
         away (the tier backing off, or this call failing)."""
-        if not self.tier.is_available or time.monotonic() < self._down_until:
+        if not self.tier.is_available or time.monotonic() < self._down_until or not self.tier.connected():
             self._went_away("the store's redis tier is backing off")
             return _AWAY
         try:
@@ -243,7 +280,7 @@ class RedisUsage(TenantUsage):
             if header is not None:
                 by_namespace.setdefault(header.namespace, []).extend((key, header.total_bytes))
         for namespace, pairs in by_namespace.items():
-            self._seed(keys=[counts_key(namespace)], args=pairs)
+            self._script(2)(keys=[counts_key(namespace)], args=pairs)
         client.set(SEEDED, 1)
         client.delete(SEEDING)
         self._is_seeded = True
@@ -258,6 +295,13 @@ class RedisUsage(TenantUsage):
             return None
         finally:
             source.close()
+
+
+def _reserve_args(cap: int | None, swept: int, written: list[str], gone: list[str], new: dict[str, int]) -> list:
+    args = [-1 if cap is None else cap, PENDING_GRACE_S * 1000, swept, len(written), *written, len(gone), *gone]
+    for key, num_bytes in new.items():
+        args += [key, num_bytes]
+    return args
 
 
 _AWAY = object()  # a redis call's answer while redis is away

@@ -12,6 +12,7 @@ from tests.workloads.test_cli import _corpus_file
 pytestmark = pytest.mark.real_model
 
 
+@pytest.mark.slow  # a whole `cachesmith bench` run on the packaged model
 def test_bench_cli_on_the_packaged_model(tmp_path, capsys, monkeypatch):
     # no measured profile here: the one shipped for the packaged model is used
     monkeypatch.setattr(packaged, "default_path", lambda pipe: tmp_path / "smollm2-135m-float32-cpu.json")

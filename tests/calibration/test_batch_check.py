@@ -87,6 +87,7 @@ def test_the_summary_names_the_term_that_moves_a_family_most():
     assert row["is_counted"] is True
 
 
+@pytest.mark.slow  # calibrates, then times served batches on the packaged model
 def test_the_calibrated_packaged_profile_prices_served_batches_within_the_guard(tmp_path):
     """A handful of batches of the workload's prompts on the packaged model, priced by the profile a
     server plans with (the packaged one calibrated to this machine at start). Each is judged at the

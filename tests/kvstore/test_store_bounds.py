@@ -14,7 +14,7 @@ from cachesmith import cli, cli_store
 from cachesmith.errors import ConfigError
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.disk_tier import DiskTier
-from cachesmith.kvstore.tiers import DEFAULT_REDIS_TTL_S, RedisTier
+from cachesmith.kvstore.redis_tier import DEFAULT_REDIS_TTL_S, RedisTier
 
 
 def _key(i: int) -> str:

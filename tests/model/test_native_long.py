@@ -62,6 +62,7 @@ def _greedy(model, cache, first: int, num_tokens: int) -> tuple[list[int], torch
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # an 8K prefill, then decode, on the packaged model (make sanitize runs it too)
 @pytest.mark.skipif(not native.supports(torch.float32), reason="no AVX-512 kernels here")
 def test_decode_after_an_8k_prefill_equals_torch_kernels(real_model):
     """64 greedy tokens after an 8,128-token prefill (the model's 8,192 positions, filled): the

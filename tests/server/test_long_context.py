@@ -114,6 +114,7 @@ def test_every_method_answers_a_6k_context_over_http(serving, pipe, docs, method
         assert served["num_recomputed"] == want
 
 
+@pytest.mark.slow  # every plan family at 6K tokens on the packaged model
 def test_full_coverage_plans_equal_full_prefill_at_6k(pipe, docs):
     """r = 100% of each preset against one full prefill of the flat prompt: fp32 logits within 1e-4,
     run as the service runs a batch (stored chunk KV staged by the transfer engine, the runner)."""

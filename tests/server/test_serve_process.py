@@ -122,7 +122,10 @@ def redis_hits(url: str) -> float:
                if s.labels.get("tier") == "redis" and s.name == "cachesmith:store_hits_total")
 
 
-def test_two_servers_on_one_redis_share_chunks(setup, redis_url):
+@pytest.mark.parametrize("shared", ["redis_url", "redis_cluster_url"])
+def test_two_servers_on_one_redis_share_chunks(setup, shared, request):
+    """Through one redis server, or a Redis Cluster named by one of its nodes."""
+    redis_url = request.getfixturevalue(shared)
     model_dir, profile, store_root = setup
     ports = [free_port(), free_port()]
     procs = [launch(model_dir, profile, store_root, p, tiers=("memory", "redis"), redis_url=redis_url)
@@ -153,6 +156,9 @@ def test_two_servers_on_one_redis_share_chunks(setup, redis_url):
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    start = procs[0].stdout.read()
+    wanted = "redis: cluster of 3 primaries and 3 replicas" if shared == "redis_cluster_url" else f"redis: {redis_url}"
+    assert wanted in start, start[-2000:]
 
 
 def test_a_model_nobody_profiled_serves_after_a_quick_cost_grid(tiny_chat_dir, tmp_path):

@@ -13,13 +13,14 @@ import pytest
 
 from cachesmith.kvstore import ChunkStore, StoreConfig
 from cachesmith.kvstore.keys import namespace_of
-from cachesmith.kvstore.tiers import RedisTier
+from cachesmith.kvstore.redis_tier import RedisTier
 from cachesmith.model.config import ModelConfig, load_hf_config
 from cachesmith.pipeline import RagPipeline
 from cachesmith.server import Service, ServiceConfig
 from cachesmith.server import redis_usage
 from cachesmith.server.redis_usage import RedisUsage, tenant_usage
 from cachesmith.server.tenancy import Caller, StoreQuotaExceeded, StoreUsage
+from tests.redis_cluster import start_cluster
 from tests.redis_server import start_redis
 from tests.server.conftest import NAME, make_service, tiny_profile
 
@@ -58,20 +59,47 @@ def stored_in_redis(service: Service, namespace: str) -> list[int]:
     return sizes
 
 
-@pytest.fixture()
-def two_servers(tiny_chat_dir, redis_server):
+@pytest.fixture(params=["one server", "cluster"])
+def shared_redis_url(request, tmp_path):
+    """The URL of a redis server, or of one node of a Redis Cluster (3 primaries, 3 replicas)."""
+    if request.param == "one server":
+        server = start_redis(tmp_path)
+        yield server.url
+        server.stop()
+    else:
+        cluster = start_cluster(tmp_path / "cluster")
+        yield cluster.url
+        cluster.stop()
+
+
+def servers_on(model_dir, url: str):
     made = []
 
     def make(cap: int | None, **kw) -> Service:
-        made.append(redis_service(tiny_chat_dir, redis_server.url, cap, **kw))
+        made.append(redis_service(model_dir, url, cap, **kw))
         return made[-1]
 
+    return make, made
+
+
+@pytest.fixture()
+def two_servers(tiny_chat_dir, redis_server):
+    make, made = servers_on(tiny_chat_dir, redis_server.url)
     yield make
     for service in made:
         service.close(10)
 
 
-def test_two_servers_on_one_redis_hold_one_tenant_cap(two_servers, tiny_chat_dir):
+@pytest.fixture()
+def two_servers_anywhere(tiny_chat_dir, shared_redis_url):
+    make, made = servers_on(tiny_chat_dir, shared_redis_url)
+    yield make
+    for service in made:
+        service.close(10)
+
+
+def test_two_servers_on_one_redis_hold_one_tenant_cap(two_servers_anywhere, tiny_chat_dir):
+    two_servers = two_servers_anywhere
     cap = per_token(tiny_chat_dir) * 100  # room for about eight uploads, not sixteen
     a, b = two_servers(cap), two_servers(cap)
     assert a.chunks.usage.is_shared and isinstance(a.chunks.usage, RedisUsage)
@@ -143,8 +171,8 @@ def reserving_usage(url: str) -> RedisUsage:
     return usage
 
 
-def test_racing_reserves_on_the_redis_count_never_both_pass(redis_server):
-    servers = [reserving_usage(redis_server.url) for _ in range(2)]
+def test_racing_reserves_on_the_redis_count_never_both_pass(shared_redis_url):
+    servers = [reserving_usage(shared_redis_url) for _ in range(2)]
     num_threads, num_rounds = 8, 25
     passed = [[] for _ in range(num_rounds)]
     barrier = threading.Barrier(num_threads)
