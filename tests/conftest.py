@@ -47,7 +47,7 @@ def redis_url(tmp_path_factory):
 def redis_cluster_url(tmp_path_factory):
     """A Redis Cluster of 3 primaries and 3 replicas shared by the session's tests (none kills a node
     of it: a test that does starts its own, `tests/redis_cluster.py`)."""
-    from tests.redis_cluster import start_cluster
+    from benchmarks.common.redis_cluster import start_cluster
 
     cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
     yield cluster.url

@@ -35,9 +35,14 @@ def memory_config(client, url: str, ttl_s: int | None, refused: tuple[type[BaseE
         host, port = name.rsplit(":", 1)
         node = redis.Redis(host=host, port=int(port), **_timeouts(client))
         try:
-            config[name] = _node_config(node, f"{url} node {name}", ttl_s, refused, max_bytes)
+            config[name] = _node_config(node, f"{url} node {name}", ttl_s, refused, max_bytes, is_warned=False)
         finally:
             node.close()
+    unbounded = sorted(name for name, c in config.items() if c.get("maxmemory") == "0")
+    if unbounded:
+        log.warning("redis tier %s: %d of the cluster's %d nodes have maxmemory 0 (%s), so only the TTL (ttl_s=%s) "
+                    "bounds their entries' bytes; set maxmemory and maxmemory-policy %s on every node (or "
+                    "--redis-max-bytes)", url, len(unbounded), len(config), ", ".join(unbounded), ttl_s, POLICY)
     return config
 
 
@@ -59,7 +64,7 @@ def _timeouts(client) -> dict:
 
 
 def _node_config(client, url: str, ttl_s: int | None, refused: tuple[type[BaseException], ...],
-                 max_bytes: int | None) -> dict[str, str]:
+                 max_bytes: int | None, is_warned: bool = True) -> dict[str, str]:
     if max_bytes is not None:
         try:
             client.config_set("maxmemory", max_bytes)
@@ -71,7 +76,7 @@ def _node_config(client, url: str, ttl_s: int | None, refused: tuple[type[BaseEx
         config = {_text(k): _text(v) for k, v in client.config_get("maxmemory*").items()}
     except refused:
         return {}
-    if config.get("maxmemory") == "0":
+    if config.get("maxmemory") == "0" and is_warned:
         log.warning("redis tier %s: the server has maxmemory 0, so only the TTL (ttl_s=%s) bounds the "
                     "entries' bytes; set maxmemory and maxmemory-policy %s on it (or --redis-max-bytes)",
                     url, ttl_s, POLICY)

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REDIS_TTL_S = 7 * 24 * 3600  # an entry nobody read for a week is recomputed when next needed
 REDIS_RETRY_AFTER_S = 5.0  # a redis server that failed is tried again after this
 NODE_RETRY_AFTER_S = 1.0  # a cluster node that failed: its slots are tried again after this
+REPLICA_WAIT_MS = 1000  # how long an upload waits for a replica's copy before it is refused (503)
 WHOLE = "*"  # the back-off of the tier as a whole (one server, or a cluster that is down)
 
 
@@ -170,6 +171,27 @@ class RedisTier(Tier):
     def put(self, key: str, data: bytes) -> bool:
         name = self.PREFIX + validate_key(key)
         return bool(self._call(lambda: self.client.set(name, data, ex=self.ttl_s), False, name))
+
+    def put_replicated(self, key: str, data: bytes) -> bool | None:
+        """`put`, then `WAIT` until one replica of the key's primary has it (up to
+        `REPLICA_WAIT_MS`): replication is asynchronous, so a primary lost before its replica copied
+        an entry loses it. False when no replica confirmed in time; None where there is nothing to
+        wait for: the primary has no replica, or it is unreachable (the store's missed-write retry
+        brings the entry to it later, as for any write)."""
+        name = self.PREFIX + validate_key(key)
+
+        def write() -> bool | None:
+            conn = self.client.get_redis_connection(self.client.get_node_from_key(name)) if self.is_cluster \
+                else self.client
+            if int(conn.info("replication").get("connected_slaves", 0)) < 1:
+                return None if conn.set(name, data, ex=self.ttl_s) else False
+            pipe = conn.pipeline(transaction=False)  # one connection: WAIT counts its own writes
+            pipe.set(name, data, ex=self.ttl_s)
+            pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+            is_set, num_acked = pipe.execute()
+            return bool(is_set) and int(num_acked) >= 1
+
+        return self._call(write, None, name)
 
     def delete(self, key: str) -> bool:
         name = self.PREFIX + validate_key(key)

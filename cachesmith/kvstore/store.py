@@ -346,16 +346,31 @@ class ChunkStore:
         return sorted(set().union(*(t.keys() for t in self.tiers)))
 
     def ensure(self, model: Decoder, token_ids: Sequence[int], namespace: str = "",
-               key: str | None = None) -> tuple[str, bool]:
+               key: str | None = None, is_replicated: bool = False) -> tuple[str, bool]:
         """Key of a stored, verified entry for `token_ids` in `namespace`, computing and storing it
         on a miss. Returns (key, was_computed). `key`: the caller's `key_for` of the same three,
-        not hashed again."""
+        not hashed again. `is_replicated`: a shared tier with replicas holds it on one of them too
+        before this returns (`StoreWriteFailed` otherwise): an entry named only by its id (an
+        upload) has no text to rebuild it from, so a failover must not lose it."""
         key = key or self.key_for(model, token_ids, namespace)
         reader = self.open(key, model)
         if reader is not None:
-            reader.close()
+            try:
+                if is_replicated:
+                    self._replicate(key, read_bytes(reader.source, 0, reader.source.size))
+            finally:
+                reader.close()
             return key, False
-        return self._prefill(model, token_ids, namespace, key)
+        key, is_new = self._prefill(model, token_ids, namespace, key)
+        if is_replicated:
+            self.ensure(model, token_ids, namespace, key, is_replicated=True)
+        return key, is_new
+
+    def _replicate(self, key: str, data: bytes) -> None:
+        for tier in self.tiers:
+            if hasattr(tier, "put_replicated") and tier.put_replicated(key, data) is False:
+                raise StoreWriteFailed(f"chunk {key[:12]}: the {tier.name} tier did not confirm a replica's copy "
+                                       f"within its wait (an upload is acknowledged once a failover cannot lose it)")
 
     def ensure_held(self, model: Decoder, token_ids: Sequence[int], namespace: str = "",
                     key: str | None = None) -> tuple[str, bool]:

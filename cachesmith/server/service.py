@@ -340,7 +340,9 @@ class Service:
             records = []
             for token_ids, entry in zip(ids, entries):
                 with self.loop.admission():
-                    key, is_new = self.store.ensure(self.pipeline.model, token_ids, entry.namespace, entry.key)
+                    # an upload is named by id alone: acknowledged once a redis failover cannot lose it
+                    key, is_new = self.store.ensure(self.pipeline.model, token_ids, entry.namespace, entry.key,
+                                                    is_replicated=True)
                 records.append(replace(self.chunks.record(key, caller), is_new=is_new))
             return records
         finally:

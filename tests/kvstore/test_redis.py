@@ -139,3 +139,14 @@ def test_evicting_a_corrupt_redis_entry_leaves_other_stores_copies(model, redis_
     finally:
         for store in (one, other):
             store.close()
+
+
+def test_a_replicated_write_to_a_server_without_replicas_waits_for_nothing(model, redis_server):
+    """One redis server has no replica to wait for: an upload's write is stored and not refused."""
+    store = ChunkStore(StoreConfig(tiers=("redis",), redis_url=redis_server.url))
+    key, is_new = store.ensure(model, list(range(4, 12)), is_replicated=True)
+    assert is_new and store.contains(key)
+    tier = store.tiers[0]
+    assert tier.put_replicated(key, b"x") is None  # nothing to wait for: not a refusal
+    redis_server.stop()  # away: the write is missed (retried later), the upload not refused
+    assert tier.put_replicated(key, b"x") is None

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cachesmith.kvstore.redis_tier import RedisTier
-from tests.redis_cluster import NODE_TIMEOUT_MS, start_cluster
+from benchmarks.common.redis_cluster import NODE_TIMEOUT_MS, start_cluster
 
 ENTRY = b"x" * 512
 
@@ -64,13 +64,14 @@ def test_a_delete_announced_through_one_tier_reaches_another(cluster):
 
 
 def test_a_killed_primary_costs_only_its_slots_until_its_replica_takes_them(cluster, caplog):
+    """Written as uploads are (a replica's copy confirmed), then the primary killed at once: every
+    entry is read again, from the promoted replica."""
     tier = RedisTier(cluster.url)
     for i in range(60):
-        assert tier.put(key(i), ENTRY)
+        assert tier.put_replicated(key(i), ENTRY) is True
     victim = cluster.primaries()[0]
     on_victim = {key(i) for i in range(60) if tier.client.get_node_from_key(RedisTier.PREFIX + key(i)).port == victim}
     assert 0 < len(on_victim) < 60
-    time.sleep(0.5)  # replication is asynchronous: let the replicas catch up before the loss
     cluster.kill(victim)
     killed_at = time.monotonic()
     limit_s = NODE_TIMEOUT_MS / 1e3 + 5
@@ -84,3 +85,12 @@ def test_a_killed_primary_costs_only_its_slots_until_its_replica_takes_them(clus
     back_s = time.monotonic() - killed_at
     assert found == {key(i) for i in range(60)}, f"{len(on_victim - found)} keys still missing after {back_s:.1f} s"
     assert any("node" in r.getMessage() for r in caplog.records)  # backed off the node, not the tier
+
+
+def test_a_replicated_write_is_on_a_replica_when_it_returns(cluster):
+    tier = RedisTier(cluster.url)
+    assert tier.put_replicated(key(1), ENTRY) is True
+    primary = tier.client.get_node_from_key(RedisTier.PREFIX + key(1)).port
+    replicas = [p for p in cluster.live() if cluster.role(p) == "slave"
+                and cluster.client(p).info("replication")["master_port"] == primary]
+    assert len(replicas) == 1 and cluster.client(replicas[0]).dbsize() == 1

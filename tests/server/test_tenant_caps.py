@@ -20,7 +20,7 @@ from cachesmith.server import Service, ServiceConfig
 from cachesmith.server import redis_usage
 from cachesmith.server.redis_usage import RedisUsage, tenant_usage
 from cachesmith.server.tenancy import Caller, StoreQuotaExceeded, StoreUsage
-from tests.redis_cluster import start_cluster
+from benchmarks.common.redis_cluster import start_cluster
 from tests.redis_server import start_redis
 from tests.server.conftest import NAME, make_service, tiny_profile
 

@@ -1,7 +1,7 @@
-"""A real Redis Cluster on loopback: 6 `redis-server` processes (3 primaries, 3 replicas) on free
-ports, formed with `redis-cli --cluster create`, for the redis tier's cluster tests. Each node keeps
-its cluster state in a folder of its own; `stop` ends every process, `kill` one (SIGKILL, as a
-machine's loss)."""
+"""A real Redis Cluster on loopback: `redis-server` processes (3 primaries, 3 replicas by default) on
+free ports, formed with `redis-cli --cluster create`, for the redis tier's cluster tests and
+benchmarks. Each node keeps its cluster state in a folder of its own; `stop` ends every process,
+`kill` one (SIGKILL, as a machine's loss). Raises `ClusterError` when it cannot start one."""
 from __future__ import annotations
 
 import random
@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
+
+class ClusterError(RuntimeError):
+    """A local cluster could not be started (a binary missing, a node that did not come up)."""
 
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary unreachable this long is failed over
@@ -31,7 +33,7 @@ def free_node_port() -> int:
             return port
         except OSError:
             continue
-    pytest.fail("no free pair of ports for a redis cluster node")
+    raise ClusterError("no free pair of ports for a redis cluster node")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class RedisCluster:
     procs: dict[int, subprocess.Popen]  # port -> its redis-server
     workdir: Path
     maxmemory: int | None = None
+    num_replicas: int = 1  # per primary
     killed: list[int] = field(default_factory=list)
 
     @property
@@ -79,13 +82,13 @@ class RedisCluster:
             except Exception:  # a node still starting, or one that just lost its primary
                 pass
             time.sleep(0.1)
-        pytest.fail(f"the redis cluster in {self.workdir} did not report ok within {timeout_s:.0f} s")
+        raise ClusterError(f"the redis cluster in {self.workdir} did not report ok within {timeout_s:.0f} s")
 
     def _is_ok(self) -> bool:
         live = self.live()
         info = {p: self.client(p).info("replication") for p in live}
         primaries = [p for p in live if info[p]["role"] == "master"]
-        if any(info[p]["connected_slaves"] < 1 for p in primaries) or any(
+        if any(info[p]["connected_slaves"] < self.num_replicas for p in primaries) or any(
                 info[p].get("master_link_status") != "up" for p in live if p not in primaries):
             return False
         for p in live:
@@ -107,13 +110,14 @@ class RedisCluster:
                 proc.kill()
 
 
-def start_cluster(workdir: Path, maxmemory: int | None = None) -> RedisCluster:
-    """6 nodes, 3 primaries each with a replica, every slot assigned and the cluster ok."""
+def start_cluster(workdir: Path, maxmemory: int | None = None, num_primaries: int = NUM_PRIMARIES,
+                  num_replicas: int = 1) -> RedisCluster:
+    """`num_primaries` nodes each with `num_replicas` replicas, every slot assigned, the cluster ok."""
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
-        pytest.fail("redis-server or redis-cli is not installed: `make system-deps` installs the Debian package")
+        raise ClusterError("redis-server or redis-cli is not installed: `make system-deps` installs the Debian package")
     procs = {}
-    for _ in range(2 * NUM_PRIMARIES):
+    for _ in range(num_primaries * (1 + num_replicas)):
         port = free_node_port()
         node_dir = workdir / str(port)
         node_dir.mkdir(parents=True)
@@ -125,11 +129,11 @@ def start_cluster(workdir: Path, maxmemory: int | None = None) -> RedisCluster:
              # a primary's loss leaves only its slots unserved, not the whole cluster (the tier's advice)
              "--cluster-require-full-coverage", "no", *limits],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cluster = RedisCluster(procs, workdir, maxmemory)
+    cluster = RedisCluster(procs, workdir, maxmemory, num_replicas)
     try:
         _wait_ping(cluster)
         nodes = [f"127.0.0.1:{p}" for p in procs]
-        subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+        subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", str(num_replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         cluster.wait_ok()
     except BaseException:
@@ -147,5 +151,41 @@ def _wait_ping(cluster: RedisCluster) -> None:
                 break
             except Exception:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"redis-server on port {port} did not start")
+                    raise ClusterError(f"redis-server on port {port} did not start")
                 time.sleep(0.05)
+
+
+@dataclass
+class SingleServer:
+    proc: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+def start_single(workdir: Path, maxmemory: int | None = None) -> SingleServer:
+    """One redis-server (not in a cluster), with the cluster nodes' flags otherwise: the yardstick."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ClusterError("redis-server is not installed: `make system-deps` installs the Debian package")
+    workdir.mkdir(parents=True)
+    port = free_node_port()
+    limits = ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), *limits], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = SingleServer(proc, f"redis://127.0.0.1:{port}/0")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            import redis
+
+            redis.Redis(host="127.0.0.1", port=port).ping()
+            return server
+        except Exception:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise ClusterError(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
