@@ -44,14 +44,19 @@ def redis_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_url(tmp_path_factory):
+def redis_cluster(tmp_path_factory):
     """A Redis Cluster of 3 primaries and 3 replicas shared by the session's tests (none kills a node
-    of it: a test that does starts its own, `tests/redis_cluster.py`)."""
+    of it: a test that does starts its own, `benchmarks/common/redis_cluster.py`)."""
     from benchmarks.common.redis_cluster import start_cluster
 
     cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
-    yield cluster.url
+    yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(redis_cluster):
+    return redis_cluster.url
 
 
 @pytest.fixture()

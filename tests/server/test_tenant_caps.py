@@ -20,7 +20,6 @@ from cachesmith.server import Service, ServiceConfig
 from cachesmith.server import redis_usage
 from cachesmith.server.redis_usage import RedisUsage, tenant_usage
 from cachesmith.server.tenancy import Caller, StoreQuotaExceeded, StoreUsage
-from benchmarks.common.redis_cluster import start_cluster
 from tests.redis_server import start_redis
 from tests.server.conftest import NAME, make_service, tiny_profile
 
@@ -61,15 +60,14 @@ def stored_in_redis(service: Service, namespace: str) -> list[int]:
 
 @pytest.fixture(params=["one server", "cluster"])
 def shared_redis_url(request, tmp_path):
-    """The URL of a redis server, or of one node of a Redis Cluster (3 primaries, 3 replicas)."""
+    """The URL of a redis server of this test's own, or of one node of the session's Redis Cluster
+    (3 primaries, 3 replicas; the tests' namespaces are their own)."""
     if request.param == "one server":
         server = start_redis(tmp_path)
         yield server.url
         server.stop()
     else:
-        cluster = start_cluster(tmp_path / "cluster")
-        yield cluster.url
-        cluster.stop()
+        yield request.getfixturevalue("redis_cluster_url")
 
 
 def servers_on(model_dir, url: str):
