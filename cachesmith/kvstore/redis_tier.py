@@ -148,6 +148,11 @@ class RedisTier(Tier):
 
     def _fail(self, node: str, exc: Exception, what: str) -> None:
         seconds = NODE_RETRY_AFTER_S if self.is_cluster else self.retry_after_s
+        if self.is_cluster and node == WHOLE and isinstance(exc, self._unreachable):
+            # a call of no one key (a ping, a scan) met one dead node: the client drops it from its
+            # map; backing off every slot for it would cost the live primaries' keys too
+            log.warning("redis tier %s: a node was unreachable (%s)", self.url, exc)
+            return
         self._backoff.fail(node, seconds)
         where = f"node {node} of " if node != WHOLE else ""
         log.warning("redis tier %s%s %s (%s); using local tiers for its keys for %.0f s", where, self.url, what,
