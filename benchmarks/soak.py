@@ -6,6 +6,8 @@ SIGKILL and restarted on the same store. Run at review, not in CI.
   python -m benchmarks.soak [--minutes 10 --load 1.5] [--out docs/bench/soak.json]
   python -m benchmarks.soak --minutes 2 --faults kill --capacity-s 10   (a short look)
   python -m benchmarks.soak --tenant-mode single ...   (a server whose --api-key-file takes one key)
+  python -m benchmarks.soak --redis-cluster [--out docs/bench/soak_cluster.json]   (on a Redis Cluster,
+      one of whose primaries is SIGKILLed instead of the redis-server)
 
 Steps: its own redis-server (append-only, fsync always) and `cachesmith serve` as children; the
 server's capacity measured by a short closed loop of chats; then Poisson arrivals at --load x that
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.common.payload import PROVENANCE, emit
 from benchmarks.common.server_process import stop_on_sigterm
-from benchmarks.common.soak_faults import FAULT_NAMES, DiskSamples, ReadOnlyDisk, RedisChild, ServeConfig, \
+from benchmarks.common.soak_faults import FAULT_NAMES, ClusterChild, DiskSamples, ReadOnlyDisk, RedisChild, ServeConfig, \
     SoakServer, Timeline, plan_faults, scan_store, serve_flags
 from benchmarks.common.soak_report import COMPLETIONS, CORRUPT_LINE, bars, cross_tenant_summary, log_summary, \
     parse_metrics, report_text, summarize_integrity, summarize_requests
@@ -51,8 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--capacity-s", type=float, default=30.0, help="closed-loop probe measuring capacity")
     ap.add_argument("--capacity-concurrency", type=int, default=16,
                     help="closed-loop clients: twice the server's batch, so batches fill and a queue forms")
-    ap.add_argument("--faults", default=",".join(FAULT_NAMES),
-                    help=f"comma-separated, in order, from {', '.join(FAULT_NAMES)} (or none)")
+    ap.add_argument("--faults", default=None,
+                    help=f"comma-separated, in order, from {', '.join(FAULT_NAMES)} (or none; default: redis, "
+                         f"readonly, kill, with --redis-cluster primary, readonly, kill)")
+    ap.add_argument("--redis-cluster", action="store_true",
+                    help="the store's redis is a local Redis Cluster (3 primaries, a replica each); the primary "
+                         "fault SIGKILLs one of its primaries, which its replica replaces")
     ap.add_argument("--redis-down-s", type=float, default=20.0)
     ap.add_argument("--readonly-s", type=float, default=30.0)
     ap.add_argument("--tenant-mode", choices=["multi", "single"], default="multi",
@@ -73,7 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.faults is None:
+        args.faults = "primary,readonly,kill" if args.redis_cluster else "redis,readonly,kill"
     args.fault_names = tuple(n for n in args.faults.split(",") if n and n != "none")
+    if ("primary" in args.fault_names) != args.redis_cluster or ("redis" in args.fault_names and args.redis_cluster):
+        ap.error("--faults: primary goes with --redis-cluster, redis with one redis-server")
     return args
 
 
@@ -126,7 +136,7 @@ class Soak:
         self.store_root = workdir / "kv"
         self.store_root.mkdir(exist_ok=True)
         self.keys = write_keys(workdir / "api-keys.txt", args.tenant_mode)
-        self.redis = RedisChild(workdir)
+        self.redis = ClusterChild(workdir) if args.redis_cluster else RedisChild(workdir)
         self.cfg = ServeConfig(self.store_root, self.redis.url, workdir / "api-keys.txt", args.disk_max_bytes,
                                args.max_queue, serve_extra(args))
         self.server_logs: list[Path] = []
@@ -169,6 +179,15 @@ class Soak:
         await asyncio.sleep(hold_s)
         await asyncio.to_thread(self.redis.start)
         self.timeline.event("redis-server restarted", port=self.redis.port)
+        self.timeline.close(window)
+
+    async def _fault_primary(self, hold_s: float) -> None:
+        window = self.timeline.open("primary_killed")  # not a store fault: no 503 is expected in it
+        port = await asyncio.to_thread(self.redis.kill_primary)
+        self.timeline.event("redis cluster primary killed (SIGKILL)", port=port)
+        await asyncio.sleep(hold_s)
+        await asyncio.to_thread(self.redis.restart, port)
+        self.timeline.event("redis cluster node restarted (a replica now)", port=port)
         self.timeline.close(window)
 
     async def _fault_readonly(self, hold_s: float) -> None:
@@ -223,18 +242,16 @@ class Soak:
         return found
 
     def in_redis(self, ids: list[str]) -> dict[str, bool]:
-        import redis
-
+        """Whether redis (one server or the cluster) holds each id; {} where it cannot say."""
         from cachesmith.kvstore.redis_tier import RedisTier
 
+        tier = RedisTier(self.redis.url, timeout_s=5.0)
         try:
-            client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
-            pipe = client.pipeline(transaction=False)
-            for chunk_id in ids:
-                pipe.exists(RedisTier.PREFIX + chunk_id)
-            return {chunk_id: bool(n) for chunk_id, n in zip(ids, pipe.execute())}
-        except redis.exceptions.RedisError:
-            return {}
+            if not tier.connected():
+                return {}
+            return {chunk_id: tier.contains(chunk_id) for chunk_id in ids}
+        finally:
+            tier.close()
 
     async def check_integrity(self, when: str, num_read: int = 30) -> None:
         """Every acknowledged chunk not deleted, by its tenant: GET /v1/chunks/{id}; then a sample

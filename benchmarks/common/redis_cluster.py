@@ -43,6 +43,7 @@ class RedisCluster:
     maxmemory: int | None = None
     num_replicas: int = 1  # per primary
     killed: list[int] = field(default_factory=list)
+    commands: dict[int, list[str]] = field(default_factory=dict)  # port -> its redis-server command
 
     @property
     def url(self) -> str:
@@ -69,6 +70,12 @@ class RedisCluster:
         self.procs[port].send_signal(signal.SIGKILL)
         self.procs[port].wait(timeout=10)
         self.killed.append(port)
+
+    def restart(self, port: int) -> None:
+        """A killed node started again on its port and folder: it rejoins, as a replica of the
+        primary that took its slots."""
+        self.procs[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.killed.remove(port)
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every live node reports `cluster_state:ok`, sees every other live node in the role
@@ -111,25 +118,24 @@ class RedisCluster:
 
 
 def start_cluster(workdir: Path, maxmemory: int | None = None, num_primaries: int = NUM_PRIMARIES,
-                  num_replicas: int = 1) -> RedisCluster:
-    """`num_primaries` nodes each with `num_replicas` replicas, every slot assigned, the cluster ok."""
+                  num_replicas: int = 1, ports: list[int] | None = None) -> RedisCluster:
+    """`num_primaries` nodes each with `num_replicas` replicas (on `ports`, else free ones), every slot
+    assigned, the cluster ok."""
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         raise ClusterError("redis-server or redis-cli is not installed: `make system-deps` installs the Debian package")
-    procs = {}
-    for _ in range(num_primaries * (1 + num_replicas)):
-        port = free_node_port()
+    procs, commands = {}, {}
+    for port in ports or [free_node_port() for _ in range(num_primaries * (1 + num_replicas))]:
         node_dir = workdir / str(port)
         node_dir.mkdir(parents=True)
         limits = ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
-        procs[port] = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-             # a primary's loss leaves only its slots unserved, not the whole cluster (the tier's advice)
-             "--cluster-require-full-coverage", "no", *limits],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cluster = RedisCluster(procs, workdir, maxmemory, num_replicas)
+        commands[port] = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                          "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                          # a primary's loss leaves only its slots unserved, not the whole cluster (the tier's advice)
+                          "--cluster-require-full-coverage", "no", *limits]
+        procs[port] = subprocess.Popen(commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cluster = RedisCluster(procs, workdir, maxmemory, num_replicas, commands=commands)
     try:
         _wait_ping(cluster)
         nodes = [f"127.0.0.1:{p}" for p in procs]

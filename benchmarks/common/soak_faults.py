@@ -23,12 +23,48 @@ from pathlib import Path
 from benchmarks.common.ports import free_port
 from benchmarks.common.server_process import ServerProcess
 
-FAULT_NAMES = ("redis", "readonly", "kill")
+FAULT_NAMES = ("redis", "readonly", "kill", "primary")  # primary: with --redis-cluster, one primary SIGKILLed
 KILL_HOLD_S = 60.0  # what the schedule leaves for a killed server to start again (a start is ~40 s here)
 GAP_S = 10.0  # steady traffic between two faults
 
 
 # -- redis ---------------------------------------------------------------------------------------
+class ClusterChild:
+    """A local Redis Cluster (3 primaries, a replica each; `benchmarks/common/redis_cluster.py`) on
+    ports chosen now, so the server's flags name it before it starts. `kill_primary` SIGKILLs one
+    primary (its replica takes its slots); `restart` brings it back, as a replica."""
+
+    def __init__(self, workdir: Path) -> None:
+        from benchmarks.common.redis_cluster import free_node_port
+
+        self.dir = workdir / "cluster"
+        self.ports = []
+        while len(self.ports) < 6:
+            port = free_node_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.port = self.ports[0]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.cluster = None
+
+    def start(self) -> None:
+        from benchmarks.common.redis_cluster import start_cluster
+
+        self.cluster = start_cluster(self.dir, ports=self.ports)
+
+    def kill_primary(self) -> int:
+        port = next(p for p in self.cluster.primaries() if p != self.port)  # the URL's node stays: the server names it
+        self.cluster.kill(port)
+        return port
+
+    def restart(self, port: int) -> None:
+        self.cluster.restart(port)
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
 class RedisChild:
     """redis-server on a loopback port with an append-only file fsynced on every write, so a SIGKILL
     loses nothing redis acknowledged; `kill` and `start` again reuse the port and the folder."""
@@ -188,7 +224,7 @@ def plan_faults(duration_s: float, names: tuple[str, ...], redis_down_s: float =
     unknown = [n for n in names if n not in FAULT_NAMES]
     if unknown or len(set(names)) != len(names):
         raise ValueError(f"faults {names!r}: each of {FAULT_NAMES} at most once")
-    holds = {"redis": redis_down_s, "readonly": readonly_s, "kill": kill_hold_s}
+    holds = {"redis": redis_down_s, "readonly": readonly_s, "kill": kill_hold_s, "primary": redis_down_s}
     busy = sum(holds[n] for n in names)
     spare = duration_s - busy - gap_s * (len(names) + 1)
     if spare < 0:

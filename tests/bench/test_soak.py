@@ -32,6 +32,18 @@ def test_faults_fit_the_run_in_order_without_overlapping():
     assert plan_faults(60, ()) == []
 
 
+def test_a_cluster_soak_kills_a_primary_in_place_of_the_redis_server():
+    from benchmarks.soak import parse_args
+
+    assert parse_args(["--redis-cluster"]).fault_names == ("primary", "readonly", "kill")
+    assert parse_args([]).fault_names == ("redis", "readonly", "kill")
+    for wrong in (["--faults", "primary"], ["--redis-cluster", "--faults", "redis,kill"]):
+        with pytest.raises(SystemExit):
+            parse_args(wrong)
+    [primary] = plan_faults(60.0, ("primary",), redis_down_s=20.0)
+    assert (primary.name, primary.hold_s) == ("primary", 20.0)
+
+
 def test_a_schedule_that_does_not_fit_or_names_an_unknown_fault_is_refused():
     assert len(plan_faults(150, ("redis", "readonly", "kill"), 20, 30, 60, 10)) == 3  # exactly: no slack
     with pytest.raises(ValueError, match="need 150 s"):
