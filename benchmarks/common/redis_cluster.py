@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachesmith.kvstore.redis_tier import online_replicas
+
 
 class ClusterError(RuntimeError):
     """A local cluster could not be started (a binary missing, a node that did not come up)."""
@@ -95,7 +97,7 @@ class RedisCluster:
         live = self.live()
         info = {p: self.client(p).info("replication") for p in live}
         primaries = [p for p in live if info[p]["role"] == "master"]
-        if any(info[p]["connected_slaves"] < self.num_replicas for p in primaries) or any(
+        if any(online_replicas(info[p]) < self.num_replicas for p in primaries) or any(
                 info[p].get("master_link_status") != "up" for p in live if p not in primaries):
             return False
         for p in live:

@@ -67,6 +67,14 @@ def connect(url: str, timeout_s: float):
     return RedisCluster.from_url(url, **options), True
 
 
+def online_replicas(replication: dict) -> int:
+    """Replicas of a primary that are in sync (`INFO replication`'s `slaveN` with `state=online`): a
+    replica still loading its first copy (a restarted node rejoining) cannot confirm a write yet."""
+    return sum(1 for name, value in replication.items()
+               if name.startswith("slave") and name[5:].isdigit() and isinstance(value, dict)
+               and value.get("state") == "online")
+
+
 class RedisTier(Tier):
     name = "redis"
     PREFIX = "cachesmith:kv:"
@@ -181,14 +189,14 @@ class RedisTier(Tier):
         """`put`, then `WAIT` until one replica of the key's primary has it (up to
         `REPLICA_WAIT_MS`): replication is asynchronous, so a primary lost before its replica copied
         an entry loses it. False when no replica confirmed in time; None where there is nothing to
-        wait for: the primary has no replica, or it is unreachable (the store's missed-write retry
-        brings the entry to it later, as for any write)."""
+        wait for: the primary has no replica in sync, or it is unreachable (the store's missed-write
+        retry brings the entry to it later, as for any write)."""
         name = self.PREFIX + validate_key(key)
 
         def write() -> bool | None:
             conn = self.client.get_redis_connection(self.client.get_node_from_key(name)) if self.is_cluster \
                 else self.client
-            if int(conn.info("replication").get("connected_slaves", 0)) < 1:
+            if online_replicas(conn.info("replication")) < 1:
                 return None if conn.set(name, data, ex=self.ttl_s) else False
             pipe = conn.pipeline(transaction=False)  # one connection: WAIT counts its own writes
             pipe.set(name, data, ex=self.ttl_s)

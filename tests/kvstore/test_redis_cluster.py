@@ -11,7 +11,7 @@ import uuid
 
 import redis
 
-from cachesmith.kvstore.redis_tier import RedisTier
+from cachesmith.kvstore.redis_tier import RedisTier, online_replicas
 from benchmarks.common.redis_cluster import NODE_TIMEOUT_MS, start_cluster
 
 ENTRY = b"x" * 512
@@ -118,3 +118,14 @@ def test_a_replicated_write_is_on_a_replica_when_it_returns(redis_cluster):
     replicas = [p for p in redis_cluster.live() if redis_cluster.role(p) == "slave"
                 and redis_cluster.client(p).info("replication")["master_port"] == primary]
     assert len(replicas) == 1 and held_by(redis_cluster, replicas[0], name, is_replica=True)
+
+
+def test_only_a_replica_in_sync_is_waited_for():
+    """A node restarted after its failover rejoins as a replica and loads its first copy for a
+    while: a write waiting on it would time out, so it does not count until it is online."""
+    syncing = {"role": "master", "connected_slaves": 1,
+               "slave0": {"ip": "127.0.0.1", "port": 7001, "state": "wait_bgsave", "offset": 0, "lag": 0}}
+    assert online_replicas(syncing) == 0
+    online = {**syncing, "slave0": {**syncing["slave0"], "state": "online"},
+              "slave1": {"ip": "127.0.0.1", "port": 7002, "state": "send_bulk", "offset": 0, "lag": 0}}
+    assert online_replicas(online) == 1
