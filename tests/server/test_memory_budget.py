@@ -212,7 +212,8 @@ def test_serve_hands_its_memory_flags_to_the_service_config(monkeypatch, capsys)
     seen = []
     budget = plan(8 * GB, kv_capacity_tokens=5000)
     monkeypatch.setattr("cachesmith.server.Service",
-                        lambda config: seen.append(config) or SimpleNamespace(profile_source="given", memory=budget))
+                        lambda config: seen.append(config) or SimpleNamespace(profile_source="given", memory=budget,
+                                                                              store=SimpleNamespace(tiers=[])))
     monkeypatch.setattr("cachesmith.server.run_server", lambda service, server: None)
     assert main(["serve", "--kv-capacity", "5000", "--kv-pool-bytes", "2G", "--memory-bytes", "512M"]) == 0
     assert (seen[0].kv_capacity_tokens, seen[0].kv_pool_bytes, seen[0].store.memory_bytes) == (5000, 2 * GIB, 512 << 20)
