@@ -165,7 +165,8 @@ def test_serve_flag_and_config_field(monkeypatch):
     seen = []
     monkeypatch.setattr("cachesmith.server.Service",
                         lambda config: seen.append(config) or SimpleNamespace(
-                            profile_source="given", memory=SimpleNamespace(describe=lambda: "budget")))
+                            profile_source="given", memory=SimpleNamespace(describe=lambda: "budget"),
+                            store=SimpleNamespace(tiers=[])))
     monkeypatch.setattr("cachesmith.server.run_server", lambda service, server: None)
     args = parser.parse_args(["serve", "--device", "cuda", "--no-cuda-graphs"])
     assert args.func(args) == 0
