@@ -6,8 +6,7 @@ SIGKILL and restarted on the same store. Run at review, not in CI.
   python -m benchmarks.soak [--minutes 10 --load 1.5] [--out docs/bench/soak.json]
   python -m benchmarks.soak --minutes 2 --faults kill --capacity-s 10   (a short look)
   python -m benchmarks.soak --tenant-mode single ...   (a server whose --api-key-file takes one key)
-  python -m benchmarks.soak --redis-cluster [--out docs/bench/soak_cluster.json]   (on a Redis Cluster,
-      one of whose primaries is SIGKILLed instead of the redis-server)
+  python -m benchmarks.soak --redis-cluster ...   (a local Redis Cluster; a primary SIGKILLed, not redis)
 
 Steps: its own redis-server (append-only, fsync always) and `cachesmith serve` as children; the
 server's capacity measured by a short closed loop of chats; then Poisson arrivals at --load x that
