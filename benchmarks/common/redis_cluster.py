@@ -174,26 +174,27 @@ class SingleServer:
             self.proc.wait(timeout=10)
 
 
-def start_single(workdir: Path, maxmemory: int | None = None) -> SingleServer:
-    """One redis-server (not in a cluster), with the cluster nodes' flags otherwise: the yardstick."""
+def start_single(workdir: Path, maxmemory: int | None = None, port: int | None = None) -> SingleServer:
+    """One redis-server (not in a cluster) without persistence, answering PING: the tests' own, and
+    the benchmark's yardstick beside a cluster (on `port`: one that came back after a stop)."""
+    import redis
+
     exe = shutil.which("redis-server")
     if exe is None:
         raise ClusterError("redis-server is not installed: `make system-deps` installs the Debian package")
-    workdir.mkdir(parents=True)
-    port = free_node_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_node_port()
     limits = ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir), *limits], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = SingleServer(proc, f"redis://127.0.0.1:{port}/0")
+    client = redis.Redis(host="127.0.0.1", port=port)
     deadline = time.monotonic() + 10
-    while True:
+    while time.monotonic() < deadline:
         try:
-            import redis
-
-            redis.Redis(host="127.0.0.1", port=port).ping()
+            client.ping()
             return server
-        except Exception:
-            if time.monotonic() > deadline:
-                server.stop()
-                raise ClusterError(f"redis-server on port {port} did not start")
+        except redis.exceptions.ConnectionError:
             time.sleep(0.05)
+    server.stop()
+    raise ClusterError(f"redis-server on port {port} did not start")

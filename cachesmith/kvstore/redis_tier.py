@@ -188,21 +188,21 @@ class RedisTier(Tier):
     def put_replicated(self, key: str, data: bytes) -> bool | None:
         """`put`, then `WAIT` until one replica of the key's primary has it (up to
         `REPLICA_WAIT_MS`): replication is asynchronous, so a primary lost before its replica copied
-        an entry loses it. False when no replica confirmed in time; None where there is nothing to
-        wait for: the primary has no replica in sync, or it is unreachable (the store's missed-write
-        retry brings the entry to it later, as for any write)."""
+        an entry loses it. True: written, and confirmed where the primary has a replica in sync
+        (without one there is nothing to wait for); False: written, no replica confirmed in time;
+        None: not written (unreachable or refused: the store's missed-write retry brings it later)."""
         name = self.PREFIX + validate_key(key)
 
         def write() -> bool | None:
             conn = self.client.get_redis_connection(self.client.get_node_from_key(name)) if self.is_cluster \
                 else self.client
             if online_replicas(conn.info("replication")) < 1:
-                return None if conn.set(name, data, ex=self.ttl_s) else False
+                return True if conn.set(name, data, ex=self.ttl_s) else None
             pipe = conn.pipeline(transaction=False)  # one connection: WAIT counts its own writes
             pipe.set(name, data, ex=self.ttl_s)
             pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
             is_set, num_acked = pipe.execute()
-            return bool(is_set) and int(num_acked) >= 1
+            return None if not is_set else int(num_acked) >= 1
 
         return self._call(write, None, name)
 

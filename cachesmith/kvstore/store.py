@@ -228,12 +228,13 @@ class ChunkStore:
         skipped, and gets the entry when it is next read (`_write_back`)."""
         return self._put(chunk, namespace, key)[0]
 
-    def _put(self, chunk: ChunkKV, namespace: str, key: str | None = None) -> tuple[str, int]:
+    def _put(self, chunk: ChunkKV, namespace: str, key: str | None = None,
+             is_replicated: bool = False) -> tuple[str, int]:
         validate_namespace(namespace)
         codec = self.config.codec
         key = key or chunk_key(chunk.model_fingerprint, dtype_name(chunk.dtype), chunk.token_ids, namespace, codec)
         data = serialize(key, chunk.model_fingerprint, chunk.token_ids, chunk.keys, chunk.values, namespace, codec)
-        written = [tier.put(key, data) for tier in self.tiers]
+        written = [self._write(tier, key, data, is_replicated) for tier in self.tiers]
         self.stats.bytes_written += len(data) * sum(written)
         if any(written):
             self.stats.entry_bytes[codec] += len(data)
@@ -354,23 +355,29 @@ class ChunkStore:
         upload) has no text to rebuild it from, so a failover must not lose it."""
         key = key or self.key_for(model, token_ids, namespace)
         reader = self.open(key, model)
-        if reader is not None:
-            try:
-                if is_replicated:
-                    self._replicate(key, read_bytes(reader.source, 0, reader.source.size))
-            finally:
-                reader.close()
-            return key, False
-        key, is_new = self._prefill(model, token_ids, namespace, key)
-        if is_replicated:
-            self.ensure(model, token_ids, namespace, key, is_replicated=True)
-        return key, is_new
+        if reader is None:
+            return self._prefill(model, token_ids, namespace, key, is_replicated)
+        try:
+            if is_replicated:  # stored unreplicated before (for a request): written again, waited for
+                data = read_bytes(reader.source, 0, reader.source.size)
+                for tier in self.tiers:
+                    if hasattr(tier, "put_replicated"):
+                        self._write(tier, key, data, True)
+        finally:
+            reader.close()
+        return key, False
 
-    def _replicate(self, key: str, data: bytes) -> None:
-        for tier in self.tiers:
-            if hasattr(tier, "put_replicated") and tier.put_replicated(key, data) is False:
-                raise StoreWriteFailed(f"chunk {key[:12]}: the {tier.name} tier did not confirm a replica's copy "
-                                       f"within its wait (an upload is acknowledged once a failover cannot lose it)")
+    @staticmethod
+    def _write(tier: Tier, key: str, data: bytes, is_replicated: bool) -> bool:
+        """`tier.put`, or where a replica's copy is asked for and the tier has replicas, its
+        `put_replicated`: `StoreWriteFailed` when no replica confirmed."""
+        if not (is_replicated and hasattr(tier, "put_replicated")):
+            return tier.put(key, data)
+        confirmed = tier.put_replicated(key, data)
+        if confirmed is False:
+            raise StoreWriteFailed(f"chunk {key[:12]}: the {tier.name} tier did not confirm a replica's copy "
+                                   f"within its wait (an upload is acknowledged once a failover cannot lose it)")
+        return confirmed is True
 
     def ensure_held(self, model: Decoder, token_ids: Sequence[int], namespace: str = "",
                     key: str | None = None) -> tuple[str, bool]:
@@ -382,8 +389,9 @@ class ChunkStore:
             return key, False
         return self._prefill(model, token_ids, namespace, key)
 
-    def _prefill(self, model: Decoder, token_ids: Sequence[int], namespace: str, key: str) -> tuple[str, bool]:
-        if not self._put(prefill_chunk(model, list(token_ids)), namespace, key)[1]:
+    def _prefill(self, model: Decoder, token_ids: Sequence[int], namespace: str, key: str,
+                 is_replicated: bool = False) -> tuple[str, bool]:
+        if not self._put(prefill_chunk(model, list(token_ids)), namespace, key, is_replicated)[1]:
             raise StoreWriteFailed(f"chunk {key[:12]}: no store tier took its KV ({', '.join(t.name for t in self.tiers)}: "
                                    f"full of entries in use, read-only or down)")
         return key, True

@@ -144,9 +144,13 @@ def test_evicting_a_corrupt_redis_entry_leaves_other_stores_copies(model, redis_
 def test_a_replicated_write_to_a_server_without_replicas_waits_for_nothing(model, redis_server):
     """One redis server has no replica to wait for: an upload's write is stored and not refused."""
     store = ChunkStore(StoreConfig(tiers=("redis",), redis_url=redis_server.url))
+    tier, writes = store.tiers[0], []
+    real_put, real_replicated = tier.put, tier.put_replicated
+    tier.put = lambda *a: writes.append("put") or real_put(*a)
+    tier.put_replicated = lambda *a: writes.append("replicated") or real_replicated(*a)
     key, is_new = store.ensure(model, list(range(4, 12)), is_replicated=True)
     assert is_new and store.contains(key)
-    tier = store.tiers[0]
-    assert tier.put_replicated(key, b"x") is None  # nothing to wait for: not a refusal
-    redis_server.stop()  # away: the write is missed (retried later), the upload not refused
+    assert writes == ["replicated"]  # a new upload is written once, waited for in the same write
+    assert tier.put_replicated(key, b"x") is True  # written; nothing to wait for: not a refusal
+    redis_server.stop()  # away: not written (retried later), the upload not refused
     assert tier.put_replicated(key, b"x") is None

@@ -12,20 +12,17 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import pytest
 
 from cachesmith.request import Request
-from cachesmith.server.run import BackgroundServer
 from cachesmith.server.schemas import ChatCompletionRequest
-from tests.server.conftest import NAME, make_service
+from tests.server.test_request_path import chat, served  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.real_model  # the tiny model borrows the packaged tokenizer
 
 LAYOUT = Path(__file__).parents[2] / "docs" / "layout.md"
 MAX_CARRIERS = 6
 WIRE = "server.schemas.ChatCompletionRequest"  # FastAPI validates it without calling __init__: its one `to_spec` counts it
-DOCS = ("river glacier lantern harbor meadow falcon", "copper amber silent frozen canyon velvet")
 
 
 def documented() -> tuple[list[str], set[str]]:
@@ -96,21 +93,6 @@ def _package_classes() -> list[type]:
                     and not issubclass(cls, (BaseException, enum.Enum)):
                 found[id(cls)] = cls
     return list(found.values())
-
-
-@pytest.fixture()
-def served(tiny_chat_dir):
-    service = make_service(tiny_chat_dir)
-    srv = BackgroundServer(service).start()
-    yield srv, service
-    srv.stop()
-
-
-def chat(url: str) -> None:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "Which word comes after river?"}],
-            "documents": list(DOCS), "max_tokens": 4, "temperature": 0}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
 
 
 def test_the_document_lists_at_most_six_carriers_each_a_class_of_the_package():
