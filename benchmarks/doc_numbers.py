@@ -213,7 +213,7 @@ QUOTES: tuple[Quote, ...] = (
     Quote("docs/measurements.md", "| replay clock (engine) | {}% |", SERVE, ("rows", {"run": "replay"}, "qsa"), ".0f",
           100),
     Quote("docs/measurements.md", "(2K context, batches 1 / 4 / 8) | {} /", REUSE,
-          ({"dtype": "float32", "context_tokens": 2048, "batch_size": 1}, "vs_limit"), ".2f"),
+          ("rows", {"dtype": "float32", "context_tokens": 2048, "batch_size": 1}, "vs_limit"), ".2f"),
     Quote("docs/measurements.md", "| float32 | 1K | {} | 156.1 |", DECODE, F32_1K + ("tokens_per_s",), ".1f"),
     Quote("docs/measurements.md", "- 50 requests: {} s, 14.4 minutes", "docs/bench/workload_profile.json",
           ("rows", 0, "wall_s"), ".1f"),

@@ -130,7 +130,7 @@ def main() -> None:
             "runner_ratio", "runner_peak_fraction", "runner_logit_diff", "best_peak_fraction", "load_1m"]
     if not args.no_hf:
         cols += ["hf_s", "ratio", "max_abs_logit_diff"]
-    emit(rows, args.json, args.out, lambda: print_table(rows, cols))
+    emit({"rows": rows}, args.json, args.out, lambda: print_table(rows, cols))
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def main() -> None:
         rows = [r for d in args.dtypes for r in measure(d, args.contexts, args.batches, args.repeats, Path(tmp))]
     cols = ["dtype", "context_tokens", "batch_size", "full_reuse_s", "limit_s", "vs_limit", "fixed_s",
             "full_prefill_s", "vs_full_prefill"]
-    emit(rows, args.json, args.out, lambda: print_table(rows, cols))
+    emit({"rows": rows}, args.json, args.out, lambda: print_table(rows, cols))
 
 
 if __name__ == "__main__":

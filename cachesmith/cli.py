@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 from cachesmith import cli_ask, cli_eval, cli_store, cli_workload
-from cachesmith.errors import CachesmithError
+from cachesmith.errors import CachesmithError, ConfigError
 
 def _models(args: argparse.Namespace) -> int:
     from cachesmith.model import assets
@@ -99,8 +99,10 @@ def _profile(args: argparse.Namespace) -> int:
     from cachesmith.pipeline import RagPipeline
     from cachesmith.calibration.mapped_demand import read_demand_source
     from cachesmith.calibration.cost_run import ProfileConfig, demand_source_path, run_costs_profile
-    from cachesmith.profiler.run import run_profile
+    from cachesmith.profiler.run import run_demand_profile, run_profile
 
+    if args.costs_only and args.demand_only:
+        raise ConfigError("--costs-only and --demand-only exclude each other: give one (or neither, for both parts)")
     num_requests = 200 if args.num_requests is None else args.num_requests
     config = ProfileConfig(num_requests=num_requests, task=args.task, variant=args.variant,
                            max_tokens=args.max_tokens, num_shapes=args.num_shapes,
@@ -110,7 +112,10 @@ def _profile(args: argparse.Namespace) -> int:
                        store=ChunkStore(StoreConfig(tiers=("memory",), codec=args.kv_codec)))
     if args.workload is not None:
         return _profile_workload(pipe, args)
-    if args.costs_only:
+    if args.demand_only:
+        profile = run_demand_profile(pipe, config, args.out, args.costs_from)
+        print(f"costs from {args.costs_from or 'the packaged profile'} (demand measured with --kv-codec {args.kv_codec})")
+    elif args.costs_only:
         source = demand_source_path(pipe, args.demand_from)
         profile = run_costs_profile(pipe, config, args.out, source)
         print(f"demand and entropy threshold: {read_demand_source(source).describe(profile.num_layers)}")
@@ -185,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
                                        memory_bytes=args.memory_bytes, **cli_store.store_bounds(args)),
                            args.profile, args.served_name, args.max_queue, default_slo_s=args.default_slo_ms / 1e3,
                            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-                           is_decode_overlapped=not args.serial_decode, is_decode_graphed=not args.no_cuda_graphs,
+                           is_decode_overlapped=not args.serial_decode, is_graphed=not args.no_cuda_graphs,
                            is_chunk_shared=args.share_chunks,
                            max_store_tokens_per_request=args.max_store_tokens_per_request,
                            tenant_max_bytes=args.tenant_max_bytes, shedding=SheddingConfig(args.shed_late),
@@ -351,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--demand-from", type=Path, default=None,
                       help="profile to take demand from with --costs-only (default: the one packaged for this "
                            "model, else the packaged smollm2-135m one)")
+    prof.add_argument("--demand-only", action="store_true",
+                      help="measure demand only (nothing timed: a busy machine changes nothing); costs and "
+                           "bandwidth from --costs-from")
+    prof.add_argument("--costs-from", type=Path, default=None,
+                      help="profile to take costs from with --demand-only (default: the one packaged for this "
+                           "model, dtype and device)")
     prof.add_argument("--quiet", type=float, default=None, metavar="BUSY",
                       help="on a shared machine: wait before each timed cost run until at most this "
                            "fraction of all cores is busy (e.g. 0.2)")

@@ -34,12 +34,13 @@ def command() -> str:
 
 
 def commit() -> str:
-    """The commit measured, with "+changes" when the working tree differs from it."""
+    """The commit measured, with "+changes" when the working tree's code differs from it (payloads
+    in `docs/bench/` aside: a run of several benchmarks writes them as it goes)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
                               check=True).stdout.strip()
     try:
-        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)docs/bench") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -73,6 +73,9 @@ class Decoder:
         # on CUDA, plain-greedy decode steps replay captured CUDA graphs (`model.graph_decode`);
         # False: every step eager (`serve --no-cuda-graphs`). No effect on the CPU.
         self.is_decode_graphed = True
+        # on CUDA, recompute runs of graphable plans replay captured CUDA graphs
+        # (`recompute.graph_prefill`); False: every run eager (`serve --no-cuda-graphs`)
+        self.is_prefill_graphed = True
         # device memory the decode graphs' buckets may hold (`server.memory_budget`); None: what is free
         self.max_graph_bytes: int | None = None
         self._tune_kernels()
@@ -156,6 +159,13 @@ class Decoder:
     # -- validation ---------------------------------------------------------------------------
     def as_token_tensor(self, token_ids: Sequence[int] | torch.Tensor, field: str = "token_ids",
                         start: int = 0) -> torch.Tensor:
+        """`checked_token_ids` on the model's device."""
+        return self.checked_token_ids(token_ids, field, start).to(self.device)
+
+    def checked_token_ids(self, token_ids: Sequence[int] | torch.Tensor, field: str = "token_ids",
+                          start: int = 0) -> torch.Tensor:
+        """The ids as a long tensor where they were given, once checked: non-empty, 1-D, within the
+        model's positions from `start`, inside the vocabulary (an `InputError` naming `field`)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:
             raise InputError(f"{field} must be a non-empty 1-D sequence of token ids")
@@ -168,7 +178,7 @@ class Decoder:
             (min(token_ids), max(token_ids))
         if lo < 0 or hi >= self.config.vocab_size:
             raise InputError(f"{field} holds ids outside the vocabulary [0, {self.config.vocab_size})")
-        return ids.to(self.device)
+        return ids
 
     # -- reference full computation -----------------------------------------------------------
     @torch.inference_mode()

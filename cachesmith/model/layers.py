@@ -150,6 +150,21 @@ class DecoderLayer:
                                              enable_gqa=is_gqa)[0]  # [H, Tq, D]
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
+    def attend_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """`attend` for a batch of padded sequences: q [B, Tq, H, D] over k, v [B, Tk, Hkv, D]
+        (views of a static slab may be strided) -> [B * Tq, H * D]; `mask` [B, Tq, Tk] (True =
+        visible). One call for the batch, the kernel chosen as `attend` chooses it."""
+        q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H | Hkv, T, D]
+        is_gqa = q.shape[2] != k.shape[2]
+        if is_gqa and _needs_expanded_heads(q[0], k[0], mask, is_causal):
+            rep = q.shape[2] // k.shape[2]
+            k4, v4 = k4.repeat_interleave(rep, dim=1), v4.repeat_interleave(rep, dim=1)  # [B, H, Tk, D]
+            is_gqa = False
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=None if mask is None else mask[:, None],
+                                             is_causal=is_causal, enable_gqa=is_gqa)  # [B, H, Tq, D]
+        return out.transpose(1, 2).reshape(q.shape[0] * q.shape[1], -1)
+
     def out_proj(self, attn: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H * D] -> [num_tokens, hidden]."""
         return self.o_proj(attn)

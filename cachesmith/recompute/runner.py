@@ -18,12 +18,14 @@ from dataclasses import replace
 import torch
 
 from cachesmith.model import Decoder
+from cachesmith.model import device as accel
 from cachesmith.recompute import signals, split_attention
 from cachesmith.recompute.attention import ScatteredAttention, attention_probs
 from cachesmith.errors import ConfigError
 from cachesmith.recompute.config import RecomputeConfig, Signal, check_coverage
 from cachesmith.recompute.hooks import LayerInfo, RunnerHooks
 from cachesmith.recompute.fork import PatchFork
+from cachesmith.recompute.graph_prefill import GraphPrefill
 from cachesmith.recompute.query_probe import qci_last_scores, qci_scores
 from cachesmith.recompute.run_state import PatchRows, Ranked, RecomputeOutput, num_cloned
 from cachesmith.recompute.sequence import (RecomputeRequest, Sequence, build_sequence, fill_cached_rows,
@@ -46,6 +48,9 @@ class BatchRunner:
         self._split_heads = (model.config.num_heads, model.config.num_kv_heads)  # qk's heads: q | k
         cfg = model.config
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+        # on CUDA, plans the device can select for at a known size replay captured graphs
+        # (`graph_prefill`) unless `model.is_prefill_graphed` is off; None on the CPU
+        self.graphs = GraphPrefill(model) if accel.is_cuda(model.device) else None
 
     # -- public --------------------------------------------------------------------------------
     def run(self, requests: list[RecomputeRequest], config: RecomputeConfig,
@@ -55,6 +60,11 @@ class BatchRunner:
         for the rest (warmup >= 1) and per-request coverages (None: the plan's), as the planner
         chooses the signal from them (paper §5.1)."""
         config.validate_for(self.model.num_layers)
+        if (hooks is None and replan is None and self.graphs is not None and self.model.is_prefill_graphed
+                and self.graphs.takes(requests, config)):
+            outputs = self.graphs.run(requests, config)
+            if outputs is not None:
+                return outputs
         hooks = hooks or RunnerHooks()
         seqs = [build_sequence(self.model, r, config.coverage, i) for i, r in enumerate(requests)]
         with torch.inference_mode():

@@ -68,21 +68,34 @@ class Sequence:
         return self.num_prefix + self.num_context
 
 
-def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index: int) -> Sequence:
+def entries_of(req: RecomputeRequest) -> list[ChunkKV]:
+    """Prefix (if any) and chunks, in their assembled order."""
+    return ([req.prefix] if req.prefix is not None else []) + list(req.chunks)
+
+
+def checked(model: Decoder, req: RecomputeRequest, coverage: float, index: int) -> tuple[float, torch.Tensor]:
+    """The request's coverage (its own, else the plan's) and its suffix ids as given (a host tensor
+    for a list), once every field is checked against the model (an error naming the field)."""
     field_name = f"requests[{index}]"
     if not req.suffix_ids:
         raise InputError(f"{field_name}.suffix_ids is empty: the question must hold at least one token")
     coverage = check_coverage(req.coverage if req.coverage is not None else coverage,
                               f"{field_name}.coverage")
-    entries = ([req.prefix] if req.prefix is not None else []) + list(req.chunks)
-    for j, entry in enumerate(entries):
+    for j, entry in enumerate(entries_of(req)):
         name = f"{field_name}.prefix" if req.prefix is not None and j == 0 else \
             f"{field_name}.chunks[{j - (req.prefix is not None)}]"
         entry.check_compatible(model, name)
+    num_cached = sum(e.num_tokens for e in entries_of(req))
+    return coverage, model.checked_token_ids(req.suffix_ids, f"{field_name}.suffix_ids", start=num_cached)
+
+
+def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index: int) -> Sequence:
+    field_name = f"requests[{index}]"
+    coverage, suffix = checked(model, req, coverage, index)
+    suffix = suffix.to(model.device)
+    entries = entries_of(req)
     num_prefix = req.prefix.num_tokens if req.prefix is not None else 0
     num_context = sum(c.num_tokens for c in req.chunks)
-    suffix = model.as_token_tensor(req.suffix_ids, f"{field_name}.suffix_ids",
-                                   start=num_prefix + num_context)
     # no entries (a plain chat without a stored prefix): an empty long tensor, not torch's float default
     token_ids = torch.cat([torch.tensor([t for e in entries for t in e.token_ids], dtype=suffix.dtype,
                                         device=model.device), suffix])

@@ -86,15 +86,16 @@ def select(seq: Sequence, coverage: float) -> torch.Tensor:
     other signal takes the top ceil(r * N) of the ranking. At r = 100% every context token is taken.
     """
     if seq.is_position_signal:
-        return _chunk_heads(seq, coverage) if coverage < 1.0 else torch.arange(seq.num_context)
+        return chunk_heads(seq.chunk_starts, seq.num_context, coverage) if coverage < 1.0 \
+            else torch.arange(seq.num_context)
     return torch.sort(seq.ranking[: num_selected(coverage, seq.num_context)]).values
 
 
-def _chunk_heads(seq: Sequence, coverage: float) -> torch.Tensor:
-    """EPIC's selection, sorted. How many of each chunk's first tokens are taken (none of the first
-    chunk's) is known on the host, so the indices come from arithmetic of a known size: no
-    data-dependent shape, and no work per chunk."""
-    bounds = seq.chunk_starts + [seq.num_context]
+def chunk_heads(chunk_starts: list[int], num_context: int, coverage: float) -> torch.Tensor:
+    """EPIC's selection below full coverage, sorted (context indices, on the host). How many of
+    each chunk's first tokens are taken (none of the first chunk's) is known on the host, so the indices come from
+    arithmetic of a known size: no data-dependent shape, and no work per chunk."""
+    bounds = list(chunk_starts) + [num_context]
     num_taken = [0] + [num_selected(coverage, b - a) for a, b in zip(bounds[1:-1], bounds[2:])]
     total = sum(num_taken)
     counts = torch.tensor(num_taken, dtype=torch.long)  # [num_chunks]

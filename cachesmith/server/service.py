@@ -64,7 +64,7 @@ class Service:
                                                 store=ChunkStore(sized_store(config.store, self.memory)))
         self.pipeline.model.kv_pool.max_bytes = self.memory.pool_bytes
         self.pipeline.model.max_graph_bytes = self.memory.graph_bytes
-        self.pipeline.model.is_decode_graphed = config.is_decode_graphed
+        self.pipeline.model.is_decode_graphed = self.pipeline.model.is_prefill_graphed = config.is_graphed
         self.profile_source = "given"
         if profile is None:
             profile, self.profile_source = serving_profile(self.pipeline, config.profile_path)

@@ -58,7 +58,7 @@ class ServiceConfig:
     max_tokens_limit: int = 512
     max_documents: int = 64
     is_decode_overlapped: bool = True  # decode on its own thread (False: between batches)
-    is_decode_graphed: bool = True  # on CUDA, greedy decode steps replay CUDA graphs (False: eager)
+    is_graphed: bool = True  # on CUDA, greedy decode steps and graphable recompute runs replay CUDA graphs (False: eager)
     # document chunks in one namespace for every tenant (a public corpus); prefixes stay private
     is_chunk_shared: bool = False
     max_store_tokens_per_request: int = DEFAULT_MAX_STORE_TOKENS  # new tokens a request may store
@@ -75,8 +75,8 @@ class ServiceConfig:
             raise ConfigError(f"engine.scheduler.kv_capacity_tokens={self.engine.scheduler.kv_capacity_tokens}: "
                               f"a server takes its KV capacity from kv_capacity_tokens (None: sized to the machine)")
         self.memory_sizes  # validates them
-        if not isinstance(self.is_decode_graphed, bool):
-            raise ConfigError(f"is_decode_graphed={self.is_decode_graphed!r} must be True or False")
+        if not isinstance(self.is_graphed, bool):
+            raise ConfigError(f"is_graphed={self.is_graphed!r} must be True or False")
         if self.tenant_max_bytes is not None and self.tenant_max_bytes < 1:
             raise ConfigError(f"tenant_max_bytes={self.tenant_max_bytes} must be positive (None: no cap)")
         for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_documents",

@@ -159,9 +159,9 @@ def test_serve_flag_and_config_field(monkeypatch):
     parser = build_parser()
     assert parser.parse_args(["serve"]).no_cuda_graphs is False
     assert parser.parse_args(["serve", "--no-cuda-graphs"]).no_cuda_graphs is True
-    assert ServiceConfig().is_decode_graphed is True
-    with pytest.raises(ConfigError, match="is_decode_graphed"):
-        ServiceConfig(is_decode_graphed="no")
+    assert ServiceConfig().is_graphed is True
+    with pytest.raises(ConfigError, match="is_graphed"):
+        ServiceConfig(is_graphed="no")
     seen = []
     monkeypatch.setattr("cachesmith.server.Service",
                         lambda config: seen.append(config) or SimpleNamespace(
@@ -170,7 +170,7 @@ def test_serve_flag_and_config_field(monkeypatch):
     monkeypatch.setattr("cachesmith.server.run_server", lambda service, server: None)
     args = parser.parse_args(["serve", "--device", "cuda", "--no-cuda-graphs"])
     assert args.func(args) == 0
-    assert seen[0].is_decode_graphed is False
+    assert seen[0].is_graphed is False
 
 
 @pytest.mark.real_model  # the tiny chat model borrows the packaged tokenizer
@@ -179,9 +179,10 @@ def test_the_service_hands_its_switch_to_the_model(tmp_path):
     from tests.server.conftest import make_service
 
     model_dir = save_tiny_chat_model(tmp_path / "chat")
-    service = make_service(model_dir, is_decode_graphed=False)
+    service = make_service(model_dir, is_graphed=False)
     try:
         assert service.pipeline.model.is_decode_graphed is False
+        assert service.pipeline.model.is_prefill_graphed is False
     finally:
         service.close()
 

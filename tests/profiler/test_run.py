@@ -89,3 +89,36 @@ def test_saved_parts_resume_only_the_model_they_were_measured_for(tmp_path, capl
     assert retrained.model.fingerprint != pipe.model.fingerprint
     run_mod._own_parts(out, retrained)  # new weights under the same profile name: measured afresh
     assert not (tmp_path / "p.costs.json").exists()
+
+
+def test_demand_only_profile_measures_demand_with_the_codec_and_times_nothing(tmp_path, capsys, monkeypatch):
+    model_dir = save_tiny_chat_model(tmp_path / "tiny-demand-only", max_positions=8192)  # MIX prompts run to ~3K tokens
+    costs = tmp_path / "costs.json"
+    assert cli.main(["profile", "--costs-only", "--model", str(model_dir), "--max-tokens", "512",
+                     "--num-shapes", "3", "--plans-per-shape", "2", "--tiers", "memory", "--out", str(costs)]) == 0
+    capsys.readouterr()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a demand-only profile timed a run")
+
+    monkeypatch.setattr(run_mod, "measure", refuse)
+    monkeypatch.setattr(run_mod, "tier_bandwidth", refuse)
+    out = tmp_path / "p-int8.json"
+    assert cli.main(["profile", "--demand-only", "--costs-from", str(costs), "--kv-codec", "int8",
+                     "--model", str(model_dir), "--num-requests", "2", "--out", str(out)]) == 0
+    assert "demand measured with --kv-codec int8" in capsys.readouterr().out
+    source, measured = Profile.load(costs), Profile.load(out)
+    assert measured.layer_costs == source.layer_costs and measured.overhead == source.overhead
+    assert measured.tier_gbps == source.tier_gbps and measured.fit_error == source.fit_error
+    assert measured.demand and {c.task for c in measured.demand} == {None, "pr", "msq"}
+    assert all(len(c.demands) == (2 if c.task is None else 1) for c in measured.demand)
+    assert (tmp_path / "p-int8.demand.jsonl").exists()  # answers cached: a stopped run resumes
+
+
+def test_demand_only_profile_refuses_costs_of_another_model(tmp_path, capsys):
+    model_dir = save_tiny_chat_model(tmp_path / "tiny-other")
+    assert cli.main(["profile", "--demand-only", "--model", str(model_dir), "--num-requests", "1",
+                     "--out", str(tmp_path / "p.json")]) == 2  # the default source: the packaged model's
+    assert "was measured for model" in capsys.readouterr().err
+    assert cli.main(["profile", "--demand-only", "--costs-only"]) == 2
+    assert "exclude each other" in capsys.readouterr().err

@@ -123,8 +123,11 @@ def test_staged_requests_do_not_grow_with_chunks(model, requests, tmp_path):
 
 @pytest.fixture()
 def sim_model(model, sim_cuda):
-    """The test model's weights on the simulated device (a fresh load: the module's model is on CPU)."""
-    return Decoder(model.model_dir, "cuda", torch.bfloat16)
+    """The test model's weights on the simulated device (a fresh load: the module's model is on CPU),
+    running the eager layer loop (what a graphed run costs: test_graph_prefill.py)."""
+    sim = Decoder(model.model_dir, "cuda", torch.bfloat16)
+    sim.is_prefill_graphed = False
+    return sim
 
 
 @pytest.fixture()

@@ -113,10 +113,12 @@ def test_full_coverage_equals_full_prefill_on_each_device(model_dirs, device, pl
 @pytest.mark.sim_cuda
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_a_run_copies_a_fixed_few_tensors_whatever_the_layers_and_chunks(model_dirs, sim_cuda, plan_name):
-    """Per `BatchRunner.run`: `H2D_PER_REQUEST` host -> device copies per request, for 3 or 6
-    layers and 2 or 8 chunks; no host sync; the rankings are the only reads back."""
+    """Per eager `BatchRunner.run`: `H2D_PER_REQUEST` host -> device copies per request, for 3 or 6
+    layers and 2 or 8 chunks; no host sync; the rankings are the only reads back (a graphed run
+    copies its inputs once: test_graph_prefill.py)."""
     for num_layers, path in model_dirs.items():
         model = Decoder(path, "cuda", torch.bfloat16)
+        model.is_prefill_graphed = False
         runner, plan = BatchRunner(model), PLANS[plan_name](num_layers)
         for num_chunks in (2, 8):
             batch = [_request(model, *_ids(seed, num_chunks)) for seed in (1, 2)]
@@ -137,6 +139,7 @@ def test_recording_layer_times_adds_no_host_sync(model_dirs, sim_cuda):
     from cachesmith.recompute import LayerStatsRecorder
 
     model = Decoder(model_dirs[6], "cuda", torch.bfloat16)
+    model.is_prefill_graphed = False  # the same eager loop, with and without the recorder
     request, runner, plan = _request(model, *_ids(2, 4)), BatchRunner(model), cacheblend(0.15)
     runner.run([request], plan)
     with sim_cuda.count() as plain:

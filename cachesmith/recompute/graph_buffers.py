@@ -1,0 +1,305 @@
+"""One prefill graph bucket: its static buffers, the run it captures, and the copies around a replay.
+
+In: a `BucketKey` (plan family and padded sizes) and, per replay, each request's `RequestLayout`.
+Out: the captured run (`step`: reads only the static inputs and slabs, writes only the slabs and
+static outputs) and each request's `RecomputeOutput` after the replay (`outputs`). The layout of
+the bucket and why it is padded so: `recompute.graph_prefill`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cachesmith.model import ChunkKV, Decoder, KVCache
+from cachesmith.model.rope import halves
+from cachesmith.recompute.run_state import RecomputeOutput
+from cachesmith.recompute.sequence import RecomputeRequest
+
+NUM_INTS = 5  # per request: prefix end, suffix start, tokens, rows selected, suffix rows
+
+
+def next_pow2(n: int, floor: int) -> int:
+    size = floor
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclass(frozen=True)
+class BucketKey:
+    signal: str
+    warmup: int
+    probe: int
+    target: str
+    num_rows: int  # B
+    length: int  # S, the trash row included
+    num_selected: int  # K
+    num_suffix: int  # Q
+
+    def fits(self, need: "BucketKey") -> bool:
+        """Whether a batch needing `need` runs in this bucket: the same plan family, and each size at
+        least what it needs and at most twice that (more padding costs more than a new capture)."""
+        family = (self.signal, self.warmup, self.probe, self.target)
+        if family != (need.signal, need.warmup, need.probe, need.target):
+            return False
+        sizes = ((self.num_rows, need.num_rows), (self.length, need.length),
+                 (self.num_selected, need.num_selected), (self.num_suffix, need.num_suffix))
+        return all(want <= have <= 2 * want or have == want for have, want in sizes)
+
+
+@dataclass(frozen=True)
+class RequestLayout:
+    """What the host knows of one request before the run."""
+    request: RecomputeRequest
+    entries: list[ChunkKV]  # prefix and chunks, in order
+    suffix_ids: list[int]
+    num_prefix: int
+    num_context: int
+    num_selected: int  # k_b
+    selected: list[int] | None  # positions chosen on the host (`position` plans), else None
+
+    @property
+    def num_suffix(self) -> int:
+        return len(self.suffix_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix + self.num_context + self.num_suffix
+
+
+def bucket_bytes(model: Decoder, key: BucketKey) -> int:
+    """Device memory of a bucket: its slabs and its run's working set (`work_bytes`)."""
+    return slab_bytes(model, key) + work_bytes(model, key)
+
+
+def slab_bytes(model: Decoder, key: BucketKey) -> int:
+    cfg = model.config
+    element = torch.empty(0, dtype=model.dtype).element_size()
+    return 2 * key.num_rows * cfg.num_layers * key.length * cfg.num_kv_heads * cfg.head_dim * element
+
+
+def work_bytes(model: Decoder, key: BucketKey) -> int:
+    """The most the run holds at once beside the slabs, which is what a graph's memory pool keeps
+    (the caching allocator reuses a block freed during capture): every row of the run through one
+    layer (hidden and its residual, normed rows, projections, attention, the MLP's halves),
+    float32 scores with their masks and sort, the static inputs and outputs."""
+    cfg = model.config
+    element = torch.empty(0, dtype=model.dtype).element_size()
+    full = key.warmup > 0 or key.signal == "kv_dev"  # a run over all B x S rows
+    rows = key.num_rows * (key.length if full else key.num_selected + key.num_suffix)
+    per_row = 4 * cfg.hidden_size + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + 3 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim
+    scores = 8 * 4 * key.num_rows * key.length  # float32 scores, masks, the sort's values and indices
+    inputs = 8 * key.num_rows * (key.length + 16 + key.num_selected)
+    outputs = 4 * key.num_rows * (cfg.vocab_size + key.length) + 8 * key.num_rows * (key.num_selected + 1)
+    return rows * per_row * element + scores + inputs + outputs + 2 * key.length * cfg.head_dim * element
+
+
+class PrefillBuffers:
+    """The static buffers of one bucket and the run captured over them."""
+
+    def __init__(self, model: Decoder, key: BucketKey) -> None:
+        cfg, device = model.config, model.device
+        self.model, self.key = model, key
+        self.num_bytes = bucket_bytes(model, key)
+        B, S, K, Q = key.num_rows, key.length, key.num_selected, key.num_suffix
+        shape = (B, cfg.num_layers, S, cfg.num_kv_heads, cfg.head_dim)
+        # zeros, not empty: a masked key's weight is 0, and 0 * NaN (garbage memory) is NaN
+        self.keys = torch.zeros(shape, device=device, dtype=model.dtype)  # [B, L, S, Hkv, D]
+        self.values = torch.zeros(shape, device=device, dtype=model.dtype)
+        self.state = torch.zeros(B * (S + NUM_INTS + K), dtype=torch.long, device=device)  # one host copy
+        self.ids = self.state[:B * S].view(B, S)  # [B, S]
+        ints = self.state[B * S:B * (S + NUM_INTS)].view(NUM_INTS, B)
+        self.prefix_end, self.suffix_start, self.num_tokens, self.num_chosen, self.num_question = ints.unbind(0)
+        self.host_selected = self.state[B * (S + NUM_INTS):].view(B, K)  # [B, K] `position` plans
+        self.positions = torch.arange(S, device=device)  # [S]
+        # the graph reads these tables' memory: held here, so a later growth of the model's tables
+        # (which replaces them) cannot free it under the graph
+        self.cos, self.sin = halves(*model.rope.cos_sin_range(0, S), cfg.head_dim // 2)  # [S, 1, D / 2]
+        self.logits = torch.zeros(B, cfg.vocab_size, device=device)  # [B, vocab] float32
+        self.scores = torch.zeros(B, S, device=device)  # [B, S] float32 (KV deviation)
+        self.selected = torch.zeros(B, K, dtype=torch.long, device=device)  # [B, K] positions, trash last
+        self.entropy = torch.zeros(B, dtype=torch.float64, device=device)  # [B] (warmup >= 1)
+        self.graph = None
+
+    # -- around a replay (host) ----------------------------------------------------------------
+    def load(self, layouts: list[RequestLayout]) -> None:
+        """Each request's cached rows into its slab rows, and every static input in one copy."""
+        B, S, K = self.key.num_rows, self.key.length, self.key.num_selected
+        trash = S - 1
+        ids, ints, chosen = [0] * (B * S), [[0] * B for _ in range(NUM_INTS)], [trash] * (B * K)
+        for b, lay in enumerate(layouts):
+            end = lay.num_prefix + lay.num_context
+            if lay.entries:
+                torch.cat([e.keys for e in lay.entries], dim=1, out=self.keys[b, :, :end])  # [L, end, Hkv, D]
+                torch.cat([e.values for e in lay.entries], dim=1, out=self.values[b, :, :end])
+            row = [t for e in lay.entries for t in e.token_ids] + lay.suffix_ids
+            ids[b * S:b * S + len(row)] = row
+            for i, value in enumerate((lay.num_prefix, end, lay.num_tokens, lay.num_selected, lay.num_suffix)):
+                ints[i][b] = value
+            if lay.selected is not None:
+                chosen[b * K:b * K + len(lay.selected)] = lay.selected
+        self.state.copy_(torch.tensor(ids + [v for row in ints for v in row] + chosen))
+
+    def outputs(self, layouts: list[RequestLayout], caches: list[KVCache]) -> list[RecomputeOutput]:
+        """Each request's output: its rows copied into its cache (with room for its decoding),
+        the logits, scores and entropy copied out of the static buffers (the next replay reuses
+        them), the selection read back in one copy."""
+        key = self.key
+        logits = self.logits.clone()
+        scores = self.scores.clone() if key.signal == "kv_dev" else None
+        entropy = self.entropy.clone() if key.warmup >= 1 else None
+        picked = self.selected.cpu() if key.signal == "kv_dev" else None  # [B, K]
+        out = []
+        for b, (lay, cache) in enumerate(zip(layouts, caches)):
+            cache.key_slab[:, :lay.num_tokens].copy_(self.keys[b, :, :lay.num_tokens])
+            cache.value_slab[:, :lay.num_tokens].copy_(self.values[b, :, :lay.num_tokens])
+            cache.num_tokens = lay.num_tokens
+            if picked is None:
+                selected = torch.tensor(lay.selected, dtype=torch.long) - lay.num_prefix
+            else:
+                selected = picked[b, :lay.num_selected] - lay.num_prefix
+            context = slice(lay.num_prefix, lay.num_prefix + lay.num_context)
+            out.append(RecomputeOutput(logits[b], cache, selected, None if scores is None else scores[b, context],
+                                       None if entropy is None else entropy[b], lay.num_context, lay.num_suffix))
+        return out
+
+    # -- the captured run (device only) ------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One run over the static buffers: no host value goes in or out."""
+        m, key = self.model, self.key
+        B, S = key.num_rows, key.length
+        m.rope.apply_(self.keys, self.cos, self.sin)  # every layer's cached K at its position, at once
+        first_patch = key.warmup + (key.probe if key.signal == "kv_dev" else 0)
+        h, scored = None, None
+        if first_patch > 0 or key.signal == "kv_dev":
+            h = m.embed(self.ids.view(-1))  # [B * S, hidden]
+            h, scores = self._full_layers(h, first_patch)
+            if key.signal == "kv_dev":
+                scored = self._score(h, first_patch, scores)
+        positions = self._patch_positions()  # [B, R]
+        self._patch_layers(h, positions, first_patch, scored)
+
+    def _full_layers(self, h: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [0, end) over every row, exact; KV deviation's probe layers add their deviation
+        from the cached rows (read before the fresh rows overwrite them). -> (h, scores [B, S])."""
+        m, key = self.model, self.key
+        B, S = key.num_rows, key.length
+        cos, sin = self.cos.repeat(B, 1, 1), self.sin.repeat(B, 1, 1)  # [B * S, 1, D / 2]
+        scores = torch.zeros(B, S, device=h.device)
+        heads = (m.config.num_heads, m.config.num_kv_heads)
+        for i in range(end):
+            layer = m.layers[i]
+            qk, v = layer.qk_v(layer.input_norm(h))  # [B * S, H + Hkv, D], [B * S, Hkv, D]
+            q, k = m.rope.apply(qk, cos, sin).split(heads, dim=1)
+            k, v = k.reshape(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:])  # [B, S, Hkv, D]
+            keys, values = self.keys[:, i], self.values[:, i]  # [B, S, Hkv, D]
+            if i >= key.warmup:  # a KV deviation probe layer
+                scores += _deviation(k, v, keys, values, key.target)
+            keys.copy_(k)
+            values.copy_(v)
+            q = q.reshape(B, S, *q.shape[1:])  # [B, S, H, D]
+            if i == 0 and key.warmup >= 1:
+                self._entropy(q, k)
+            h = layer.mlp_block(h.add_(layer.out_proj(layer.attend_batch(q, keys, values, is_causal=True))))
+        return h, scores
+
+    def _score(self, h: torch.Tensor, start: int, scores: torch.Tensor):
+        """KV deviation at the first Patch layer: its K, V of every row against the cached ones, the
+        context rows ranked and each request's first k_b taken, sorted by position (trash last).
+        -> (normed rows, K, V) of that layer, pre-RoPE, which its Patch pass reuses."""
+        m, key = self.model, self.key
+        B, S, K = key.num_rows, key.length, key.num_selected
+        layer = m.layers[start]
+        x = layer.input_norm(h)  # [B * S, hidden]
+        k, v = layer.kv(x)  # [B * S, Hkv, D] pre-RoPE
+        rotated = m.rope.apply(k, self.cos.repeat(B, 1, 1), self.sin.repeat(B, 1, 1))
+        scores += _deviation(rotated.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]),
+                             self.keys[:, start], self.values[:, start], key.target)
+        self.scores.copy_(scores)
+        is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
+        ranked = torch.sort(scores.masked_fill(~is_context, float("-inf")), dim=1, descending=True,
+                            stable=True).indices[:, :K]  # [B, K] positions, best first
+        rank = torch.arange(K, device=h.device)
+        chosen = torch.where(rank[None, :] < self.num_chosen[:, None], ranked, S - 1)
+        self.selected.copy_(torch.sort(chosen, dim=1).values)
+        return x, k, v
+
+    def _patch_positions(self) -> torch.Tensor:
+        """[B, K + Q] positions of each request's Patch rows: selected context rows, then suffix
+        rows; padding slots at the trash row."""
+        key = self.key
+        trash = key.length - 1
+        if key.signal != "kv_dev":
+            self.selected.copy_(self.host_selected)
+        slot = torch.arange(key.num_suffix, device=self.positions.device)
+        suffix = torch.where(slot[None, :] < self.num_question[:, None], self.suffix_start[:, None] + slot, trash)
+        return torch.cat([self.selected, suffix], dim=1)
+
+    def _patch_layers(self, h: torch.Tensor | None, positions: torch.Tensor, start: int, scored) -> None:
+        """Patch layers [start, L) over the selected and suffix rows; the logits of each request's
+        last suffix row into `self.logits`."""
+        m, key = self.model, self.key
+        B, S = key.num_rows, key.length
+        R = positions.shape[1]
+        rows = (torch.arange(B, device=positions.device)[:, None] * S + positions).view(-1)  # [B * R]
+        h_sel = m.embed(self.ids.view(-1)[rows]) if h is None else h[rows]  # [B * R, hidden]
+        cos, sin = self.cos[positions.view(-1)], self.sin[positions.view(-1)]  # [B * R, 1, D / 2]
+        mask = self.positions[None, None, :] <= positions[:, :, None]  # [B, R, S]
+        where = (torch.arange(B, device=positions.device)[:, None].expand(B, R), positions)
+        heads = (m.config.num_heads, m.config.num_kv_heads)
+        for i in range(start, m.num_layers):
+            layer = m.layers[i]
+            if scored is not None and i == start:  # KV deviation's projections of this layer, reused
+                x, k, v = scored
+                q, k, v = m.rope.apply(layer.q(x[rows]), cos, sin), m.rope.apply(k[rows], cos, sin), v[rows]
+            else:
+                qk, v = layer.qk_v(layer.input_norm(h_sel))
+                q, k = m.rope.apply(qk, cos, sin).split(heads, dim=1)
+            keys, values = self.keys[:, i], self.values[:, i]  # [B, S, Hkv, D]
+            keys.index_put_(where, k.reshape(B, R, *k.shape[1:]))
+            values.index_put_(where, v.reshape(B, R, *v.shape[1:]))
+            attn = layer.attend_batch(q.reshape(B, R, *q.shape[1:]), keys, values, mask=mask)
+            h_sel = layer.mlp_block(h_sel.add_(layer.out_proj(attn)))
+        last = torch.arange(B, device=positions.device) * R + key.num_selected + self.num_question - 1
+        self.logits.copy_(m.head(m.norm(h_sel[last.clamp_min(0)])))
+
+    def _entropy(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Layer 0's QCI entropy of each request (`signals.entropy_of` of the suffix rows' attention
+        mass on the context), into `self.entropy`."""
+        key, cfg = self.key, self.model.config
+        B, Q = key.num_rows, key.num_suffix
+        slot = torch.arange(Q, device=q.device)
+        is_question = slot[None, :] < self.num_question[:, None]  # [B, Q]
+        rows = torch.where(is_question, self.suffix_start[:, None] + slot, key.length - 1)  # [B, Q]
+        qs = q.gather(1, rows[:, :, None, None].expand(B, Q, *q.shape[2:]))  # [B, Q, H, D]
+        rep = cfg.num_heads // cfg.num_kv_heads
+        qg = qs.float().reshape(B, Q, cfg.num_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4)
+        kg = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, S]
+        logits = torch.matmul(qg.reshape(B, cfg.num_kv_heads, rep * Q, cfg.head_dim), kg) / math.sqrt(cfg.head_dim)
+        visible = self.positions[None, None, :] <= rows[:, :, None]  # [B, Q, S]
+        logits = logits.view(B, cfg.num_kv_heads, rep, Q, -1).masked_fill(~visible[:, None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1) * is_question[:, None, None, :, None]
+        mass = probs.sum(dim=(1, 2, 3))  # [B, S]
+        is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
+        p = mass.double().clamp_min(0) * is_context
+        total = p.sum(dim=1)
+        p = p / total.clamp_min(1e-300)[:, None]
+        n = (self.suffix_start - self.prefix_end).double()
+        entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=1) / torch.log(n.clamp_min(2))
+        entropy = torch.where(total > 0, entropy, torch.ones_like(entropy))
+        self.entropy.copy_(torch.where(n > 1, entropy, torch.zeros_like(entropy)))
+
+
+def _deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
+               target: str) -> torch.Tensor:
+    """`signals.kv_deviation` of every row of a batch: [B, S, Hkv, D] each -> [B, S] float32."""
+    score = torch.zeros(fresh_k.shape[:2], device=fresh_k.device)
+    if target in ("k", "kv"):
+        score += (fresh_k.float() - cached_k.float()).flatten(2).norm(dim=2)
+    if target in ("v", "kv"):
+        score += (fresh_v.float() - cached_v.float()).flatten(2).norm(dim=2)
+    return score

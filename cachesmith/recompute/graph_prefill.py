@@ -1,0 +1,156 @@
+"""Recompute plans on CUDA as captured CUDA graphs: static buffers per bucket, replayed.
+
+In: a batch of `RecomputeRequest`s whose prefix and chunks are handed in memory, and a plan whose
+selection the device makes at a size known before the run: `position` plans (full reuse, EPIC: the
+rows come from chunk bounds, on the host) and KV deviation at any (w, p) (CacheBlend's (1, 0)).
+Out: one `RecomputeOutput` per request, as `BatchRunner.run` gives it up to floating-point rounding.
+
+Why: the eager layer loop dispatches 50-70 torch ops per layer, and a GPU pays each one in host
+time (about 9.6 us each on the one GPU run so far), which at 32 layers is more than the device work
+of a 2K-token full reuse. A CUDA graph launches them all at once, but replays the same kernels on
+the same memory with no host value read inside. So a batch runs in a bucket of padded sizes (vLLM's
+CUDA-graph runner pads the same way): B requests (the smallest of `BATCH_BUCKETS` >= n), S positions
+(a power of two > every request's tokens), K selected rows and Q suffix rows (powers of two >= the
+largest), and a replay computes every row of the bucket:
+
+- static slabs keys / values [B, L, S, Hkv, D]: request b's cached rows (pre-RoPE) are copied into
+  rows [0, end_b) before the replay (one concatenation per tensor), and rotated inside it;
+- position S - 1 is every request's trash row: padding slots compute there and write their K/V
+  there, and no real row sees it (key j is visible to a row at position p iff j <= p < S - 1);
+- static inputs in one host copy: token ids [B, S], per request its prefix and suffix bounds,
+  tokens, rows selected and suffix rows, and EPIC's selection [B, K];
+- one run: WarmUp (and KV deviation's probe) layers over all B x S rows, causal; KV deviation at
+  layer w + p scored on the device, ranked by a stable sort (`signals.rank`'s order) and its
+  first k_b rows taken, sorted by position; Patch layers over the B x (K + Q) selected and suffix
+  rows, each at its position, attention masked by position; the logits of each last suffix row.
+
+After the replay each request's rows go into a cache of its own (one copy per tensor), and the
+selection comes back in one copy (eager ranking reads its scores back once too). Eager serves what
+is not graphed (`GraphPrefill.takes`): query-attention plans (their probe rewinds), full prefill,
+plans decided after layer 0, runs with per-layer hooks (staging, the runtime monitor, layer timing)
+and caches staged by the transfer engine.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cachesmith.model import Decoder
+from cachesmith.model import device as accel
+from cachesmith.recompute.config import RecomputeConfig, Signal
+from cachesmith.recompute.graph_buffers import BucketKey, PrefillBuffers, RequestLayout, bucket_bytes, next_pow2
+from cachesmith.recompute.run_state import RecomputeOutput
+from cachesmith.recompute.sequence import RecomputeRequest, checked, entries_of
+from cachesmith.recompute.signals import chunk_heads, num_selected
+
+log = logging.getLogger(__name__)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+GIB = 1 << 30
+
+
+class GraphPrefill:
+    """Runs `BatchRunner`'s graphable plans as replays of captured graphs (CUDA only). Buckets are
+    kept while they fit the model's `max_graph_bytes` (the server's budget for graphs; None: the
+    device's free memory), the least recently used freed
+    first; a batch no bucket can hold runs eager."""
+
+    def __init__(self, model: Decoder) -> None:
+        self.model = model
+        self._buckets: dict[BucketKey, PrefillBuffers] = {}  # least recently used first
+        self._refused: set[BucketKey] = set()
+        self.num_captures = 0
+        self.num_replays = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self._buckets.values())
+
+    def takes(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> bool:
+        """Whether this batch and plan run from a graph."""
+        num_layers = self.model.num_layers
+        if not accel.is_cuda(self.model.device) or len(requests) > BATCH_BUCKETS[-1]:
+            return False
+        if config.signal not in (Signal.POSITION, Signal.KV_DEV) or not config.has_patch(num_layers):
+            return False
+        return all(r.cache is None for r in requests)  # staged caches fill layer by layer: eager
+
+    def run(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> list[RecomputeOutput] | None:
+        """The batch's outputs from a replay, or None where no bucket fits the device (eager then).
+        Inputs are checked first, with the eager path's errors."""
+        layouts = [self._layout(r, config, i) for i, r in enumerate(requests)]
+        with torch.inference_mode():  # the bucket's buffers are only ever used inside it
+            bucket = self._bucket(self._key(layouts, config))
+        if bucket is None:
+            return None
+        # made outside inference mode, as the eager runner makes them: their slabs go back to the
+        # pool, and a later taker outside inference mode must be able to write them
+        caches = [self.model.new_cache(lay.num_tokens + lay.request.extra_capacity) for lay in layouts]
+        with torch.inference_mode():
+            bucket.load(layouts)
+            bucket.graph.replay()
+            self.num_replays += 1
+            return bucket.outputs(layouts, caches)
+
+    def _layout(self, req: RecomputeRequest, config: RecomputeConfig, index: int) -> RequestLayout:
+        coverage, _ = checked(self.model, req, config.coverage, index)
+        num_prefix = req.prefix.num_tokens if req.prefix is not None else 0
+        num_context = sum(c.num_tokens for c in req.chunks)
+        if config.signal is Signal.POSITION:
+            chosen = range(num_context) if coverage >= 1.0 else chunk_heads(_chunk_starts(req), num_context,
+                                                                            coverage).tolist()
+            selected = [num_prefix + i for i in chosen]
+            num_chosen = len(selected)
+        else:
+            selected, num_chosen = None, num_selected(coverage, num_context)
+        return RequestLayout(req, entries_of(req), [int(t) for t in req.suffix_ids], num_prefix, num_context, num_chosen, selected)
+
+    def _key(self, layouts: list[RequestLayout], config: RecomputeConfig) -> BucketKey:
+        num_rows = next(b for b in BATCH_BUCKETS if b >= len(layouts))
+        length = next_pow2(max(lay.num_tokens for lay in layouts) + 1, 64)  # + the trash row
+        most = max(lay.num_selected for lay in layouts)
+        return BucketKey(config.signal.value, config.warmup, config.probe, config.kv_dev_target, num_rows, length,
+                         0 if most == 0 else next_pow2(most, 16),
+                         next_pow2(max(lay.num_suffix for lay in layouts), 16))
+
+    def _bucket(self, key: BucketKey) -> PrefillBuffers | None:
+        """A kept bucket that fits `key` (now the most recently used), or a new one, captured."""
+        for have, bucket in self._buckets.items():
+            if have.fits(key):
+                self._buckets[have] = self._buckets.pop(have)
+                return bucket
+        need = bucket_bytes(self.model, key)
+        while self._buckets and not self._has_room(need):
+            del self._buckets[next(iter(self._buckets))]  # freed before the new one is allocated
+        if not self._has_room(need):
+            if key not in self._refused:
+                self._refused.add(key)
+                log.warning("prefill graphs: a bucket of %d requests x %d positions needs %.2f GiB, more than "
+                            "the budget or the device has free; its batches run eager", key.num_rows, key.length,
+                            need / GIB)
+            return None
+        bucket = PrefillBuffers(self.model, key)
+        bucket.graph = accel.new_graph(self.model.device)
+        bucket.graph.capture(bucket.step)
+        self._buckets[key] = bucket
+        self.num_captures += 1
+        return bucket
+
+    def _has_room(self, need: int) -> bool:
+        budget = self.model.max_graph_bytes
+        if budget is not None and self.num_bytes + need > budget:
+            return False
+        free, _total = accel.memory_info(self.model.device)
+        return need <= free
+
+
+def _chunk_starts(req: RecomputeRequest) -> list[int]:
+    """Each chunk's start within the context."""
+    starts, at = [], 0
+    for chunk in req.chunks:
+        starts.append(at)
+        at += chunk.num_tokens
+    return starts
+
+
+__all__ = ["BATCH_BUCKETS", "GraphPrefill"]
