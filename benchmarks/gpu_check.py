@@ -28,7 +28,9 @@ Rows (timings: median of 3 after a warm-up, synchronized on CUDA; the sizes belo
   prefill  our full prefill (`Decoder.prefill`) against transformers' forward, per context
   reuse    full reuse, CacheBlend@15%/30% and EPIC@15% per context, `direct` (chunk KV already on
            the device) and `store` (chunks in a memory-tier `ChunkStore`, staged by the
-           `TransferEngine` as serving stages them): ms and the ratio to our full prefill
+           `TransferEngine` as serving stages them): ms and the ratio to our full prefill; `direct`
+           replays a CUDA graph where the plan is graphable (`is_graphed`) and is timed eager too
+           (`eager_ms`, `eager_ratio`, `logit_diff_vs_eager`)
   batch    8 requests of 2K: CacheBlend@15% (and our full prefill of the 8) against transformers'
            full prefill of the batch of 8
   decode   tokens/s at 2K for 1 and 8 streams (`Decoding`, greedy) against transformers'
@@ -161,8 +163,23 @@ def prefill_row(model: Decoder, hf, flat: list[int], timer: Timer) -> dict:
 
 
 def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, timer: Timer) -> dict:
+    """`plan` on chunk KV already on the device, replayed from a CUDA graph where it is graphable,
+    then eager (graphs off), and the two runs' logits apart."""
+    replays = runner.graphs.num_replays
     ms = timer.ms(lambda: release_all(runner.run([req], plan)))
-    return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None}
+    is_graphed = runner.graphs.num_replays > replays
+    runner.model.is_prefill_graphed = False
+    try:
+        eager_ms = timer.ms(lambda: release_all(runner.run([req], plan)))
+        eager = runner.run([req], plan)
+    finally:
+        runner.model.is_prefill_graphed = True
+    graphed = runner.run([req], plan)
+    diff = (graphed[0].logits - eager[0].logits).abs().max().item()
+    release_all(graphed + eager)
+    return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None, "is_graphed": is_graphed,
+            "eager_ms": eager_ms, "eager_ratio": eager_ms / full_ms if full_ms else None,
+            "logit_diff_vs_eager": diff}
 
 
 def stage_store(model: Decoder, req) -> tuple:

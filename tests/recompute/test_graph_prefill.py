@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cachesmith.model import Decoder
+from cachesmith.model import device as accel
 from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic, full_reuse
 from cachesmith.recompute.config import RecomputeConfig, Signal, fusionrag, prophetkv
 from cachesmith.recompute.graph_buffers import bucket_bytes, slab_bytes, work_bytes
@@ -70,7 +71,8 @@ def assert_same_outputs(got, want, num_layers: int) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-@pytest.mark.parametrize("kind", ["sim_cuda"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind", [pytest.param("sim_cuda", marks=pytest.mark.sim_cuda)]
+                         + ([pytest.param("cuda", marks=pytest.mark.cuda)] if accel.is_cuda_available() else []))
 def test_replayed_runs_equal_the_cpus_eager_runs(llama_dir, name, kind):
     """float32, a batch of three requests of different sizes (prefix or none, own coverage or the
     plan's), then a batch of one in the same bucket: every output the eager CPU run gives."""
