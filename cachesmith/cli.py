@@ -260,8 +260,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--serial-decode", action="store_true",
                        help="decode between batches on the prefill thread instead of beside it")
     serve.add_argument("--no-cuda-graphs", action="store_true",
-                       help="on --device cuda, run every decode step eagerly (default: greedy steps replay "
-                            "captured CUDA graphs)")
+                       help="on --device cuda, run every decode step and recompute run eagerly (default: "
+                            "greedy steps and graphable recompute runs replay captured CUDA graphs)")
     serve.add_argument("--profile", type=Path, default=None, help="default: measured, else the packaged one")
     serve.set_defaults(func=_serve)
 

@@ -20,11 +20,14 @@ from cachesmith.recompute.sequence import RecomputeRequest
 NUM_INTS = 5  # per request: prefix end, suffix start, tokens, rows selected, suffix rows
 
 
-def next_pow2(n: int, floor: int) -> int:
-    size = floor
-    while size < n:
-        size *= 2
-    return size
+def size_class(n: int, floor: int) -> int:
+    """The padded size of `n` rows: `floor` at least, else the next multiple of an eighth of the
+    power of two below it (padding of at most 1/8; powers of two would pad a 16.4K-token request
+    to 32K, doubling its full layers' work)."""
+    if n <= floor:
+        return floor
+    step = max(floor, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,15 @@ class BucketKey:
     num_suffix: int  # Q
 
     def fits(self, need: "BucketKey") -> bool:
-        """Whether a batch needing `need` runs in this bucket: the same plan family, and each size at
-        least what it needs and at most twice that (more padding costs more than a new capture)."""
+        """Whether a batch needing `need` runs in this bucket: the same plan family, at most twice
+        the requests, and each size at least what it needs and at most a quarter more (or 16 rows:
+        more padding costs a long request more than a new capture)."""
         family = (self.signal, self.warmup, self.probe, self.target)
         if family != (need.signal, need.warmup, need.probe, need.target):
             return False
-        sizes = ((self.num_rows, need.num_rows), (self.length, need.length),
-                 (self.num_selected, need.num_selected), (self.num_suffix, need.num_suffix))
-        return all(want <= have <= 2 * want or have == want for have, want in sizes)
+        sizes = ((self.length, need.length), (self.num_selected, need.num_selected), (self.num_suffix, need.num_suffix))
+        return (need.num_rows <= self.num_rows <= 2 * need.num_rows
+                and all(want <= have <= want + max(want // 4, 16) for have, want in sizes))
 
 
 @dataclass(frozen=True)

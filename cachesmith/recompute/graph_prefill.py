@@ -10,8 +10,9 @@ time (about 9.6 us each on the one GPU run so far), which at 32 layers is more t
 of a 2K-token full reuse. A CUDA graph launches them all at once, but replays the same kernels on
 the same memory with no host value read inside. So a batch runs in a bucket of padded sizes (vLLM's
 CUDA-graph runner pads the same way): B requests (the smallest of `BATCH_BUCKETS` >= n), S positions
-(a power of two > every request's tokens), K selected rows and Q suffix rows (powers of two >= the
-largest), and a replay computes every row of the bucket:
+(above every request's tokens), K selected rows and Q suffix rows (at least the largest), each
+padded by at most an eighth (`graph_buffers.size_class`), and a replay computes every row of the
+bucket:
 
 - static slabs keys / values [B, L, S, Hkv, D]: request b's cached rows (pre-RoPE) are copied into
   rows [0, end_b) before the replay (one concatenation per tensor), and rotated inside it;
@@ -39,7 +40,7 @@ import torch
 from cachesmith.model import Decoder
 from cachesmith.model import device as accel
 from cachesmith.recompute.config import RecomputeConfig, Signal
-from cachesmith.recompute.graph_buffers import BucketKey, PrefillBuffers, RequestLayout, bucket_bytes, next_pow2
+from cachesmith.recompute.graph_buffers import BucketKey, PrefillBuffers, RequestLayout, bucket_bytes, size_class
 from cachesmith.recompute.run_state import RecomputeOutput
 from cachesmith.recompute.sequence import RecomputeRequest, checked, entries_of
 from cachesmith.recompute.signals import chunk_heads, num_selected
@@ -107,11 +108,11 @@ class GraphPrefill:
 
     def _key(self, layouts: list[RequestLayout], config: RecomputeConfig) -> BucketKey:
         num_rows = next(b for b in BATCH_BUCKETS if b >= len(layouts))
-        length = next_pow2(max(lay.num_tokens for lay in layouts) + 1, 64)  # + the trash row
+        length = size_class(max(lay.num_tokens for lay in layouts) + 1, 64)  # + the trash row
         most = max(lay.num_selected for lay in layouts)
         return BucketKey(config.signal.value, config.warmup, config.probe, config.kv_dev_target, num_rows, length,
-                         0 if most == 0 else next_pow2(most, 16),
-                         next_pow2(max(lay.num_suffix for lay in layouts), 16))
+                         0 if most == 0 else size_class(most, 16),
+                         size_class(max(lay.num_suffix for lay in layouts), 16))
 
     def _bucket(self, key: BucketKey) -> PrefillBuffers | None:
         """A kept bucket that fits `key` (now the most recently used), or a new one, captured."""
