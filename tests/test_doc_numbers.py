@@ -21,13 +21,16 @@ def test_the_cli_passes_on_this_checkout(capsys):
     assert "agree with their payloads" in capsys.readouterr().out
 
 
+PAYLOAD = {"rows": [{"run": "live", "qsa": 0.58}, {"run": "replay", "qsa": 0.59}]}  # serve_load.json's shape
+
+
 def _quote(text: str) -> doc_numbers.Quote:
     return doc_numbers.Quote("README.md", text, "docs/bench/serve_load.json",
                              ("rows", {"run": "replay"}, "qsa"), ".0f", 100)
 
 
 def test_a_wrong_number_fails_naming_the_file_and_the_number():
-    payload = doc_numbers.load_payload(REPO / "docs/bench/serve_load.json")  # replay QSA 0.59
+    payload = PAYLOAD
     quote = _quote("against {}% for the same trace")
     assert doc_numbers.check_quote(quote, "live against 59% for the same\ntrace", payload) == []
     problems = doc_numbers.check_quote(quote, "live against 61% for the same trace", payload)
@@ -37,7 +40,7 @@ def test_a_wrong_number_fails_naming_the_file_and_the_number():
 
 
 def test_every_occurrence_must_agree_and_a_vanished_quote_fails():
-    payload = doc_numbers.load_payload(REPO / "docs/bench/serve_load.json")
+    payload = PAYLOAD
     quote = _quote("against {}% for")
     assert len(doc_numbers.check_quote(quote, "against 59% for x; against 60% for y", payload)) == 1
     missing = doc_numbers.check_quote(quote, "the sentence was reworded", payload)
