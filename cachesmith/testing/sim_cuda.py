@@ -42,6 +42,7 @@ from cachesmith.testing.sim_backend import Recording, SimBackend, transfer
 from cachesmith.testing.sim_calls import (
     _HOST_SPECIAL, _INDEXED, _METADATA, _OWN_PROPERTIES, _RAISES, _SYNCS, Counts, spans, written)
 from cachesmith.testing.sim_copies import SPECIAL, sdpa_kernel
+from cachesmith.testing.sim_clock import SimClock
 from cachesmith.testing.sim_memory import DEFAULT_CAPACITY_BYTES, DeviceMemory
 from cachesmith.testing.sim_streams import StreamOrder
 from cachesmith.testing.sim_tensor import CPU, SimCudaError, SimTensor, _is_cuda, _name, _unwrap
@@ -49,7 +50,9 @@ from cachesmith.testing.sim_tensor import CPU, SimCudaError, SimTensor, _is_cuda
 class SimCuda:
     """The simulation, on while entered (`with SimCuda() as sim:`); `sim.count()` measures a region."""
 
-    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
+    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, clock: SimClock | None = None) -> None:
+        """`clock`: the timed mode (`sim_clock`), advanced by every call, sync and replay."""
+        self.clock = clock
         self._lock = threading.Lock()
         self.order = StreamOrder(lambda msg: self._add(finding=f"stream: {msg}"), self.sync)
         self.memory = DeviceMemory(capacity_bytes, self.order.freed)
@@ -128,6 +131,8 @@ class SimCuda:
 
     def replay(self, ops: list) -> None:
         """A graph's recorded ops again, on their tensors: no allocation, no host work."""
+        if self.clock is not None:
+            self.clock.replay()
         self._capture.is_replaying = True
         try:
             with self.capturing():
@@ -168,6 +173,8 @@ class SimCuda:
         if self.is_capturing:
             raise SimCudaError(f"{what}: a host sync while a CUDA graph is being captured")
         self._add(syncs=1, site=what)
+        if self.clock is not None:
+            self.clock.sync()
 
     def h2d(self, src: torch.Tensor | None, is_non_blocking: bool, what: str) -> None:
         is_pinned = src is not None and self.is_pinned(src)
@@ -217,6 +224,7 @@ class SimCuda:
             out = special(self, func, args, kwargs, sims)
             if out is not NotImplemented:
                 self._record(func, args, kwargs, out)
+                self._timed(name, args, kwargs, out, is_link=True)
                 return out
         wants_device = _is_cuda(kwargs.get("device"))
         if sims and kwargs.get("device") is not None and not wants_device:  # e.g. empty_like(x, device="cpu")
@@ -248,7 +256,22 @@ class SimCuda:
                 return out
             out = done(self._wrap(out, sims, args))
         self._record(func, args, called, out)
+        if is_device_op:
+            self._timed(name, args, kwargs, out)
         return out
+
+    def _timed(self, name: str, args: tuple, kwargs: dict, out, is_link: bool = False) -> None:
+        """The call on the timed mode's clocks (`sim_clock`), where it is on. A special call (a
+        copy, a factory of host data) crosses the link only where host and device tensors meet."""
+        if self.clock is None:
+            return
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        is_link = is_link and any(isinstance(t, SimTensor) for t in tensors) and \
+            any(not isinstance(t, SimTensor) for t in tensors)
+        self.clock.call(name, tree_map(_unwrap, args), tree_map(_unwrap, kwargs), tree_map(_unwrap, out),
+                        self.order.current().id, self.is_replaying, self.is_in_graph, is_link)
+        if is_link and any(not isinstance(t, SimTensor) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+            self.clock.sync()  # a copy back: the host has the values only once it landed
 
     def _host_op(self, func, name: str, args: tuple, kwargs: dict) -> Any:
         """A torch call on host tensors only: the host's own work (on pinned memory, it must not
