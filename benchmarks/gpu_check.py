@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common.forecast_rows import beside_forecast
 from benchmarks.common.check_rows import Clock, guarded
 from benchmarks.common.gpu_paths import SdpaRecorder, TIE_GAP, kernel_row, recompute_calls, tokens_row
 from benchmarks.common.hf_compat import dtype_kwargs, last_logits_kwargs
@@ -470,6 +471,7 @@ def main() -> int:
             if not args.skip_serve:
                 guarded(rows, clock, "serve", f"{NUM_RAG} RAG + 1 chat",
                         lambda: serve_row(args, built["dir"], work, clock))
+    payload["forecast"] = beside_forecast(rows, payload["versions"].get("gpu") or "")  # the first GPU grades it
     payload["rows"], payload["bars"] = rows, bars(rows, args.skip_serve, accel.is_cuda(device), args.dtype)
     payload["passed"] = all(b["passed"] for b in payload["bars"])
 

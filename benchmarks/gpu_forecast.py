@@ -23,6 +23,7 @@ GPUs cost no further runs.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -56,15 +57,6 @@ def model_dir(work: Path, num_layers: int) -> Path:
     return path
 
 
-def recorded(clock: SimClock, run) -> Trace:
-    """The events of `run()`, from an idle device to the host holding its result."""
-    clock.sync()
-    start = clock.mark()
-    run()
-    clock.sync()
-    return clock.events[start:]
-
-
 def request(model: Decoder, context: int, seed: int) -> RecomputeRequest:
     """`context` tokens of stored chunks (random KV: times depend on shapes only) and a question."""
     g = torch.Generator().manual_seed(seed)
@@ -82,26 +74,38 @@ def traces_of(path: Path, sizes: list[int]) -> dict[str, Trace]:
     """Every run's recorded work on one model: full prefill, full reuse and CacheBlend@15% (graphs
     off, then on: the first graphed run captures, the second is recorded) per size, and decode
     steps of 1 and 8 streams (graphs off and on)."""
-    clock, traces = SimClock(H200), {}
+    clock, traces = SimClock(H200), _Progress(path.name)
     with SimCuda(clock=clock):
         model = Decoder(path, "cuda", torch.bfloat16)
         runner = BatchRunner(model)
         for n in sizes:
             ids = torch.randint(3, model.config.vocab_size, (n + QUESTION_TOKENS,)).tolist()
-            traces[f"prefill {n}"] = recorded(clock, lambda: int(model.prefill(ids)[0].argmax()))
+            traces[f"prefill {n}"] = clock.record(lambda: int(model.prefill(ids)[0].argmax()))
             for name, plan in (("full_reuse", full_reuse()), ("cacheblend", cacheblend(0.15))):
                 for graphed in (False, True):
                     model.is_prefill_graphed = graphed
                     req = request(model, n, seed=n)
                     if graphed:
                         _release(runner.run([req], plan))  # the capture
-                    traces[f"{name} {n} {'graph' if graphed else 'eager'}"] = recorded(
+                    traces[f"{name} {n} {'graph' if graphed else 'eager'}"] = clock.record(
                         clock, lambda: _release(runner.run([req], plan), read=True))
         for streams in (1, 8):
             for graphed in (False, True):
                 traces[f"decode {streams} {'graph' if graphed else 'eager'}"] = decode_trace(model, clock, streams,
                                                                                              graphed)
-    return traces
+    return dict(traces)
+
+
+class _Progress(dict):
+    """The traces by name, each noted on stderr as it is recorded (a run takes minutes)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.start = name, time.perf_counter()
+
+    def __setitem__(self, key: str, value) -> None:
+        super().__setitem__(key, value)
+        print(f"{self.name}: {key} recorded ({time.perf_counter() - self.start:.0f} s)", file=sys.stderr, flush=True)
 
 
 def _release(outs, read: bool = False) -> None:
@@ -121,7 +125,7 @@ def decode_trace(model: Decoder, clock: SimClock, streams: int, graphed: bool) -
         decoding.start(logits, base.clone(), DECODE_STEPS + 3, eos_token_ids=())
     decoding.step()
     decoding.step()
-    trace = recorded(clock, lambda: [decoding.step() for _ in range(DECODE_STEPS)])
+    trace = clock.record(lambda: [decoding.step() for _ in range(DECODE_STEPS)])
     for gen in list(decoding.active):
         gen.cache.release()
     base.release()

@@ -102,3 +102,19 @@ def sim_cuda():
     """The simulated CUDA device, on for the test: `with sim_cuda.count() as c:` measures a region."""
     with SimCuda() as sim:
         yield sim
+
+
+
+@pytest.fixture()
+def replay_counts(sim_cuda, monkeypatch):
+    """What each CUDA graph replay of the test cost (the simulation's `Counts`), in order."""
+    from cachesmith.testing.sim_backend import SimGraph
+
+    counts, replay = [], SimGraph.replay
+
+    def counted(self):
+        with sim_cuda.count() as c:
+            replay(self)
+        counts.append(c)
+    monkeypatch.setattr(SimGraph, "replay", counted)
+    return counts

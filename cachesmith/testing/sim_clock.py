@@ -107,6 +107,14 @@ class SimClock:
     def mark(self) -> int:
         return len(self.events)
 
+    def record(self, run) -> list[tuple[str, float, float, float, int]]:
+        """The events of `run()`, from an idle device to the host holding its result."""
+        self.sync()
+        start = self.mark()
+        run()
+        self.sync()
+        return self.events[start:]
+
     def timing(self, spec: DeviceSpec | None = None, since: int = 0, until: int | None = None) -> Timing:
         """The events [since, until), timed on `spec` (default the clock's), starting idle."""
         return time_events(self.events[since:until], spec or self.spec)

@@ -77,18 +77,11 @@ def test_every_architecture(tiny_model_dir):
     assert decoding.graphs.num_replays == JOIN_AT + NUM_TOKENS - 1
 
 
-def test_each_step_is_a_replay_that_neither_syncs_nor_copies_in(tiny_llama_dir, sim_cuda, monkeypatch):
+def test_each_step_is_a_replay_that_neither_syncs_nor_copies_in(tiny_llama_dir, sim_cuda, replay_counts):
     """Replayed: 0 syncs, 0 host -> device copies, 0 copies back, memory-efficient attention only.
     A whole step: its tokens back in one copy and one wait, plus one copy of the inputs where the
     rows changed; nothing else."""
-    replays = []
-    replay = SimGraph.replay
-
-    def counted(self):
-        with sim_cuda.count() as c:
-            replay(self)
-        replays.append(c)
-    monkeypatch.setattr(SimGraph, "replay", counted)
+    replays = replay_counts
     steps = []
 
     def on_step(step: int, decoding: Decoding) -> None:

@@ -18,7 +18,7 @@ from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic
 from cachesmith.recompute.config import RecomputeConfig, Signal, fusionrag, prophetkv
 from cachesmith.recompute.graph_buffers import bucket_bytes, slab_bytes, work_bytes
 from cachesmith.recompute.hooks import RunnerHooks
-from cachesmith.testing.sim_backend import CAPTURE_SYNC, SimGraph
+from cachesmith.testing.sim_backend import CAPTURE_SYNC
 from cachesmith.testing.sim_cuda import SimCuda, active
 from tests.recompute.helpers import make_request, max_diff
 
@@ -94,18 +94,11 @@ def test_replayed_runs_equal_the_cpus_eager_runs(llama_dir, name, kind):
 
 @pytest.mark.sim_cuda
 @pytest.mark.parametrize("name", ["full_reuse", "cacheblend@15%"])
-def test_a_replay_neither_syncs_nor_copies_and_a_run_copies_in_once(llama_dir, sim_cuda, monkeypatch, name):
+def test_a_replay_neither_syncs_nor_copies_and_a_run_copies_in_once(llama_dir, sim_cuda, replay_counts, name):
     """The first run captures (one device sync, torch's graph context's); every run after replays:
     nothing synced or copied inside the replay, one host copy of the inputs per run, and for KV
     deviation one copy back of the selection (as the eager ranking reads its scores back)."""
-    replays = []
-    replay = SimGraph.replay
-
-    def counted(self):
-        with sim_cuda.count() as c:
-            replay(self)
-        replays.append(c)
-    monkeypatch.setattr(SimGraph, "replay", counted)
+    replays = replay_counts
     model = Decoder(llama_dir, "cuda", torch.float32)
     runner, plan = BatchRunner(model), PLANS[name]
     requests, more = batch(model), batch(model, seed=3)
