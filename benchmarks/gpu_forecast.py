@@ -11,8 +11,9 @@ GPUs cost no further runs.
 
 - **Fit** (on the H200 run, torch 2.11): the host's cost per call, the run's 43.9 ms of host time for a
   2K full reuse over the 143 ops per layer it dispatched then; the compute efficiency, so that full
-  prefill at 2K takes 54 ms; the memory efficiency, so that today's eager full reuse at 2K keeps
-  the device busy 8.6 ms, as it did then.
+  prefill at 2K takes 54 ms. The memory efficiency is stated (0.8): fit so that today's eager full
+  reuse at 2K kept the device busy 8.6 ms, as that run's did, it reads low (that run's device time
+  was about 1,000 mostly small kernels), and the bars are given at that value too.
 - **Held out**: full prefill at 8K and 16K, against 229 and 531 ms (bar: within 15%).
 - **Forecast** on H100 and H200 with the fit: full prefill, full reuse and CacheBlend@15% at each
   size, graphs off and on; decode tokens/s for 1 and 8 streams at 2K, graphs off and on. Each row
@@ -43,6 +44,7 @@ NUM_LAYERS = 32
 LAYERS = (2, 3)  # the model sizes run: every further layer adds what the third did
 CHUNK_TOKENS, QUESTION_TOKENS = 512, 32
 DECODE_CONTEXT, DECODE_STEPS = 2048, 6
+MEMORY_EFFICIENCY = 0.8  # stated, not fit: the GPU run's figures do not hold it apart (see `fit`)
 BARS = {"full_reuse_2k": 0.15, "cacheblend_2k": 0.35, "cacheblend_16k": 0.22, "decode_1": 100.0, "decode_8": 500.0}
 Trace = list  # recorded events of one run (`SimClock.events`)
 
@@ -138,20 +140,21 @@ def at_32(one: dict[str, Trace], two: dict[str, Trace], spec: DeviceSpec) -> dic
 
 
 def fit(one: dict, two: dict) -> tuple[DeviceSpec, dict]:
-    """The H200's host cost per call, compute and memory efficiencies, from the GPU run's figures."""
+    """The H200's host cost per call and compute efficiency from the GPU run's figures, at the
+    stated memory efficiency; and the memory efficiency the run's 8.6 ms of device time for a 2K
+    full reuse would give (`memory_efficiency_if_fit`: that run launched about 1,000 kernels, most
+    of them small, so it reads low for the large streams of today's code; its bars are given too)."""
     host_call_s = GPU_RUN["full_reuse_2k_host_ms"] / 1e3 / (GPU_RUN["ops_per_layer"] * GPU_RUN["num_layers"])
-    spec = H200.with_fit(host_call_s=host_call_s)
-    for _ in range(3):  # the two efficiencies barely interact: a few rounds settle them
-        spec = spec.with_fit(compute_efficiency=_solve(
-            lambda e: at_32(_pick(one, "prefill 2048"), _pick(two, "prefill 2048"),
-                            spec.with_fit(compute_efficiency=e))["prefill 2048"].elapsed_s,
-            GPU_RUN["full_prefill_ms"][2048] / 1e3))
-        spec = spec.with_fit(memory_efficiency=_solve(
-            lambda e: _busy(at_32(_pick(one, "full_reuse 2048 eager"), _pick(two, "full_reuse 2048 eager"),
-                                  spec.with_fit(memory_efficiency=e))["full_reuse 2048 eager"]),
-            GPU_RUN["full_reuse_2k_device_ms"] / 1e3))
+    spec = H200.with_fit(host_call_s=host_call_s, memory_efficiency=MEMORY_EFFICIENCY)
+    spec = spec.with_fit(compute_efficiency=_solve(
+        lambda e: at_32(_pick(one, "prefill 2048"), _pick(two, "prefill 2048"),
+                        spec.with_fit(compute_efficiency=e))["prefill 2048"].elapsed_s,
+        GPU_RUN["full_prefill_ms"][2048] / 1e3))
+    low = _solve(lambda e: _busy(at_32(_pick(one, "full_reuse 2048 eager"), _pick(two, "full_reuse 2048 eager"),
+                                       spec.with_fit(memory_efficiency=e))["full_reuse 2048 eager"]),
+                 GPU_RUN["full_reuse_2k_device_ms"] / 1e3)
     return spec, {"host_call_us": host_call_s * 1e6, "compute_efficiency": spec.compute_efficiency,
-                  "memory_efficiency": spec.memory_efficiency}
+                  "memory_efficiency": spec.memory_efficiency, "memory_efficiency_if_fit": low}
 
 
 def _pick(traces: dict, key: str) -> dict:
@@ -236,8 +239,10 @@ def main() -> None:
     specs = [H100.with_fit(**{k: getattr(spec, k) for k in ("host_call_s", "compute_efficiency", "memory_efficiency")}),
              spec]
     rows = [r for s in specs for r in rows_for(s, at_32(one, two, s), args.sizes)]
+    low = specs[0].with_fit(memory_efficiency=fitted["memory_efficiency_if_fit"])
     payload = {"gpu_run": GPU_RUN, "fit": fitted, "held_out": held_out,
                "specs": [vars(s) for s in specs], "rows": rows, "bars": bars(rows),
+               "bars_if_memory_efficiency_fit": bars(rows_for(low, at_32(one, two, low), args.sizes)),
                "wall_s": time.perf_counter() - start}
 
     def table() -> None:
@@ -245,6 +250,8 @@ def main() -> None:
         print_table(held_out, ["tokens", "measured_ms", "forecast_ms", "error"])
         print_table(rows, ["device", "row", "tokens", "graphs", "ms", "vs_full_prefill", "binding", "calls"])
         print_table(payload["bars"], ["bar", "forecast", "limit", "is_met", "binding"])
+        print(f"at the memory efficiency fit to the run's full reuse ({fitted['memory_efficiency_if_fit']:.2f}):")
+        print_table(payload["bars_if_memory_efficiency_fit"], ["bar", "forecast", "limit", "is_met", "binding"])
     emit(payload, args.json, args.out, table)
 
 

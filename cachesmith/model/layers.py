@@ -65,6 +65,13 @@ def _is_gqa_fused(dtype: torch.dtype, head_dim: int, group: int, is_masked: bool
     return accel.sdpa_kernels(q, k, k, mask, is_causal and not is_masked, True)["picked"] != "math"
 
 
+def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A batch's mask [B, Tq, Tk] for `DecoderLayer.attend_grouped`: [B, 1, group * Tq, Tk], each
+    query head of a group seeing what its row sees (built once per run: every layer reads it)."""
+    B, Tq, Tk = mask.shape
+    return mask[:, None].expand(B, group, Tq, Tk).reshape(B, 1, group * Tq, Tk)
+
+
 class DecoderLayer:
     """Weights of one layer; Q, K and V are fused into one matmul."""
 
@@ -164,6 +171,18 @@ class DecoderLayer:
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=None if mask is None else mask[:, None],
                                              is_causal=is_causal, enable_gqa=is_gqa)  # [B, H, Tq, D]
         return out.transpose(1, 2).reshape(q.shape[0] * q.shape[1], -1)
+
+    def attend_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`attend_batch` with a mask, K/V never expanded per query head: the query heads sharing
+        a KV head go in as its rows (graph_decode's layout), so one fused CUDA kernel takes the
+        call with no `enable_gqa`. q [B, Tq, H, D], k, v [B, Tk, Hkv, D], `mask` from
+        `grouped_mask` [B, 1, group * Tq, Tk] -> [B * Tq, H * D]."""
+        B, Tq, H, D = q.shape
+        Hkv = k.shape[2]
+        group = H // Hkv
+        rows = q.reshape(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Tq, D)
+        out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        return out.view(B, Hkv, group, Tq, D).permute(0, 3, 1, 2, 4).reshape(B * Tq, H * D)
 
     def out_proj(self, attn: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H * D] -> [num_tokens, hidden]."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cachesmith.model import ChunkKV, Decoder, KVCache
+from cachesmith.model.layers import grouped_mask
 from cachesmith.model.rope import halves
 from cachesmith.recompute.run_state import RecomputeOutput
 from cachesmith.recompute.sequence import RecomputeRequest
@@ -252,7 +253,8 @@ class PrefillBuffers:
         rows = (torch.arange(B, device=positions.device)[:, None] * S + positions).view(-1)  # [B * R]
         h_sel = m.embed(self.ids.view(-1)[rows]) if h is None else h[rows]  # [B * R, hidden]
         cos, sin = self.cos[positions.view(-1)], self.sin[positions.view(-1)]  # [B * R, 1, D / 2]
-        mask = self.positions[None, None, :] <= positions[:, :, None]  # [B, R, S]
+        group = m.config.num_heads // m.config.num_kv_heads
+        mask = grouped_mask(self.positions[None, None, :] <= positions[:, :, None], group)  # [B, 1, group * R, S]
         where = (torch.arange(B, device=positions.device)[:, None].expand(B, R), positions)
         heads = (m.config.num_heads, m.config.num_kv_heads)
         for i in range(start, m.num_layers):
@@ -266,7 +268,7 @@ class PrefillBuffers:
             keys, values = self.keys[:, i], self.values[:, i]  # [B, S, Hkv, D]
             keys.index_put_(where, k.reshape(B, R, *k.shape[1:]))
             values.index_put_(where, v.reshape(B, R, *v.shape[1:]))
-            attn = layer.attend_batch(q.reshape(B, R, *q.shape[1:]), keys, values, mask=mask)
+            attn = layer.attend_grouped(q.reshape(B, R, *q.shape[1:]), keys, values, mask)
             h_sel = layer.mlp_block(h_sel.add_(layer.out_proj(attn)))
         last = torch.arange(B, device=positions.device) * R + key.num_selected + self.num_question - 1
         self.logits.copy_(m.head(m.norm(h_sel[last.clamp_min(0)])))
