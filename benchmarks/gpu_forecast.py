@@ -90,7 +90,7 @@ def traces_of(path: Path, sizes: list[int]) -> dict[str, Trace]:
                     if graphed:
                         _release(runner.run([req], plan))  # the capture
                     traces[f"{name} {n} {'graph' if graphed else 'eager'}"] = clock.record(
-                        clock, lambda: _release(runner.run([req], plan), read=True))
+                        lambda: _release(runner.run([req], plan), read=True))
         for streams in (1, 8):
             for graphed in (False, True):
                 traces[f"decode {streams} {'graph' if graphed else 'eager'}"] = decode_trace(model, clock, streams,
