@@ -22,12 +22,13 @@ NUM_INTS = 5  # per request: prefix end, suffix start, tokens, rows selected, su
 
 
 def size_class(n: int, floor: int) -> int:
-    """The padded size of `n` rows: `floor` at least, else the next multiple of an eighth of the
-    power of two below it (padding of at most 1/8; powers of two would pad a 16.4K-token request
-    to 32K, doubling its full layers' work)."""
+    """The padded size of `n` rows: `floor` at least, else the next multiple of 1/32 of the power
+    of two below it, and of `floor` (padding under 1/16 past a few thousand rows: a 16.4K-token
+    request pads to 16.9K; in powers of two it would pad to 32K, doubling its full layers' work, and
+    in eighths to 18.4K, a tenth of a forecast CacheBlend@15% run at 16K)."""
     if n <= floor:
         return floor
-    step = max(floor, 1 << max(0, n.bit_length() - 4))
+    step = max(floor, 1 << max(0, n.bit_length() - 6))
     return -(-n // step) * step
 
 
@@ -44,14 +45,14 @@ class BucketKey:
 
     def fits(self, need: "BucketKey") -> bool:
         """Whether a batch needing `need` runs in this bucket: the same plan family, at most twice
-        the requests, and each size at least what it needs and at most a quarter more (or 16 rows:
-        more padding costs a long request more than a new capture)."""
+        the requests, and each size at least what it needs and at most a sixteenth more (or 16
+        rows: more padding costs a long request more than a new capture)."""
         family = (self.signal, self.warmup, self.probe, self.target)
         if family != (need.signal, need.warmup, need.probe, need.target):
             return False
         sizes = ((self.length, need.length), (self.num_selected, need.num_selected), (self.num_suffix, need.num_suffix))
         return (need.num_rows <= self.num_rows <= 2 * need.num_rows
-                and all(want <= have <= want + max(want // 4, 16) for have, want in sizes))
+                and all(want <= have <= want + max(want // 16, 16) for have, want in sizes))
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ of a 2K-token full reuse. A CUDA graph launches them all at once, but replays th
 the same memory with no host value read inside. So a batch runs in a bucket of padded sizes (vLLM's
 CUDA-graph runner pads the same way): B requests (the smallest of `BATCH_BUCKETS` >= n), S positions
 (above every request's tokens), K selected rows and Q suffix rows (at least the largest), each
-padded by at most an eighth (`graph_buffers.size_class`), and a replay computes every row of the
-bucket:
+padded to its size class (`graph_buffers.size_class`: under 1/16 past a few thousand rows), and a
+replay computes every row of the bucket:
 
 - static slabs keys / values [B, L, S, Hkv, D]: request b's cached rows (pre-RoPE) are copied into
   rows [0, end_b) before the replay (one concatenation per tensor), and rotated inside it;

@@ -32,12 +32,12 @@ SHAPES = [dict(chunk_lens=(9, 12, 7), prefix_len=5, suffix_len=6, coverage=None)
           dict(chunk_lens=(17,), prefix_len=2, suffix_len=11, coverage=None)]
 
 
-def save_llama(path, num_layers: int = 4, hidden: int = 64):
+def save_llama(path, num_layers: int = 4, hidden: int = 64, max_positions: int = 2048):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=96, num_hidden_layers=num_layers,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                                  tie_word_embeddings=False)).save_pretrained(str(path))
     return path
 
