@@ -74,6 +74,7 @@ PLUGIN = "docs/bench/vllm_plugin_ttft.json"
 MACHINE = "docs/bench/machine.json"
 SIM = "docs/bench/sim_validation.json"
 REUSE = "docs/bench/reuse_2k.json"
+FORECAST = "docs/bench/gpu_forecast.json"
 KV_CODEC = "docs/bench/kv_codec.json"
 ROBUST = ("rows", {"method": "cachesmith"})
 POISSON = ("summary", {"setting": "poisson-u0.7"})
@@ -221,6 +222,18 @@ QUOTES: tuple[Quote, ...] = (
           ("ratio_shuffled", "cacheblend@0.15", "2048"), ".2f"),
     Quote("docs/evaluation.md", "`docs/bench/signal_rule_grid.json`: {} of 96 above", GRID,
           ROBUST + ("above_best_static",), convert=before_slash),
+    # docs/measurements.md: the GPU forecast
+    Quote("docs/measurements.md", "full prefill at 8K and 16K: {} ms against 229", FORECAST,
+          ("held_out", {"tokens": 8192}, "forecast_ms"), ".1f"),
+    Quote("docs/measurements.md", "(+2.5%) and {} ms", FORECAST, ("held_out", {"tokens": 16384}, "forecast_ms"), ".1f"),
+    Quote("docs/measurements.md", "| full reuse at 2K / full prefill | {} |", FORECAST,
+          ("bars", {"bar": "full reuse 2K / full prefill"}, "forecast"), ".3f"),
+    Quote("docs/measurements.md", "| CacheBlend@15% at 16K / full prefill | {} (missed) |", FORECAST,
+          ("bars", {"bar": "CacheBlend@15% 16K / full prefill"}, "forecast"), ".3f"),
+    Quote("docs/measurements.md", "| decode, 1 stream, tokens/s | {} |", FORECAST,
+          ("bars", {"bar": "decode 1 stream, tokens/s"}, "forecast"), ".1f"),
+    Quote("docs/measurements.md", "| decode, 8 streams, tokens/s | {} |", FORECAST,
+          ("bars", {"bar": "decode 8 streams, tokens/s"}, "forecast"), ".1f"),
     # docs/serving.md: the Redis Cluster recipe
     Quote("docs/serving.md", "held {}x the 256 KiB entries of one server", CLUSTER, ("capacity", "ratio"), ".2f"),
     Quote("docs/serving.md", "at {} ms against 0.74 ms for a 256 KiB write", CLUSTER, ("write_ms", "put_replicated"),
