@@ -58,7 +58,6 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +65,7 @@ import torch
 
 from benchmarks.common.forecast_rows import beside_forecast
 from benchmarks.common.check_rows import Clock, guarded
+from benchmarks.common.reuse_rows import Timer, method_rows, release_all
 from benchmarks.common.gpu_paths import SdpaRecorder, TIE_GAP, kernel_row, recompute_calls, tokens_row
 from benchmarks.common.hf_compat import dtype_kwargs, last_logits_kwargs
 from benchmarks.common.payload import emit, print_table
@@ -77,12 +77,9 @@ from benchmarks.common.timing import median, timed
 from cachesmith.calibration.synthetic import random_request
 from cachesmith.model import Decoder, Decoding
 from cachesmith.model import device as accel
-from cachesmith.recompute import BatchRunner, cacheblend, epic, full_prefill, full_reuse
+from cachesmith.recompute import BatchRunner, cacheblend, full_prefill
 
 COSINE_BAR = 0.995
-METHODS = {"full_reuse": full_reuse(), "cacheblend@0.15": cacheblend(0.15), "cacheblend@0.3": cacheblend(0.3),
-           "epic@0.15": epic(0.15)}
-
 
 @dataclass(frozen=True)
 class Sizes:
@@ -101,21 +98,6 @@ FULL = Sizes(short=2048, batch=8, new_tokens=64, streams=(1, 8), repeats=3, cont
 # a dry run that checks the script, not the speed: every leg once, each measured once
 TINY = Sizes(short=256, batch=2, new_tokens=4, streams=(1, 2), repeats=1, contexts=(256,), doc_words=40)
 SIZES = {"tiny": TINY, "1b": FULL, "8b": FULL}
-
-
-@dataclass(frozen=True)
-class Timer:
-    """Where the rows are timed, and how many timed runs each measurement takes (the shape's)."""
-    device: torch.device
-    repeats: int
-
-    def seconds(self, fn: Callable[[], object]) -> float:
-        """The median of `repeats` runs of `fn`, after a warm-up (kernels chosen, pools filled)."""
-        fn()
-        return median([timed(fn, self.device) for _ in range(self.repeats)])
-
-    def ms(self, fn: Callable[[], object]) -> float:
-        return 1e3 * self.seconds(fn)
 
 
 # -- the reference model -----------------------------------------------------------------------
@@ -137,11 +119,6 @@ def last_logits(hf, ids: torch.Tensor) -> torch.Tensor:
 
 
 # -- rows --------------------------------------------------------------------------------------
-def release_all(outs) -> None:
-    for out in outs:
-        out.cache.release()
-
-
 def logits_row(model: Decoder, hf, short: int, device: torch.device) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (short,), generator=torch.Generator().manual_seed(7))
     ours, cache = model.prefill(ids)
@@ -161,78 +138,6 @@ def prefill_row(model: Decoder, hf, flat: list[int], timer: Timer) -> dict:
     with torch.inference_mode():
         ref = timer.ms(lambda: last_logits(hf, ids[None]))
     return {"tokens": len(flat), "engine_ms": engine, "hf_ms": ref, "hf_over_engine": ref / engine}
-
-
-def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, timer: Timer) -> dict:
-    """`plan` on chunk KV already on the device, replayed from a CUDA graph where it is graphable,
-    then eager (graphs off), and the two runs' logits apart."""
-    replays = runner.graphs.num_replays
-    ms = timer.ms(lambda: release_all(runner.run([req], plan)))
-    is_graphed = runner.graphs.num_replays > replays
-    runner.model.is_prefill_graphed = False
-    try:
-        eager_ms = timer.ms(lambda: release_all(runner.run([req], plan)))
-        eager = runner.run([req], plan)
-    finally:
-        runner.model.is_prefill_graphed = True
-    graphed = runner.run([req], plan)
-    diff = (graphed[0].logits - eager[0].logits).abs().max().item()
-    release_all(graphed + eager)
-    return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None, "is_graphed": is_graphed,
-            "eager_ms": eager_ms, "eager_ratio": eager_ms / full_ms if full_ms else None,
-            "logit_diff_vs_eager": diff}
-
-
-def stage_store(model: Decoder, req) -> tuple:
-    """The request's chunks put in a memory-tier store (sized to hold them), the transfer engine
-    over it and the keyed request: what serving stages a batch from."""
-    from cachesmith.kvstore import ChunkStore, StoreConfig, TransferEngine, put_prompt
-
-    num_bytes = sum(c.keys.numel() + c.values.numel() for c in req.chunks) * req.chunks[0].keys.element_size()
-    store = ChunkStore(StoreConfig(tiers=("memory",), memory_bytes=2 * num_bytes + (64 << 20)))
-    keyed = put_prompt(store, req.chunks, req.suffix_ids)
-    return store, TransferEngine(store, model), keyed, num_bytes
-
-
-def store_row(runner: BatchRunner, engine, keyed, req, plan, full_ms: float | None, timer: Timer) -> dict:
-    """`plan` staged from the store, and its logits against the direct path's (the store->device
-    copy must change nothing)."""
-    def run():
-        with engine.stage([keyed], plan) as staged:
-            outs = runner.run(staged.requests, plan, staged)
-            logits = outs[0].logits.clone()
-        release_all(outs)
-        return logits
-    direct = runner.run([req], plan)
-    diff = (run() - direct[0].logits).abs().max().item()
-    release_all(direct)
-    ms = timer.ms(run)
-    return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None,
-            "logit_diff_vs_direct": diff}
-
-
-def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_ms, timer: Timer) -> None:
-    """Each method at one context: direct, then through the store (set up once for all four)."""
-    staged: dict = {}
-
-    def setup():
-        start = time.perf_counter()
-        staged["store"], staged["engine"], staged["keyed"], num_bytes = stage_store(model, req)
-        return {"context_tokens": context, "stored_gb": num_bytes / 1e9, "put_s": time.perf_counter() - start}
-    guarded(rows, clock, "setup", f"store {context}", setup, reserve_s)
-    try:
-        for name, plan in METHODS.items():
-            common = {"context_tokens": context, "method": name}
-            guarded(rows, clock, "reuse", f"{name} {context} direct",
-                    lambda: {**common, "path": "direct", **direct_row(runner, req, plan, full_ms, timer)}, reserve_s)
-            guarded(rows, clock, "reuse", f"{name} {context} store",
-                    lambda: {**common, "path": "store", **(store_row(runner, staged["engine"], staged["keyed"], req,
-                             plan, full_ms, timer) if "keyed" in staged else {"skipped": "the store's setup failed"})},
-                    reserve_s)
-    finally:
-        if "engine" in staged:
-            staged["engine"].close()
-            staged["store"].close()
 
 
 def context_rows(rows, clock, reserve_s, model, hf, runner, context: int, timer: Timer) -> None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.common.serve_leg import NUM_RAG
-from benchmarks.gpu_check import METHODS, SIZES
+from benchmarks.common.reuse_rows import METHODS
+from benchmarks.gpu_check import SIZES
 from cachesmith.model import resolve_model
 from cachesmith.testing.sim_backend import SimBackend
 from cachesmith.testing.sim_cuda import SimCuda

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.sim_cuda
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("forecast")
-    return [forecast.traces_of(save_llama(root / f"l{n}", n, hidden=64, max_positions=4096), [1024]) for n in forecast.LAYERS]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forecast, "DECODE_CONTEXT", 256)  # the decode runs' prefill: small here
+        return [forecast.traces_of(save_llama(root / f"l{n}", n, hidden=64), [1024]) for n in forecast.LAYERS]
 
 
 def test_every_run_is_recorded_and_scaled_term_by_term(traces):
