@@ -110,7 +110,7 @@ class PrefillBuffers:
         cfg, device = model.config, model.device
         self.model, self.key = model, key
         self.num_bytes = bucket_bytes(model, key)
-        B, S, K, Q = key.num_rows, key.length, key.num_selected, key.num_suffix
+        B, S, K = key.num_rows, key.length, key.num_selected
         shape = (B, cfg.num_layers, S, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: a masked key's weight is 0, and 0 * NaN (garbage memory) is NaN
         self.keys = torch.zeros(shape, device=device, dtype=model.dtype)  # [B, L, S, Hkv, D]
@@ -177,7 +177,6 @@ class PrefillBuffers:
     def step(self) -> None:
         """One run over the static buffers: no host value goes in or out."""
         m, key = self.model, self.key
-        B, S = key.num_rows, key.length
         m.rope.apply_(self.keys, self.cos, self.sin)  # every layer's cached K at its position, at once
         first_patch = key.warmup + (key.probe if key.signal == "kv_dev" else 0)
         h, scored = None, None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cachesmith.model import device as accel
 from cachesmith.testing.sim_clock import H100, H200, SimClock, Timing, time_events
