@@ -16,7 +16,7 @@ from cachesmith.model import ChunkKV, Decoder, KVCache
 from cachesmith.model.layers import grouped_mask
 from cachesmith.model.rope import halves
 from cachesmith.recompute.run_state import RecomputeOutput
-from cachesmith.recompute.sequence import RecomputeRequest
+from cachesmith.recompute.sequence import RecomputeRequest, entries_of
 
 NUM_INTS = 5  # per request: prefix end, suffix start, tokens, rows selected, suffix rows
 
@@ -59,12 +59,16 @@ class BucketKey:
 class RequestLayout:
     """What the host knows of one request before the run."""
     request: RecomputeRequest
-    entries: list[ChunkKV]  # prefix and chunks, in order
     suffix_ids: list[int]
     num_prefix: int
     num_context: int
     num_selected: int  # k_b
     selected: list[int] | None  # positions chosen on the host (`position` plans), else None
+
+    @property
+    def entries(self) -> list[ChunkKV]:
+        """Prefix and chunks, in order."""
+        return entries_of(self.request)
 
     @property
     def num_suffix(self) -> int:
@@ -100,7 +104,8 @@ def work_bytes(model: Decoder, key: BucketKey) -> int:
     scores = 8 * 4 * key.num_rows * key.length  # float32 scores, masks, the sort's values and indices
     inputs = 8 * key.num_rows * (key.length + 16 + key.num_selected)
     outputs = 4 * key.num_rows * (cfg.vocab_size + key.length) + 8 * key.num_rows * (key.num_selected + 1)
-    return rows * per_row * element + scores + inputs + outputs + 2 * key.length * cfg.head_dim * element
+    tables = 2 * (key.num_rows + 1) * key.length * cfg.head_dim // 2 * element  # cos / sin, and per row
+    return rows * per_row * element + scores + inputs + outputs + tables
 
 
 class PrefillBuffers:
@@ -124,6 +129,7 @@ class PrefillBuffers:
         # the graph reads these tables' memory: held here, so a later growth of the model's tables
         # (which replaces them) cannot free it under the graph
         self.cos, self.sin = halves(*model.rope.cos_sin_range(0, S), cfg.head_dim // 2)  # [S, 1, D / 2]
+        self.cos_rows, self.sin_rows = self.cos.repeat(B, 1, 1), self.sin.repeat(B, 1, 1)  # [B * S, 1, D / 2]
         self.logits = torch.zeros(B, cfg.vocab_size, device=device)  # [B, vocab] float32
         self.scores = torch.zeros(B, S, device=device)  # [B, S] float32 (KV deviation)
         self.selected = torch.zeros(B, K, dtype=torch.long, device=device)  # [B, K] positions, trash last
@@ -181,19 +187,20 @@ class PrefillBuffers:
         first_patch = key.warmup + (key.probe if key.signal == "kv_dev" else 0)
         h, scored = None, None
         if first_patch > 0 or key.signal == "kv_dev":
+            is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
             h = m.embed(self.ids.view(-1))  # [B * S, hidden]
-            h, scores = self._full_layers(h, first_patch)
+            h, scores = self._full_layers(h, first_patch, is_context)
             if key.signal == "kv_dev":
-                scored = self._score(h, first_patch, scores)
+                scored = self._score(h, first_patch, scores, is_context)
         positions = self._patch_positions()  # [B, R]
         self._patch_layers(h, positions, first_patch, scored)
 
-    def _full_layers(self, h: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _full_layers(self, h: torch.Tensor, end: int, is_context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [0, end) over every row, exact; KV deviation's probe layers add their deviation
         from the cached rows (read before the fresh rows overwrite them). -> (h, scores [B, S])."""
         m, key = self.model, self.key
         B, S = key.num_rows, key.length
-        cos, sin = self.cos.repeat(B, 1, 1), self.sin.repeat(B, 1, 1)  # [B * S, 1, D / 2]
+        cos, sin = self.cos_rows, self.sin_rows
         scores = torch.zeros(B, S, device=h.device)
         heads = (m.config.num_heads, m.config.num_kv_heads)
         for i in range(end):
@@ -208,11 +215,11 @@ class PrefillBuffers:
             values.copy_(v)
             q = q.reshape(B, S, *q.shape[1:])  # [B, S, H, D]
             if i == 0 and key.warmup >= 1:
-                self._entropy(q, k)
+                self._entropy(q, k, is_context)
             h = layer.mlp_block(h.add_(layer.out_proj(layer.attend_batch(q, keys, values, is_causal=True))))
         return h, scores
 
-    def _score(self, h: torch.Tensor, start: int, scores: torch.Tensor):
+    def _score(self, h: torch.Tensor, start: int, scores: torch.Tensor, is_context: torch.Tensor):
         """KV deviation at the first Patch layer: its K, V of every row against the cached ones, the
         context rows ranked and each request's first k_b taken, sorted by position (trash last).
         -> (normed rows, K, V) of that layer, pre-RoPE, which its Patch pass reuses."""
@@ -221,11 +228,10 @@ class PrefillBuffers:
         layer = m.layers[start]
         x = layer.input_norm(h)  # [B * S, hidden]
         k, v = layer.kv(x)  # [B * S, Hkv, D] pre-RoPE
-        rotated = m.rope.apply(k, self.cos.repeat(B, 1, 1), self.sin.repeat(B, 1, 1))
+        rotated = m.rope.apply(k, self.cos_rows, self.sin_rows)
         scores += _deviation(rotated.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]),
                              self.keys[:, start], self.values[:, start], key.target)
         self.scores.copy_(scores)
-        is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
         ranked = torch.sort(scores.masked_fill(~is_context, float("-inf")), dim=1, descending=True,
                             stable=True).indices[:, :K]  # [B, K] positions, best first
         rank = torch.arange(K, device=h.device)
@@ -238,11 +244,10 @@ class PrefillBuffers:
         rows; padding slots at the trash row."""
         key = self.key
         trash = key.length - 1
-        if key.signal != "kv_dev":
-            self.selected.copy_(self.host_selected)
+        selected = self.selected if key.signal == "kv_dev" else self.host_selected  # ranked here, or on the host
         slot = torch.arange(key.num_suffix, device=self.positions.device)
         suffix = torch.where(slot[None, :] < self.num_question[:, None], self.suffix_start[:, None] + slot, trash)
-        return torch.cat([self.selected, suffix], dim=1)
+        return torch.cat([selected, suffix], dim=1)
 
     def _patch_layers(self, h: torch.Tensor | None, positions: torch.Tensor, start: int, scored) -> None:
         """Patch layers [start, L) over the selected and suffix rows; the logits of each request's
@@ -273,7 +278,7 @@ class PrefillBuffers:
         last = torch.arange(B, device=positions.device) * R + key.num_selected + self.num_question - 1
         self.logits.copy_(m.head(m.norm(h_sel[last.clamp_min(0)])))
 
-    def _entropy(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def _entropy(self, q: torch.Tensor, k: torch.Tensor, is_context: torch.Tensor) -> None:
         """Layer 0's QCI entropy of each request (`signals.entropy_of` of the suffix rows' attention
         mass on the context), into `self.entropy`."""
         key, cfg = self.key, self.model.config
@@ -290,7 +295,6 @@ class PrefillBuffers:
         logits = logits.view(B, cfg.num_kv_heads, rep, Q, -1).masked_fill(~visible[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1) * is_question[:, None, None, :, None]
         mass = probs.sum(dim=(1, 2, 3))  # [B, S]
-        is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
         p = mass.double().clamp_min(0) * is_context
         total = p.sum(dim=1)
         p = p / total.clamp_min(1e-300)[:, None]

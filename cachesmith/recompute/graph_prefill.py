@@ -42,7 +42,7 @@ from cachesmith.model import device as accel
 from cachesmith.recompute.config import RecomputeConfig, Signal
 from cachesmith.recompute.graph_buffers import BucketKey, PrefillBuffers, RequestLayout, bucket_bytes, size_class
 from cachesmith.recompute.run_state import RecomputeOutput
-from cachesmith.recompute.sequence import RecomputeRequest, checked, entries_of
+from cachesmith.recompute.sequence import RecomputeRequest, checked, chunk_starts
 from cachesmith.recompute.signals import chunk_heads, num_selected
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class GraphPrefill:
     def takes(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> bool:
         """Whether this batch and plan run from a graph."""
         num_layers = self.model.num_layers
-        if not accel.is_cuda(self.model.device) or len(requests) > BATCH_BUCKETS[-1]:
+        if len(requests) > BATCH_BUCKETS[-1]:
             return False
         if config.signal not in (Signal.POSITION, Signal.KV_DEV) or not config.has_patch(num_layers):
             return False
@@ -98,13 +98,13 @@ class GraphPrefill:
         num_prefix = req.prefix.num_tokens if req.prefix is not None else 0
         num_context = sum(c.num_tokens for c in req.chunks)
         if config.signal is Signal.POSITION:
-            chosen = range(num_context) if coverage >= 1.0 else chunk_heads(_chunk_starts(req), num_context,
+            chosen = range(num_context) if coverage >= 1.0 else chunk_heads(chunk_starts(req), num_context,
                                                                             coverage).tolist()
             selected = [num_prefix + i for i in chosen]
             num_chosen = len(selected)
         else:
             selected, num_chosen = None, num_selected(coverage, num_context)
-        return RequestLayout(req, entries_of(req), [int(t) for t in req.suffix_ids], num_prefix, num_context, num_chosen, selected)
+        return RequestLayout(req, [int(t) for t in req.suffix_ids], num_prefix, num_context, num_chosen, selected)
 
     def _key(self, layouts: list[RequestLayout], config: RecomputeConfig) -> BucketKey:
         num_rows = next(b for b in BATCH_BUCKETS if b >= len(layouts))
@@ -143,15 +143,6 @@ class GraphPrefill:
             return False
         free, _total = accel.memory_info(self.model.device)
         return need <= free
-
-
-def _chunk_starts(req: RecomputeRequest) -> list[int]:
-    """Each chunk's start within the context."""
-    starts, at = [], 0
-    for chunk in req.chunks:
-        starts.append(at)
-        at += chunk.num_tokens
-    return starts
 
 
 __all__ = ["BATCH_BUCKETS", "GraphPrefill"]

@@ -89,6 +89,15 @@ def checked(model: Decoder, req: RecomputeRequest, coverage: float, index: int) 
     return coverage, model.checked_token_ids(req.suffix_ids, f"{field_name}.suffix_ids", start=num_cached)
 
 
+def chunk_starts(req: RecomputeRequest) -> list[int]:
+    """Each chunk's start within the context (the prefix excluded)."""
+    starts, at = [], 0
+    for chunk in req.chunks:
+        starts.append(at)
+        at += chunk.num_tokens
+    return starts
+
+
 def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index: int) -> Sequence:
     field_name = f"requests[{index}]"
     coverage, suffix = checked(model, req, coverage, index)
@@ -99,18 +108,16 @@ def build_sequence(model: Decoder, req: RecomputeRequest, coverage: float, index
     # no entries (a plain chat without a stored prefix): an empty long tensor, not torch's float default
     token_ids = torch.cat([torch.tensor([t for e in entries for t in e.token_ids], dtype=suffix.dtype,
                                         device=model.device), suffix])
-    segments, start, chunk_starts = [], 0, []
+    segments, start = [], 0
     for entry in entries:
         segments.append((start, entry))
-        if entry is not req.prefix:
-            chunk_starts.append(start - num_prefix)
         start += entry.num_tokens
     num_tokens = token_ids.numel()
     cos, sin = halves(*model.rope.cos_sin_range(0, num_tokens), model.config.head_dim // 2)
     return Sequence(
         request=req, coverage=coverage, token_ids=token_ids, cos=cos, sin=sin, segments=segments,
         num_prefix=num_prefix, num_context=num_context, num_suffix=suffix.numel(),
-        cache=_request_cache(model, req, num_tokens, field_name), chunk_starts=chunk_starts,
+        cache=_request_cache(model, req, num_tokens, field_name), chunk_starts=chunk_starts(req),
     )
 
 

@@ -79,7 +79,7 @@ class Timing:
 
 class SimClock:
     """The work of a timed simulation (`SimCuda(clock=...)`), recorded as it is issued, so that a
-    stretch of it (`mark`, `timing`) is timed on any `DeviceSpec` afterwards."""
+    stretch of it (`record`) is timed on any `DeviceSpec` afterwards (`time_events`)."""
 
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
@@ -114,14 +114,6 @@ class SimClock:
         run()
         self.sync()
         return self.events[start:]
-
-    def timing(self, spec: DeviceSpec | None = None, since: int = 0, until: int | None = None) -> Timing:
-        """The events [since, until), timed on `spec` (default the clock's), starting idle."""
-        return time_events(self.events[since:until], spec or self.spec)
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.timing().elapsed_s
 
     @staticmethod
     def work(name: str, args: tuple, kwargs: dict, out, is_link: bool = False) -> tuple[float, float, float]:

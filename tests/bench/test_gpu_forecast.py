@@ -39,5 +39,16 @@ def test_the_rows_and_bars_name_what_binds_them(traces):
     assert all(r["binding"] in ("host", "compute", "memory", "link") for r in rows)
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["tokens_per_s"] > 0 for r in rows if r["row"].startswith("decode"))
-    with pytest.raises(StopIteration):  # bars read the 2K and 16K rows: a 1K run has none
-        forecast.bars(rows)
+
+
+def test_the_bars_read_the_h100_graphed_rows_and_say_what_binds():
+    def row(name, tokens, graphs, **fields):
+        return {"device": "H100 SXM", "row": name, "tokens": tokens, "graphs": graphs, "binding": "memory", **fields}
+    rows = [row("full_reuse", 2048, True, vs_full_prefill=0.14), row("full_reuse", 2048, False, vs_full_prefill=0.5),
+            row("cacheblend", 2048, True, vs_full_prefill=0.36), row("cacheblend", 16384, True, vs_full_prefill=0.2),
+            row("decode x1", forecast.DECODE_CONTEXT, True, tokens_per_s=120.0),
+            row("decode x8", forecast.DECODE_CONTEXT, True, tokens_per_s=400.0)]
+    met = {b["bar"]: b["is_met"] for b in forecast.bars(rows)}
+    assert met == {"full reuse 2K / full prefill": True, "CacheBlend@15% 2K / full prefill": False,
+                   "CacheBlend@15% 16K / full prefill": True, "decode 1 stream, tokens/s": True,
+                   "decode 8 streams, tokens/s": False}
