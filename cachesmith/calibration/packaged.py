@@ -66,11 +66,11 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     measured with its codec, and the workload demand beside it, where there is one
     (`_codec_profile`)."""
     key = _key(pipe)
-    coded = _codec_profile(pipe, key) if path is None else None  # a store that encodes: its own, if measured
+    coded = _codec_profile(pipe, key) if path is None else None  # a store that encodes: its own profile
     if path is not None:
         profile, source = Profile.load(Path(path), *key), "measured"
     elif coded is not None:
-        profile, source = coded, "measured"
+        profile, source = coded
     else:
         profile, source = _default_profile(pipe, default_path(pipe), key, quick_costs)
     if workload_demand is not None:
@@ -81,17 +81,24 @@ def find_profile(pipe: RagPipeline, path: Path | None = None, workload_demand: P
     return profile, source
 
 
-def _codec_profile(pipe: RagPipeline, key: tuple[str, str, str]) -> Profile | None:
-    """The profile `cachesmith profile --kv-codec` measured for a store that encodes its KV; None
-    for the exact store, or where there is none usable (logged: the exact store's rule serves)."""
+def _codec_profile(pipe: RagPipeline, key: tuple[str, str, str]) -> tuple[Profile, str] | None:
+    """(profile, source) for a store that encodes its KV: the one `cachesmith profile --kv-codec`
+    measured, else the one packaged for the codec (its demand was measured on decoded KV; its
+    costs, as the exact store's packaged profile, are rescaled by the caller); None for the exact
+    store, or where neither is there (logged: the exact store's profile serves)."""
     codec = pipe.store.config.codec
     if codec == "none":
         return None
-    profile, problem = _load_measured(codec_path(pipe), key)
+    own = codec_path(pipe)
+    if (PACKAGED_DIR / own.name).exists():
+        return measured_or_packaged(own, key, is_identity_checked=False)  # an unusable measured one is logged
+    profile, problem = _load_measured(own, key)
     if profile is None:
-        log.info("no profile measured with the %s codec (%s): the exact store's profile prices its plans "
-                 "(`cachesmith profile --kv-codec %s` measures demand on decoded KV)", codec, problem, codec)
-    return profile
+        log.info("no profile measured with the %s codec (%s), and none packaged: the exact store's profile "
+                 "prices its plans (`cachesmith profile --kv-codec %s` measures demand on decoded KV)",
+                 codec, problem, codec)
+        return None
+    return profile, "measured"
 
 
 def _default_profile(pipe: RagPipeline, own: Path, key: tuple[str, str, str],

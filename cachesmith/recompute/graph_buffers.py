@@ -15,9 +15,12 @@ import torch
 from cachesmith.model import ChunkKV, Decoder, KVCache
 from cachesmith.model.layers import grouped_mask
 from cachesmith.model.rope import halves
+from cachesmith.recompute.graph_probe import fused_order, probe_input, query_scores, question_rows
 from cachesmith.recompute.run_state import RecomputeOutput
 from cachesmith.recompute.sequence import RecomputeRequest, entries_of
 
+QUERY_SIGNALS = ("qci", "qci_last", "fused")  # scored by the question rows' attention (`graph_probe`)
+SCORES_ALL_ROWS = ("kv_dev", "fused")  # signals whose scores need every row's K, V at a layer
 NUM_INTS = 5  # per request: prefix end, suffix start, tokens, rows selected, suffix rows
 
 
@@ -94,10 +97,11 @@ def work_bytes(model: Decoder, key: BucketKey) -> int:
     """The most the run holds at once beside the slabs, which is what a graph's memory pool keeps
     (the caching allocator reuses a block freed during capture): every row of the run through one
     layer (hidden and its residual, normed rows, projections, attention, the MLP's halves),
-    float32 scores with their masks and sort, the static inputs and outputs."""
+    float32 scores with their masks and sort, the static inputs and outputs; a query probe's layer
+    in float32 (its K and V, and the question rows' logits and probabilities over every position)."""
     cfg = model.config
     element = torch.empty(0, dtype=model.dtype).element_size()
-    full = key.warmup > 0 or key.signal == "kv_dev"  # a run over all B x S rows
+    full = key.warmup > 0 or key.signal in SCORES_ALL_ROWS  # a run over all B x S rows
     rows = key.num_rows * (key.length if full else key.num_selected + key.num_suffix)
     per_row = 4 * cfg.hidden_size + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
         + 3 * cfg.intermediate_size + 2 * cfg.num_heads * cfg.head_dim
@@ -105,7 +109,10 @@ def work_bytes(model: Decoder, key: BucketKey) -> int:
     inputs = 8 * key.num_rows * (key.length + 16 + key.num_selected)
     outputs = 4 * key.num_rows * (cfg.vocab_size + key.length) + 8 * key.num_rows * (key.num_selected + 1)
     tables = 2 * (key.num_rows + 1) * key.length * cfg.head_dim // 2 * element  # cos / sin, and per row
-    return rows * per_row * element + scores + inputs + outputs + tables
+    probe = 0
+    if key.signal in QUERY_SIGNALS:
+        probe = 4 * key.num_rows * key.length * (2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.num_heads * key.num_suffix)
+    return rows * per_row * element + scores + inputs + outputs + tables + probe
 
 
 class PrefillBuffers:
@@ -161,9 +168,10 @@ class PrefillBuffers:
         them), the selection read back in one copy."""
         key = self.key
         logits = self.logits.clone()
-        scores = self.scores.clone() if key.signal == "kv_dev" else None
+        is_ranked = key.signal != "position"
+        scores = self.scores.clone() if is_ranked else None
         entropy = self.entropy.clone() if key.warmup >= 1 else None
-        picked = self.selected.cpu() if key.signal == "kv_dev" else None  # [B, K]
+        picked = self.selected.cpu() if is_ranked else None  # [B, K]
         out = []
         for b, (lay, cache) in enumerate(zip(layouts, caches)):
             cache.key_slab[:, :lay.num_tokens].copy_(self.keys[b, :, :lay.num_tokens])
@@ -184,14 +192,13 @@ class PrefillBuffers:
         """One run over the static buffers: no host value goes in or out."""
         m, key = self.model, self.key
         m.rope.apply_(self.keys, self.cos, self.sin)  # every layer's cached K at its position, at once
+        is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
         first_patch = key.warmup + (key.probe if key.signal == "kv_dev" else 0)
-        h, scored = None, None
-        if first_patch > 0 or key.signal == "kv_dev":
-            is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
+        h, scores = None, None
+        if first_patch > 0 or key.signal in SCORES_ALL_ROWS:
             h = m.embed(self.ids.view(-1))  # [B * S, hidden]
             h, scores = self._full_layers(h, first_patch, is_context)
-            if key.signal == "kv_dev":
-                scored = self._score(h, first_patch, scores, is_context)
+        scored = None if key.signal == "position" else self._rank(h, first_patch, scores, is_context)
         positions = self._patch_positions()  # [B, R]
         self._patch_layers(h, positions, first_patch, scored)
 
@@ -219,32 +226,59 @@ class PrefillBuffers:
             h = layer.mlp_block(h.add_(layer.out_proj(layer.attend_batch(q, keys, values, is_causal=True))))
         return h, scores
 
-    def _score(self, h: torch.Tensor, start: int, scores: torch.Tensor, is_context: torch.Tensor):
-        """KV deviation at the first Patch layer: its K, V of every row against the cached ones, the
-        context rows ranked and each request's first k_b taken, sorted by position (trash last).
-        -> (normed rows, K, V) of that layer, pre-RoPE, which its Patch pass reuses."""
+    def _rank(self, h: torch.Tensor | None, start: int, kv_scores: torch.Tensor | None, is_context: torch.Tensor):
+        """The device-ranked plans' scores into `self.scores` and each request's first k_b rows into
+        `self.selected`, sorted by position (trash last): the question's attention (QCI, FusionRAG's
+        last layer), KV deviation, or both fused. -> KV deviation's (normed rows, K, V) of the first
+        Patch layer, pre-RoPE, which its Patch pass reuses (else None)."""
+        key = self.key
+        scores, scored = None, None
+        if key.signal in QUERY_SIGNALS:
+            scores = self._query_scores(h, is_context)
+        if key.signal in ("kv_dev", "fused"):
+            kv, scored = self._kv_scores(h, start, kv_scores)
+            scores = kv if scores is None else scores
+        if key.signal == "fused":
+            scores, order = fused_order(kv, scores, is_context)
+        else:
+            order = torch.sort(scores.masked_fill(~is_context, float("-inf")), dim=1, descending=True,
+                               stable=True).indices  # [B, S] positions, best first
+        self.scores.copy_(scores)
+        rank = torch.arange(key.num_selected, device=order.device)
+        chosen = torch.where(rank[None, :] < self.num_chosen[:, None], order[:, :key.num_selected], key.length - 1)
+        self.selected.copy_(torch.sort(chosen, dim=1).values)
+        return scored
+
+    def _query_scores(self, h: torch.Tensor | None, is_context: torch.Tensor) -> torch.Tensor:
+        """The question rows alone through the probe layers (`graph_probe`): QCI over [w, w + p),
+        or FusionRAG's middle layers over the prefix and the question, then its last layer."""
+        key, last = self.key, self.model.num_layers - 1
+        rows, is_question = question_rows(self)
+        hq = probe_input(self, h, rows)
+        if key.signal == "qci":
+            return query_scores(self, hq, range(key.warmup, key.warmup + key.probe), rows, is_question, is_context)[1]
+        hq, _ = query_scores(self, hq, range(key.warmup, last), rows, is_question, is_context, hides_context=True)
+        return query_scores(self, hq, range(last, last + 1), rows, is_question, is_context)[1]
+
+    def _kv_scores(self, h: torch.Tensor, start: int, scores: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """KV deviation at the first Patch layer: its K, V of every row against the cached ones,
+        added to the probe layers' `scores`. -> (scores [B, S], (normed rows, K, V) of that layer)."""
         m, key = self.model, self.key
-        B, S, K = key.num_rows, key.length, key.num_selected
+        B, S = key.num_rows, key.length
         layer = m.layers[start]
         x = layer.input_norm(h)  # [B * S, hidden]
         k, v = layer.kv(x)  # [B * S, Hkv, D] pre-RoPE
         rotated = m.rope.apply(k, self.cos_rows, self.sin_rows)
-        scores += _deviation(rotated.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]),
-                             self.keys[:, start], self.values[:, start], key.target)
-        self.scores.copy_(scores)
-        ranked = torch.sort(scores.masked_fill(~is_context, float("-inf")), dim=1, descending=True,
-                            stable=True).indices[:, :K]  # [B, K] positions, best first
-        rank = torch.arange(K, device=h.device)
-        chosen = torch.where(rank[None, :] < self.num_chosen[:, None], ranked, S - 1)
-        self.selected.copy_(torch.sort(chosen, dim=1).values)
-        return x, k, v
+        scores = scores + _deviation(rotated.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]),
+                                     self.keys[:, start], self.values[:, start], key.target)
+        return scores, (x, k, v)
 
     def _patch_positions(self) -> torch.Tensor:
         """[B, K + Q] positions of each request's Patch rows: selected context rows, then suffix
         rows; padding slots at the trash row."""
         key = self.key
         trash = key.length - 1
-        selected = self.selected if key.signal == "kv_dev" else self.host_selected  # ranked here, or on the host
+        selected = self.host_selected if key.signal == "position" else self.selected  # on the host, or ranked here
         slot = torch.arange(key.num_suffix, device=self.positions.device)
         suffix = torch.where(slot[None, :] < self.num_question[:, None], self.suffix_start[:, None] + slot, trash)
         return torch.cat([selected, suffix], dim=1)

@@ -2,7 +2,8 @@
 
 In: a batch of `RecomputeRequest`s whose prefix and chunks are handed in memory, and a plan whose
 selection the device makes at a size known before the run: `position` plans (full reuse, EPIC: the
-rows come from chunk bounds, on the host) and KV deviation at any (w, p) (CacheBlend's (1, 0)).
+rows come from chunk bounds, on the host), KV deviation at any (w, p) (CacheBlend's (1, 0)), and
+the query's attention: QCI (ProphetKV), FusionRAG's last layer, and both fused with KV deviation.
 Out: one `RecomputeOutput` per request, as `BatchRunner.run` gives it up to floating-point rounding.
 
 Why: the eager layer loop dispatches 50-70 torch ops per layer, and a GPU pays each one in host
@@ -20,15 +21,17 @@ replay computes every row of the bucket:
   there, and no real row sees it (key j is visible to a row at position p iff j <= p < S - 1);
 - static inputs in one host copy: token ids [B, S], per request its prefix and suffix bounds,
   tokens, rows selected and suffix rows, and EPIC's selection [B, K];
-- one run: WarmUp (and KV deviation's probe) layers over all B x S rows, causal; KV deviation at
-  layer w + p scored on the device, ranked by a stable sort (`signals.rank`'s order) and its
-  first k_b rows taken, sorted by position; Patch layers over the B x (K + Q) selected and suffix
-  rows, each at its position, attention masked by position; the logits of each last suffix row.
+- one run: WarmUp (and KV deviation's probe) layers over all B x S rows, causal; a query probe's
+  layers over the B x Q question rows alone, masked by position (`graph_probe`); the scores
+  ranked on the device by a stable sort (`signals.rank`'s order; `signals.fuse`'s for the fused
+  plans) and each request's first k_b rows taken, sorted by position; Patch layers over the
+  B x (K + Q) selected and suffix rows, each at its position, attention masked by position; the
+  logits of each last suffix row.
 
 After the replay each request's rows go into a cache of its own (one copy per tensor), and the
 selection comes back in one copy (eager ranking reads its scores back once too). Eager serves what
-is not graphed (`GraphPrefill.takes`): query-attention plans (their probe rewinds), full prefill,
-plans decided after layer 0, runs with per-layer hooks (staging, the runtime monitor, layer timing)
+is not graphed (`GraphPrefill.takes`): full prefill, plans decided after layer 0 (they read the
+entropies back), runs with per-layer hooks (staging, the runtime monitor, layer timing)
 and caches staged by the transfer engine.
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ class GraphPrefill:
         num_layers = self.model.num_layers
         if len(requests) > BATCH_BUCKETS[-1]:
             return False
-        if config.signal not in (Signal.POSITION, Signal.KV_DEV) or not config.has_patch(num_layers):
+        if not config.has_patch(num_layers):
             return False
         return all(r.cache is None for r in requests)  # staged caches fill layer by layer: eager
 

@@ -12,7 +12,7 @@ elapsed seconds, the host's, the kernels' by what binds them, calls and kernels 
   are counted for matrix products and attention (half of the square when causal); bytes are what
   the call reads and writes (an indexed read or write moves the rows it touches, not the table).
   A copy between host and device moves its bytes at `link_bandwidth`.
-- A view launches nothing: host time only.
+- A view (a slice too) and an allocation (`empty`) launch nothing: host time only.
 - A graph replay costs one launch of host time, and its kernels queue at once.
 - A host sync (a value read back, an event or device synchronize, a copy back) waits for every
   stream.
@@ -29,6 +29,9 @@ from torch.utils._pytree import tree_flatten
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__", "addmm_"}
 INDEXED_READS = {"__getitem__", "index_select", "gather", "embedding", "take"}
 INDEXED_WRITES = {"index_put_", "index_copy_", "index_put", "index_copy", "scatter_", "__setitem__"}
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # no kernel: the allocator's
+IN_PLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                             "and", "or", "xor", "lshift", "rshift")}
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class SimClock:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if is_link:
             return 0.0, 0.0, float(max([_bytes(t) for t in ins + outs] or [0]))
-        if _is_view(name, ins, outs, kwargs):
+        if name in ALLOCATIONS or _is_view(name, ins, outs, kwargs):
             return 0.0, 0.0, 0.0
         return flop_count(name, args, kwargs, ins, outs), byte_count(name, ins, outs), 0.0
 
@@ -185,8 +188,15 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _is_in_place(name: str) -> bool:
+    # `__getitem__` ends in "_" too: a dunder writes in place only as an augmented assignment
+    if name.startswith("__") and name.endswith("__"):
+        return name in IN_PLACE_DUNDERS
+    return name.endswith("_")
+
+
 def _is_view(name: str, ins: list, outs: list, kwargs: dict) -> bool:
-    if not outs or name.endswith("_") or "out" in kwargs or name in INDEXED_WRITES:
+    if not outs or _is_in_place(name) or "out" in kwargs or name in INDEXED_WRITES:
         return False
     storages = {t.untyped_storage().data_ptr() for t in ins if t.numel()}
     return all(t.numel() == 0 or t.untyped_storage().data_ptr() in storages for t in outs)

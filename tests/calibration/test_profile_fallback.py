@@ -151,3 +151,27 @@ def test_a_store_that_encodes_its_kv_plans_with_its_own_profile_where_there_is_o
     profile, source = find_profile(coded)
     assert source == "measured" and profile.entropy_threshold == 0.123
     assert find_profile(_pipe())[0].entropy_threshold != 0.123  # the exact store keeps its own
+
+
+def test_a_codec_profile_packaged_beside_the_exact_one_serves_a_store_that_encodes(own, tmp_path, monkeypatch, caplog):
+    """A packaged profile for the codec (`<model>-<dtype>-<device>-int8.json`) serves where none was
+    measured, as the packaged exact one does; a measured codec profile still comes first, and an
+    unusable one is named before the packaged one serves."""
+    shelf = tmp_path / "data"
+    shelf.mkdir()
+    (shelf / SHIPPED.name).write_text(SHIPPED.read_text())
+    (shelf / (SHIPPED.stem + "-int8.json")).write_text(json.dumps(_measured(entropy_threshold=0.321)))
+    monkeypatch.setattr(packaged, "PACKAGED_DIR", shelf)
+    coded = _pipe()
+    coded.store.config = StoreConfig(codec="int8")
+    profile, source = find_profile(coded)
+    assert source == "packaged" and profile.entropy_threshold == 0.321
+    assert find_profile(_pipe())[0].entropy_threshold != 0.321  # the exact store keeps the exact one
+    measured = own.with_name(own.stem + "-int8.json")
+    measured.write_text(json.dumps(_measured(entropy_threshold=0.123)))
+    assert find_profile(coded)[0].entropy_threshold == 0.123
+    measured.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="cachesmith.calibration.packaged"):
+        profile, source = find_profile(coded)
+    assert source == "packaged" and profile.entropy_threshold == 0.321
+    assert str(measured) in caplog.text or "falling back to the packaged profile" in caplog.text

@@ -15,7 +15,7 @@ import torch
 from cachesmith.model import Decoder
 from cachesmith.model import device as accel
 from cachesmith.recompute import BatchRunner, RecomputeRequest, cacheblend, epic, full_reuse
-from cachesmith.recompute.config import RecomputeConfig, Signal, fusionrag, prophetkv
+from cachesmith.recompute.config import RecomputeConfig, Signal, fused_family, fusionrag, last_layer, prophetkv
 from cachesmith.recompute.graph_buffers import bucket_bytes, slab_bytes, work_bytes
 from cachesmith.recompute.hooks import RunnerHooks
 from cachesmith.testing.sim_backend import CAPTURE_SYNC
@@ -26,7 +26,10 @@ PLANS = {"full_reuse": full_reuse(), "epic@15%": epic(0.15), "epic@100%": epic(1
          "cacheblend@15%": cacheblend(0.15), "cacheblend@50%": cacheblend(0.5),
          "kv_dev(2,1,30%) k": RecomputeConfig(Signal.KV_DEV, 2, 1, 0.3, "k"),
          "kv_dev(0,0,20%) kv": RecomputeConfig(Signal.KV_DEV, 0, 0, 0.2, "kv"),
-         "position(1,0,30%)": RecomputeConfig(Signal.POSITION, 1, 0, 0.3)}
+         "position(1,0,30%)": RecomputeConfig(Signal.POSITION, 1, 0, 0.3),
+         "prophetkv@15%": prophetkv(0.15, 4), "fusionrag@30%": fusionrag(0.3, 4),
+         "last_layer@15%": last_layer(0.15, 4), "fused@30%": fused_family(0.3, 4),
+         "qci(1,2,20%)": RecomputeConfig(Signal.QCI, 1, 2, 0.2)}
 SHAPES = [dict(chunk_lens=(9, 12, 7), prefix_len=5, suffix_len=6, coverage=None),
           dict(chunk_lens=(30, 4), prefix_len=0, suffix_len=3, coverage=0.4),
           dict(chunk_lens=(17,), prefix_len=2, suffix_len=11, coverage=None)]
@@ -93,11 +96,12 @@ def test_replayed_runs_equal_the_cpus_eager_runs(llama_dir, name, kind):
 
 
 @pytest.mark.sim_cuda
-@pytest.mark.parametrize("name", ["full_reuse", "cacheblend@15%"])
+@pytest.mark.parametrize("name", ["full_reuse", "cacheblend@15%", "fused@30%"])
 def test_a_replay_neither_syncs_nor_copies_and_a_run_copies_in_once(llama_dir, sim_cuda, replay_counts, name):
     """The first run captures (one device sync, torch's graph context's); every run after replays:
     nothing synced or copied inside the replay, one host copy of the inputs per run, and for KV
-    deviation one copy back of the selection (as the eager ranking reads its scores back)."""
+    deviation or the query's attention one copy back of the selection (as the eager ranking reads
+    its scores back)."""
     replays = replay_counts
     model = Decoder(llama_dir, "cuda", torch.float32)
     runner, plan = BatchRunner(model), PLANS[name]
@@ -108,7 +112,7 @@ def test_a_replay_neither_syncs_nor_copies_and_a_run_copies_in_once(llama_dir, s
         runner.run(more, plan)
     assert first.captures == 1 and first.sync_sites == [CAPTURE_SYNC]
     assert (second.captures, second.syncs, second.h2d, second.findings) == (0, 0, 1, [])
-    assert second.d2h == (1 if name.startswith("cacheblend") else 0)
+    assert second.d2h == (0 if name == "full_reuse" else 1)
     assert len(replays) == 2
     for c in replays:
         assert (c.syncs, c.h2d, c.d2h, c.findings, c.attention["math"]) == (0, 0, 0, [], 0)
@@ -134,7 +138,7 @@ def test_host_calls_per_request_are_flat_in_layers(tmp_path, sim_cuda, name, mos
 
 
 @pytest.mark.sim_cuda
-@pytest.mark.parametrize("name", ["full_reuse", "cacheblend@15%", "kv_dev(2,1,30%) k"])
+@pytest.mark.parametrize("name", ["full_reuse", "cacheblend@15%", "kv_dev(2,1,30%) k", "prophetkv@15%", "fused@30%"])
 def test_a_buckets_counted_bytes_hold_its_slabs_and_its_runs_working_set(llama_dir, sim_cuda, name):
     """What a bucket counts against the graph budget: its slabs, and at least the most its run holds
     at once beside them (run eagerly over the bucket's buffers, as the allocator sees it; the sim
@@ -171,12 +175,11 @@ def test_buckets_stay_in_the_graph_budget_and_a_batch_that_does_not_fit_runs_eag
 
 @pytest.mark.sim_cuda
 def test_what_is_not_graphed_runs_eager(llama_dir, sim_cuda):
-    """Query-attention plans, runs with per-layer hooks, staged caches and a model whose graphs are
-    turned off (`serve --no-cuda-graphs`) replay nothing."""
+    """Plans decided after layer 0, runs with per-layer hooks, staged caches and a model whose
+    graphs are turned off (`serve --no-cuda-graphs`) replay nothing."""
     model = Decoder(llama_dir, "cuda", torch.float32)
     runner = BatchRunner(model)
-    runner.run(batch(model), prophetkv(0.15, model.num_layers))
-    runner.run(batch(model), fusionrag(0.15, model.num_layers))
+    runner.run(batch(model), cacheblend(0.15), replan=lambda entropies: (last_layer(0.15, model.num_layers), None))
     runner.run(batch(model), full_reuse(), RunnerHooks())
     staged = batch(model, SHAPES[:1])
     staged[0].cache = model.new_cache(40)

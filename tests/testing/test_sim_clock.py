@@ -46,6 +46,21 @@ def test_a_copy_takes_its_bytes_at_the_efficient_bandwidth_and_a_view_only_host_
     assert view.elapsed_s == pytest.approx(2 * SPEC.host_call_s)
 
 
+def test_a_slice_and_an_allocation_launch_nothing_and_an_augmented_assignment_writes(clock):
+    """`x[:, :n]` and `x[1]` are views (their dunder name ends in "_" like an in-place op's, and
+    must not read as one); `torch.empty` only allocates; `y += x` is in place and moves bytes."""
+    x = torch.randn(64, 1024, device="cuda")
+    sliced = timed(clock, lambda: (x[:, :512], x[1], torch.empty(1 << 20, device="cuda"), torch.empty_like(x)))
+    assert (sliced.num_calls, sliced.num_kernels, sliced.memory_s) == (4, 0, 0.0)
+    y = torch.zeros_like(x)
+
+    def add():
+        nonlocal y
+        y += x
+    added = timed(clock, add)
+    assert added.num_kernels == 1 and added.memory_s > 0
+
+
 def test_an_indexed_read_moves_its_rows_not_the_table(clock):
     table = torch.randn(50_000, 1024, device="cuda", dtype=torch.bfloat16)
     ids = torch.arange(8, device="cuda")
