@@ -16,8 +16,10 @@ GPUs cost no further runs.
   was about 1,000 mostly small kernels), and the bars are given at that value too.
 - **Held out**: full prefill at 8K and 16K, against 229 and 531 ms (bar: within 15%).
 - **Forecast** on H100 and H200 with the fit: full prefill, full reuse and CacheBlend@15% at each
-  size, graphs off and on; decode tokens/s for 1 and 8 streams at 2K, graphs off and on. Each row
-  names the term that binds it (host, compute, memory).
+  size, graphs off and on (on: the runner replays what a 32-layer model would, and runs eager
+  the runs whose device work outlasts their launches, `GraphPrefill.is_launch_bound`; those are
+  also given replayed anyway, `graphs: "forced"`); decode tokens/s for 1 and 8 streams at 2K,
+  graphs off and on. Each row names the term that binds it (host, compute, memory).
 - **Bars** (H100, graphs on): full reuse at 2K <= 0.15x full prefill; CacheBlend@15% <= 0.35x at 2K
   and <= 0.22x at 16K; decode >= 100 tokens/s for 1 stream and >= 500 for 8.
 """
@@ -73,24 +75,31 @@ def request(model: Decoder, context: int, seed: int) -> RecomputeRequest:
 
 
 def traces_of(path: Path, sizes: list[int]) -> dict[str, Trace]:
-    """Every run's recorded work on one model: full prefill, full reuse and CacheBlend@15% (graphs
-    off, then on: the first graphed run captures, the second is recorded) per size, and decode
-    steps of 1 and 8 streams (graphs off and on)."""
+    """Every run's recorded work on one model: full prefill, full reuse and CacheBlend@15% per size,
+    graphs off, then on (the first graphed run captures, the second is recorded), and where graphs
+    on ran eager (`GraphPrefill.is_launch_bound`), replayed anyway (`replay`); decode steps of 1 and
+    8 streams (graphs off and on)."""
     clock, traces = SimClock(H200), _Progress(path.name)
     with SimCuda(clock=clock):
         model = Decoder(path, "cuda", torch.bfloat16)
         runner = BatchRunner(model)
+        rule = runner.graphs.max_row_params
         for n in sizes:
             ids = torch.randint(3, model.config.vocab_size, (n + QUESTION_TOKENS,)).tolist()
             traces[f"prefill {n}"] = clock.record(lambda: int(model.prefill(ids)[0].argmax()))
             for name, plan in (("full_reuse", full_reuse()), ("cacheblend", cacheblend(0.15))):
-                for graphed in (False, True):
-                    model.is_prefill_graphed = graphed
+                # graphs on replays what a 32-layer model would; `replay` forces the others
+                runner.graphs.max_row_params = rule
+                is_replayed = runner.graphs.is_launch_bound([request(model, n, seed=n)], plan, NUM_LAYERS)
+                runner.graphs.max_row_params = 1 << 62  # the choice is made above, at 32 layers
+                for mode in ("eager", "graph" if is_replayed else "replay"):
+                    model.is_prefill_graphed = mode != "eager"
                     req = request(model, n, seed=n)
-                    if graphed:
+                    if model.is_prefill_graphed:
                         _release(runner.run([req], plan))  # the capture
-                    traces[f"{name} {n} {'graph' if graphed else 'eager'}"] = clock.record(
-                        lambda: _release(runner.run([req], plan), read=True))
+                    traces[f"{name} {n} {mode}"] = clock.record(lambda: _release(runner.run([req], plan), read=True))
+                if not is_replayed:  # graphs on ran it eager
+                    traces[f"{name} {n} graph"] = traces[f"{name} {n} eager"]
         for streams in (1, 8):
             for graphed in (False, True):
                 traces[f"decode {streams} {'graph' if graphed else 'eager'}"] = decode_trace(model, clock, streams,
@@ -182,9 +191,12 @@ def rows_for(spec: DeviceSpec, timings: dict[str, Timing], sizes: list[int]) -> 
                      "ms": full.elapsed_s * 1e3, "vs_full_prefill": 1.0, "binding": full.binding,
                      "calls": full.num_calls})
         for name in ("full_reuse", "cacheblend"):
-            for mode in ("eager", "graph"):
+            for mode in ("eager", "graph", "replay"):
+                if f"{name} {n} {mode}" not in timings:
+                    continue
                 t = timings[f"{name} {n} {mode}"]
-                rows.append({"device": spec.name, "row": name, "tokens": n, "graphs": mode == "graph",
+                rows.append({"device": spec.name, "row": name, "tokens": n,
+                             "graphs": {"eager": False, "graph": True, "replay": "forced"}[mode],
                              "ms": t.elapsed_s * 1e3, "vs_full_prefill": t.elapsed_s / full.elapsed_s,
                              "binding": t.binding, "calls": t.num_calls})
     for streams in (1, 8):

@@ -51,6 +51,13 @@ from cachesmith.recompute.signals import chunk_heads, num_selected
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 GIB = 1 << 30
+# Rows x parameters per layer above which a run's device work hides its launches, so a graph only
+# adds its padding: where a layer's matmuls (2 x params FLOPs a row, at the fit compute efficiency
+# 0.6 of an H100's 989 TFLOP/s) take as long as the eager loop's host calls for that layer (about
+# 42 at 9.6 us each). For the 8B shape (218M parameters a layer) that is about 550 rows a layer,
+# near vLLM's largest captured batch (512 tokens) and for the same reason; a narrower model graphs
+# proportionally more rows.
+MAX_ROW_PARAMS = int(42 * 9.6e-6 * 989e12 * 0.6 / 2)
 
 
 class GraphPrefill:
@@ -65,6 +72,7 @@ class GraphPrefill:
         self._refused: set[BucketKey] = set()
         self.num_captures = 0
         self.num_replays = 0
+        self.max_row_params = MAX_ROW_PARAMS  # a larger run goes eager (`is_launch_bound`)
 
     @property
     def num_bytes(self) -> int:
@@ -77,7 +85,32 @@ class GraphPrefill:
             return False
         if not config.has_patch(num_layers):
             return False
-        return all(r.cache is None for r in requests)  # staged caches fill layer by layer: eager
+        if any(r.cache is not None for r in requests):  # staged caches fill layer by layer: eager
+            return False
+        return self.is_launch_bound(requests, config)
+
+    def is_launch_bound(self, requests: list[RecomputeRequest], config: RecomputeConfig,
+                        num_layers: int | None = None) -> bool:
+        """Whether the run's rows per layer (on average over its layers) times the parameters of a
+        layer are within `max_row_params`: above it the device's work outlasts the eager loop's
+        launches, and a graph would only add its padding (the forecast prices CacheBlend@15% at 8K
+        and 16K tokens 4-5% slower graphed on an H100). `num_layers`: the model's, or the depth a
+        model of these layers would have (the forecast runs the 8B shape at 2 and 3 layers)."""
+        num_layers, cfg = num_layers or self.model.num_layers, self.model.config
+        full = config.warmup + (config.probe if config.signal is Signal.KV_DEV else 0)
+        probe = {Signal.KV_DEV: 0, Signal.POSITION: 0, Signal.QCI: config.probe}.get(config.signal,
+                                                                                   num_layers - config.warmup)
+        row_layers = 0
+        for r in requests:
+            num_context = sum(c.num_tokens for c in r.chunks)
+            num_prefix = r.prefix.num_tokens if r.prefix is not None else 0
+            num_question = len(r.suffix_ids)
+            patch = num_selected(config.coverage, num_context) + num_question
+            row_layers += (full * (num_prefix + num_context + num_question) + probe * num_question
+                           + (num_layers - full) * patch)
+        attention = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        params = attention + 3 * cfg.hidden_size * cfg.intermediate_size
+        return row_layers * params <= self.max_row_params * num_layers
 
     def run(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> list[RecomputeOutput] | None:
         """The batch's outputs from a replay, or None where no bucket fits the device (eager then).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import gpu_forecast as forecast
+from cachesmith.recompute import graph_prefill
 from cachesmith.testing.sim_clock import H100
 from tests.recompute.test_graph_prefill import save_llama
 
@@ -17,6 +18,8 @@ def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("forecast")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(forecast, "DECODE_CONTEXT", 256)  # the decode runs' prefill: small here
+        # full reuse's question rows within it at 32 layers, CacheBlend's full layer 0 and selection over
+        patch.setattr(graph_prefill, "MAX_ROW_PARAMS", 3_000_000)
         return [forecast.traces_of(save_llama(root / f"l{n}", n, hidden=64), [1024]) for n in forecast.LAYERS]
 
 
@@ -24,10 +27,13 @@ def test_every_run_is_recorded_and_scaled_term_by_term(traces):
     two, three = traces
     assert set(two) == set(three) == {"prefill 1024", "decode 1 eager", "decode 1 graph", "decode 8 eager",
                                       "decode 8 graph"} | {f"{name} 1024 {mode}" for name in ("full_reuse", "cacheblend")
-                                                           for mode in ("eager", "graph")}
+                                                           for mode in ("eager", "graph")} | {"cacheblend 1024 replay"}
     at_32 = forecast.at_32(two, three, H100)
     eager, graphed = at_32["full_reuse 1024 eager"], at_32["full_reuse 1024 graph"]
     assert graphed.num_calls < 40 < eager.num_calls  # the replayed run's host calls do not grow with layers
+    # graphs on runs CacheBlend eager, as a 32-layer model would; `replay` forces the graph
+    assert two["cacheblend 1024 graph"] is two["cacheblend 1024 eager"]
+    assert at_32["cacheblend 1024 replay"].num_calls < 40 < at_32["cacheblend 1024 graph"].num_calls
     assert at_32["prefill 1024"].num_kernels > 32 * 5  # each of the 32 layers launches its kernels
 
 

@@ -202,3 +202,27 @@ def test_bad_input_gets_the_eager_paths_errors(llama_dir, sim_cuda):
     requests[0].suffix_ids = []
     with pytest.raises(InputError, match=r"requests\[0\].suffix_ids is empty"):
         BatchRunner(model).run(requests, full_reuse())
+
+
+@pytest.mark.sim_cuda
+def test_a_run_whose_device_work_outlasts_its_launches_runs_eager(llama_dir, sim_cuda):
+    """Above `max_row_params` (rows per layer x a layer's parameters) a run goes eager: its
+    device work would hide the launches a graph saves, and a graph would only add its padding.
+    Full reuse computes only the question's rows and stays graphed where CacheBlend's full
+    layer 0 and selected rows go over."""
+    model = Decoder(llama_dir, "cuda", torch.float32)
+    runner = BatchRunner(model)
+    requests = batch(model)
+    cfg = model.config
+    params = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    questions = sum(len(r.suffix_ids) for r in requests)  # full reuse: the question rows, every layer
+    runner.graphs.max_row_params = questions * params
+    assert runner.graphs.is_launch_bound(requests, full_reuse())
+    assert not runner.graphs.is_launch_bound(requests, cacheblend(0.15))
+    runner.graphs.max_row_params = questions * params - 1
+    assert not runner.graphs.is_launch_bound(requests, full_reuse())
+    cpu = Decoder(llama_dir, "cpu", torch.float32)
+    got = runner.run(requests, cacheblend(0.15))
+    assert (runner.graphs.num_captures, runner.graphs.num_replays) == (0, 0)
+    assert_same_outputs(got, BatchRunner(cpu).run(batch(cpu), cacheblend(0.15)), model.num_layers)
