@@ -26,11 +26,12 @@ Rows (timings: median of 3 after a warm-up, synchronized on CUDA; the sizes belo
            the SDPA kernels torch's checks accept (flash, efficient, cudnn, with their reasons) and
            the one it picks, for every length seen (device.sdpa_kernels; None on the CPU)
   prefill  our full prefill (`Decoder.prefill`) against transformers' forward, per context
-  reuse    full reuse, CacheBlend@15%/30% and EPIC@15% per context, `direct` (chunk KV already on
-           the device) and `store` (chunks in a memory-tier `ChunkStore`, staged by the
-           `TransferEngine` as serving stages them): ms and the ratio to our full prefill; `direct`
-           replays a CUDA graph where the plan is graphable (`is_graphed`) and is timed eager too
-           (`eager_ms`, `eager_ratio`, `logit_diff_vs_eager`)
+  reuse    full reuse, CacheBlend@15%/30%, EPIC@15% and FusionRAG@15% per context, `direct` (chunk
+           KV already on the device) and `store` (chunks in a memory-tier `ChunkStore`, staged by
+           the `TransferEngine` as serving stages them): ms and the ratio to our full prefill;
+           `direct` replays a CUDA graph where the runner does (`is_graphed`) and is timed eager
+           and replayed regardless too (`eager_ms`, `eager_ratio`, `forced_ms`,
+           `logit_diff_vs_eager`)
   batch    8 requests of 2K: CacheBlend@15% (and our full prefill of the 8) against transformers'
            full prefill of the batch of 8
   decode   tokens/s at 2K for 1 and 8 streams (`Decoding`, greedy) against transformers'

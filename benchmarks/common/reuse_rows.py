@@ -16,10 +16,11 @@ import torch
 from benchmarks.common.check_rows import guarded
 from benchmarks.common.timing import median, timed
 from cachesmith.model import Decoder
-from cachesmith.recompute import BatchRunner, cacheblend, epic, full_reuse
+from cachesmith.methods import parse_method
+from cachesmith.recompute import BatchRunner
 
-METHODS = {"full_reuse": full_reuse(), "cacheblend@0.15": cacheblend(0.15), "cacheblend@0.3": cacheblend(0.3),
-           "epic@0.15": epic(0.15)}
+# one plan of each graphed family: position, KV deviation at two coverages, the question's attention
+METHODS = ("full_reuse", "cacheblend@0.15", "cacheblend@0.3", "epic@0.15", "fusionrag@0.15")
 
 
 @dataclass(frozen=True)
@@ -44,22 +45,27 @@ def release_all(outs) -> None:
 
 
 def direct_row(runner: BatchRunner, req, plan, full_ms: float | None, timer: Timer) -> dict:
-    """`plan` on chunk KV already on the device, replayed from a CUDA graph where it is graphable,
-    then eager (graphs off), and the two runs' logits apart."""
+    """`plan` on chunk KV already on the device, graphs on (replayed where the runner replays it),
+    then eager (graphs off), then replayed even where the runner would not (`forced_ms`: the rule
+    that sends device-bound runs eager, `GraphPrefill.is_launch_bound`, graded), and the replayed
+    and eager logits apart."""
     replays = runner.graphs.num_replays
     ms = timer.ms(lambda: release_all(runner.run([req], plan)))
     is_graphed = runner.graphs.num_replays > replays
+    graphs, rule = runner.graphs, runner.graphs.max_row_params
     runner.model.is_prefill_graphed = False
     try:
         eager_ms = timer.ms(lambda: release_all(runner.run([req], plan)))
         eager = runner.run([req], plan)
+        runner.model.is_prefill_graphed, graphs.max_row_params = True, 1 << 62
+        forced_ms = timer.ms(lambda: release_all(runner.run([req], plan)))
+        graphed = runner.run([req], plan)
     finally:
-        runner.model.is_prefill_graphed = True
-    graphed = runner.run([req], plan)
+        runner.model.is_prefill_graphed, graphs.max_row_params = True, rule
     diff = (graphed[0].logits - eager[0].logits).abs().max().item()
     release_all(graphed + eager)
     return {"ms": ms, "full_prefill_ms": full_ms, "ratio": ms / full_ms if full_ms else None, "is_graphed": is_graphed,
-            "eager_ms": eager_ms, "eager_ratio": eager_ms / full_ms if full_ms else None,
+            "eager_ms": eager_ms, "eager_ratio": eager_ms / full_ms if full_ms else None, "forced_ms": forced_ms,
             "logit_diff_vs_eager": diff}
 
 
@@ -101,7 +107,8 @@ def method_rows(rows, clock, reserve_s, model, runner, req, context: int, full_m
         return {"context_tokens": context, "stored_gb": num_bytes / 1e9, "put_s": time.perf_counter() - start}
     guarded(rows, clock, "setup", f"store {context}", setup, reserve_s)
     try:
-        for name, plan in METHODS.items():
+        for name in METHODS:
+            plan = parse_method(name).plan(model.num_layers)
             common = {"context_tokens": context, "method": name}
             guarded(rows, clock, "reuse", f"{name} {context} direct",
                     lambda: {**common, "path": "direct", **direct_row(runner, req, plan, full_ms, timer)}, reserve_s)
