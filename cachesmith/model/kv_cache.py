@@ -20,8 +20,9 @@ into head-major ran 1.4x slower); every view (`keys[i]`, `view`, `rows`) reads `
 either layout.
 
 On CUDA, decoding may lend a cache its stores (`borrow`): a row of a CUDA graph's static slab
-(`model.graph_decode`), in the same head-major layout, so every reader keeps working. Borrowed
-stores go back to no pool; the lender moves the cache out (`own`) before lending them to another.
+(`model.graph_decode`), in the same head-major layout, so every reader keeps working; a prefill
+graph's outputs are caches on its slab's rows (`lent`, token-major). Borrowed stores go back to no
+pool; the lender moves the cache out (`own`) before writing them again.
 """
 from __future__ import annotations
 
@@ -174,6 +175,23 @@ class KVCache:
         gives them to no pool. The caller moves the cache out (`own`) before lending them again."""
         self.is_head_major = True
         self._move_to((key_store, value_store), self.num_tokens, is_borrowed=True)
+
+    @classmethod
+    def lent(cls, key_store: torch.Tensor, value_store: torch.Tensor, num_tokens: int,
+             pool: SlabPool | None = None) -> "KVCache":
+        """A cache whose first `num_tokens` rows are already in stores lent by the caller, token-major
+        [L, capacity, Hkv, D] (a row of a prefill graph's slab): no copy. It moves out (`own`,
+        `to_head_major`, growth) into slabs from `pool`; the lender moves it out (`own`) before
+        writing the stores again."""
+        cache = cls.__new__(cls)
+        cache.pool, cache.is_head_major, cache.is_borrowed = pool, False, True
+        cache._set_stores(key_store, value_store)
+        cache.num_tokens = num_tokens
+        return cache
+
+    def is_lent(self, key_store: torch.Tensor) -> bool:
+        """Whether the cache still reads and writes `key_store`, lent to it (`lent`, `borrow`)."""
+        return self.is_borrowed and bool(self._stores) and self._stores[0] is key_store
 
     def own(self, capacity: int | None = None) -> None:
         """Move out of borrowed stores into slabs of the cache's own (from its pool), with room for

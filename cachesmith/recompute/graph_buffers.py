@@ -8,6 +8,7 @@ the bucket and why it is padded so: `recompute.graph_prefill`.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -124,9 +125,14 @@ class PrefillBuffers:
         self.num_bytes = bucket_bytes(model, key)
         B, S, K = key.num_rows, key.length, key.num_selected
         shape = (B, cfg.num_layers, S, cfg.num_kv_heads, cfg.head_dim)
-        # zeros, not empty: a masked key's weight is 0, and 0 * NaN (garbage memory) is NaN
-        self.keys = torch.zeros(shape, device=device, dtype=model.dtype)  # [B, L, S, Hkv, D]
-        self.values = torch.zeros(shape, device=device, dtype=model.dtype)
+        # zeros, not empty: a masked key's weight is 0, and 0 * NaN (garbage memory) is NaN; made
+        # outside inference mode, as the eager runner's caches are: rows lent to a run's outputs
+        # (`lend`) may be written by a decoder that runs outside it
+        with torch.inference_mode(False):
+            self.keys = torch.zeros(shape, device=device, dtype=model.dtype)  # [B, L, S, Hkv, D]
+            self.values = torch.zeros(shape, device=device, dtype=model.dtype)
+        # (the cache, weakly: one dropped unreleased needs no move; the key rows lent it; its capacity)
+        self.loans: list[tuple[weakref.ref, torch.Tensor, int]] = []
         self.state = torch.zeros(B * (S + NUM_INTS + K), dtype=torch.long, device=device)  # one host copy
         self.ids = self.state[:B * S].view(B, S)  # [B, S]
         ints = self.state[B * S:B * (S + NUM_INTS)].view(NUM_INTS, B)
@@ -145,7 +151,9 @@ class PrefillBuffers:
 
     # -- around a replay (host) ----------------------------------------------------------------
     def load(self, layouts: list[RequestLayout]) -> None:
-        """Each request's cached rows into its slab rows, and every static input in one copy."""
+        """Each request's cached rows into its slab rows, and every static input in one copy (the
+        caches still on the last run's rows moved out first)."""
+        self.recall()
         B, S, K = self.key.num_rows, self.key.length, self.key.num_selected
         trash = S - 1
         ids, ints, chosen = [0] * (B * S), [[0] * B for _ in range(NUM_INTS)], [trash] * (B * K)
@@ -162,21 +170,39 @@ class PrefillBuffers:
                 chosen[b * K:b * K + len(lay.selected)] = lay.selected
         self.state.copy_(torch.tensor(ids + [v for row in ints for v in row] + chosen))
 
+    def lend(self, layouts: list[RequestLayout]) -> list[KVCache]:
+        """Each request's cache: its slab rows, lent (`KVCache.lent`: no copy; the trash row is not
+        among them). Made outside inference mode, so a decoder outside it may write them."""
+        with torch.inference_mode(False):
+            caches = []
+            for b, lay in enumerate(layouts):
+                keys = self.keys[b, :, :self.key.length - 1]  # [L, S - 1, Hkv, D]
+                caches.append(KVCache.lent(keys, self.values[b, :, :self.key.length - 1], lay.num_tokens,
+                                           self.model.kv_pool))
+                self.loans.append((weakref.ref(caches[-1]), keys, lay.num_tokens + lay.request.extra_capacity))
+        return caches
+
+    def recall(self) -> None:
+        """Every cache still on this bucket's rows moved into slabs of its own, with the room its
+        request asked for: before a replay writes the rows again, or the bucket is freed. A cache
+        moved out already (decoding moves it, `prepare_cache`) or released costs nothing here."""
+        for ref, keys, capacity in self.loans:
+            cache = ref()
+            if cache is not None and cache.is_lent(keys):
+                cache.own(capacity)
+        self.loans.clear()
+
     def outputs(self, layouts: list[RequestLayout], caches: list[KVCache]) -> list[RecomputeOutput]:
-        """Each request's output: its rows copied into its cache (with room for its decoding),
-        the logits, scores and entropy copied out of the static buffers (the next replay reuses
-        them), the selection read back in one copy."""
+        """Each request's output: its cache (`lend`), the logits, scores and entropy copied out of
+        the static buffers (the next replay reuses them), the selection read back in one copy."""
         key = self.key
-        logits = self.logits.clone()
         is_ranked = key.signal != "position"
+        logits = self.logits.clone()
         scores = self.scores.clone() if is_ranked else None
         entropy = self.entropy.clone() if key.warmup >= 1 else None
         picked = self.selected.cpu() if is_ranked else None  # [B, K]
         out = []
         for b, (lay, cache) in enumerate(zip(layouts, caches)):
-            cache.key_slab[:, :lay.num_tokens].copy_(self.keys[b, :, :lay.num_tokens])
-            cache.value_slab[:, :lay.num_tokens].copy_(self.values[b, :, :lay.num_tokens])
-            cache.num_tokens = lay.num_tokens
             if picked is None:
                 selected = torch.tensor(lay.selected, dtype=torch.long) - lay.num_prefix
             else:

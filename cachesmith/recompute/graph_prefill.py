@@ -28,8 +28,12 @@ replay computes every row of the bucket:
   B x (K + Q) selected and suffix rows, each at its position, attention masked by position; the
   logits of each last suffix row.
 
-After the replay each request's rows go into a cache of its own (one copy per tensor), and the
-selection comes back in one copy (eager ranking reads its scores back once too). Eager serves what
+After the replay each request's cache is its slab rows, lent (`KVCache.lent`, as decode's graph
+lends its rows): the next replay of the bucket, or its eviction, first moves any cache still there
+into slabs of its own (one copy per tensor), and one that decoding moved out already (its move to
+the head-major layout) or released costs nothing more. The outputs of a run are used on the
+runner's thread, as the server's eager runs' are. The selection comes back in one copy (eager
+ranking reads its scores back once too). Eager serves what
 is not graphed (`GraphPrefill.takes`): full prefill, plans decided after layer 0 (they read the
 entropies back), runs with per-layer hooks (staging, the runtime monitor, layer timing)
 and caches staged by the transfer engine.
@@ -120,13 +124,12 @@ class GraphPrefill:
             bucket = self._bucket(self._key(layouts, config))
         if bucket is None:
             return None
-        # made outside inference mode, as the eager runner makes them: their slabs go back to the
-        # pool, and a later taker outside inference mode must be able to write them
-        caches = [self.model.new_cache(lay.num_tokens + lay.request.extra_capacity) for lay in layouts]
         with torch.inference_mode():
             bucket.load(layouts)
             bucket.graph.replay()
             self.num_replays += 1
+        caches = bucket.lend(layouts)
+        with torch.inference_mode():
             return bucket.outputs(layouts, caches)
 
     def _layout(self, req: RecomputeRequest, config: RecomputeConfig, index: int) -> RequestLayout:
@@ -158,7 +161,7 @@ class GraphPrefill:
                 return bucket
         need = bucket_bytes(self.model, key)
         while self._buckets and not self._has_room(need):
-            del self._buckets[next(iter(self._buckets))]  # freed before the new one is allocated
+            self._buckets.pop(next(iter(self._buckets))).recall()  # freed before the new one is allocated
         if not self._has_room(need):
             if key not in self._refused:
                 self._refused.add(key)

@@ -226,3 +226,31 @@ def test_a_run_whose_device_work_outlasts_its_launches_runs_eager(llama_dir, sim
     got = runner.run(requests, cacheblend(0.15))
     assert (runner.graphs.num_captures, runner.graphs.num_replays) == (0, 0)
     assert_same_outputs(got, BatchRunner(cpu).run(batch(cpu), cacheblend(0.15)), model.num_layers)
+
+
+@pytest.mark.sim_cuda
+def test_a_runs_caches_are_its_bucket_rows_until_the_next_replay_moves_them_out(llama_dir, sim_cuda):
+    """A replayed run's caches are lent its bucket's rows (no copy out); the bucket's next replay
+    first moves the ones still held into slabs of their own, rows intact, with the room their
+    requests asked for; a released or dropped one costs nothing; a lent cache takes a decoder's
+    writes outside inference mode."""
+    model = Decoder(llama_dir, "cuda", torch.float32)
+    runner, plan = BatchRunner(model), cacheblend(0.15)
+    first = runner.run(batch(model), plan)
+    assert all(o.cache.is_borrowed and not o.cache.is_head_major for o in first)
+    pooled = model.kv_pool.num_bytes
+    first[2].cache.release()
+    assert model.kv_pool.num_bytes == pooled  # the bucket's rows are not the pool's to hand out
+    runner.run(batch(model, seed=3), plan)  # dropped unreleased: nothing to move
+    second = runner.run(batch(model, seed=5), plan)
+    assert (runner.graphs.num_captures, runner.graphs.num_replays) == (1, 3)
+    assert not first[0].cache.is_borrowed and not first[1].cache.is_borrowed
+    cpu = Decoder(llama_dir, "cpu", torch.float32)
+    want = BatchRunner(cpu).run(batch(cpu), plan)
+    assert_same_outputs(first[:2], want[:2], model.num_layers)
+    assert first[0].cache.capacity >= first[0].cache.num_tokens + batch(model)[0].extra_capacity
+    cache = second[0].cache
+    assert cache.is_borrowed
+    row = torch.ones(1, model.config.num_kv_heads, model.config.head_dim, device="cuda")
+    cache.write(0, cache.num_tokens, row, row)  # outside inference mode, into the bucket's rows
+    assert torch.equal(cache.keys[0][cache.num_tokens].cpu(), row[0].cpu())
