@@ -98,7 +98,7 @@ class GraphPrefill:
         """Whether the run's rows per layer (on average over its layers) times the parameters of a
         layer are within `max_row_params`: above it the device's work outlasts the eager loop's
         launches, and a graph would only add its padding (the forecast prices CacheBlend@15% at 8K
-        and 16K tokens 4-5% slower graphed on an H100). `num_layers`: the model's, or the depth a
+        and 16K tokens 3-3.5% slower graphed on an H100). `num_layers`: the model's, or the depth a
         model of these layers would have (the forecast runs the 8B shape at 2 and 3 layers)."""
         num_layers, cfg = num_layers or self.model.num_layers, self.model.config
         full = config.warmup + (config.probe if config.signal is Signal.KV_DEV else 0)
