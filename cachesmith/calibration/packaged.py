@@ -91,7 +91,13 @@ def _codec_profile(pipe: RagPipeline, key: tuple[str, str, str]) -> tuple[Profil
         return None
     own = codec_path(pipe)
     if (PACKAGED_DIR / own.name).exists():
-        return measured_or_packaged(own, key, is_identity_checked=False)  # an unusable measured one is logged
+        profile, source = measured_or_packaged(own, key, is_identity_checked=False)  # an unusable measured one is logged
+        if source == "measured" or profile.model_fingerprint == key[0] or \
+                _architecture(profile) == (pipe.model.num_layers, kv_bytes_per_token_layer(pipe)):
+            return profile, source
+        log.info("the %s profile packaged for %s is another architecture's: the exact store's profile prices "
+                 "its plans", codec, own.stem)
+        return None
     profile, problem = _load_measured(own, key)
     if profile is None:
         log.info("no profile measured with the %s codec (%s), and none packaged: the exact store's profile "

@@ -136,9 +136,15 @@ def test_packaged_profile_of_another_architecture_measures_costs_now(own, caplog
     assert "measuring this model's costs now" in caplog.text and str(own) in caplog.text
 
 
-def test_a_store_that_encodes_its_kv_plans_with_its_own_profile_where_there_is_one(own, caplog):
+def test_a_store_that_encodes_its_kv_plans_with_its_own_profile_where_there_is_one(own, tmp_path, monkeypatch,
+                                                                                    caplog):
     """Demand measured on decoded KV (`cachesmith profile --kv-codec int8`) is kept apart; without
-    it the exact store's profile serves, and the log says how to measure the codec's."""
+    it, and with none packaged for the codec, the exact store's profile serves, and the log says how
+    to measure the codec's."""
+    shelf = tmp_path / "data"  # the exact profile packaged, none for the codec
+    shelf.mkdir()
+    (shelf / SHIPPED.name).write_text(SHIPPED.read_text())
+    monkeypatch.setattr(packaged, "PACKAGED_DIR", shelf)
     coded = _pipe()
     coded.store.config = StoreConfig(codec="int8")
     with caplog.at_level(logging.INFO, logger="cachesmith.calibration.packaged"):
@@ -175,3 +181,11 @@ def test_a_codec_profile_packaged_beside_the_exact_one_serves_a_store_that_encod
         profile, source = find_profile(coded)
     assert source == "packaged" and profile.entropy_threshold == 0.321
     assert str(measured) in caplog.text or "falling back to the packaged profile" in caplog.text
+    measured.unlink()
+    # another model: the packaged codec profile serves one of the same architecture only
+    same = _pipe(fingerprint="0" * 32)
+    same.store.config = StoreConfig(codec="int8")
+    assert packaged._codec_profile(same, packaged._key(same))[0].entropy_threshold == 0.321
+    other = _pipe(fingerprint="0" * 32, num_layers=4)
+    other.store.config = StoreConfig(codec="int8")
+    assert packaged._codec_profile(other, packaged._key(other)) is None

@@ -20,6 +20,7 @@ from cachesmith.profiler import workload as workload_mod
 from cachesmith.calibration.packaged import PACKAGED_DIR, find_profile
 from cachesmith.calibration.workload_demand import WorkloadDemand, with_workload_demand, workload_path
 from cachesmith.profiler.workload import default_gate, read_workload, run_workload_demand
+from cachesmith.calibration import packaged
 from cachesmith.kvstore import StoreConfig
 
 SHIPPED = PACKAGED_DIR / "smollm2-135m-float32-cpu.json"
@@ -117,6 +118,10 @@ def test_serving_lays_the_workload_demand_over_the_profile(tmp_path, monkeypatch
 def test_a_store_that_encodes_reads_the_workload_demand_beside_its_codecs_profile(tmp_path, monkeypatch,
                                                                                   known_demand):
     monkeypatch.setenv("CACHESMITH_HOME", str(tmp_path / "home"))
+    shelf = tmp_path / "data"  # the exact profile packaged, none for the codec
+    shelf.mkdir()
+    (shelf / SHIPPED.name).write_text(SHIPPED.read_text())
+    monkeypatch.setattr(packaged, "PACKAGED_DIR", shelf)
     own = tmp_path / "home" / "profiles" / SHIPPED.name
     coded = own.with_name(own.stem + "-int8.json")
     pipe = _pipe()
