@@ -54,7 +54,7 @@ def test_table_verdicts_match_the_engine_on_the_packaged_model(tmp_path):
     stale = OutcomeTable("smollm2-135m", L, 2048, [replace(o, plans=lacking, digest="0" * 16)])
     with pytest.raises(InputError, match="no longer generates"):
         extend_table(pipe, stale, tmp_path / "evals.jsonl", show_progress=False)
-    profile = Profile.load(next(PACKAGED_DIR.glob("smollm2-135m-*.json")))
+    profile = Profile.load(PACKAGED_DIR / "smollm2-135m-float32-cpu.json")
     for method in ("full_prefill", "cacheblend@0.15", "prophetkv@0.3"):
         engine = Engine(pipe, profile, EngineConfig(method))
         (res,) = engine.run([instance_request(pipe, 0, inst, 60.0)])
