@@ -46,6 +46,14 @@ class ModelConfig:
             raise ModelAssetError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
+    @property
+    def num_layer_parameters(self) -> int:
+        """Parameters of one decoder layer: its matrices, biases and norms."""
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return (qkv_rows * self.hidden_size + self.num_heads * self.head_dim * self.hidden_size
+                + 3 * self.intermediate_size * self.hidden_size + 2 * self.hidden_size
+                + (qkv_rows if self.is_qkv_bias else 0) + (2 * self.head_dim if self.is_qk_norm else 0))
+
     @staticmethod
     def from_hf(hf_config) -> "ModelConfig":
         model_type = getattr(hf_config, "model_type", None)

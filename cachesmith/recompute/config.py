@@ -57,10 +57,15 @@ class RecomputeConfig:
     def is_full_prefill(self, num_layers: int) -> bool:
         return self.warmup >= num_layers
 
+    @property
+    def patch_start(self) -> int:
+        """The first Patch layer: KV deviation's probe layers are full layers, the other signals'
+        probes rewind to w."""
+        return self.warmup + (self.probe if self.signal is Signal.KV_DEV else 0)
+
     def has_patch(self, num_layers: int) -> bool:
-        """Whether any layer is left for Patch: KV deviation's probe layers are full layers, the
-        other signals' probes rewind to w."""
-        return self.warmup + (self.probe if self.signal is Signal.KV_DEV else 0) < num_layers
+        """Whether any layer is left for Patch."""
+        return self.patch_start < num_layers
 
     def label(self) -> str:
         return f"({self.signal.value},{self.warmup},{self.probe},{self.coverage:.0%})"

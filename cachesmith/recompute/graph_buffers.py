@@ -7,7 +7,6 @@ the bucket and why it is padded so: `recompute.graph_prefill`.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -16,7 +15,8 @@ import torch
 from cachesmith.model import ChunkKV, Decoder, KVCache
 from cachesmith.model.layers import grouped_mask
 from cachesmith.model.rope import halves
-from cachesmith.recompute.graph_probe import fused_order, probe_input, query_scores, question_rows
+from cachesmith.recompute.graph_probe import (attention_probs, fused_order, probe_input, query_scores,
+                                              question_rows)
 from cachesmith.recompute.run_state import RecomputeOutput
 from cachesmith.recompute.sequence import RecomputeRequest, entries_of
 
@@ -42,6 +42,7 @@ class BucketKey:
     warmup: int
     probe: int
     target: str
+    patch_start: int  # the first Patch layer (`RecomputeConfig.patch_start`)
     num_rows: int  # B
     length: int  # S, the trash row included
     num_selected: int  # K
@@ -219,7 +220,7 @@ class PrefillBuffers:
         m, key = self.model, self.key
         m.rope.apply_(self.keys, self.cos, self.sin)  # every layer's cached K at its position, at once
         is_context = (self.positions >= self.prefix_end[:, None]) & (self.positions < self.suffix_start[:, None])
-        first_patch = key.warmup + (key.probe if key.signal == "kv_dev" else 0)
+        first_patch = key.patch_start
         h, scores = None, None
         if first_patch > 0 or key.signal in SCORES_ALL_ROWS:
             h = m.embed(self.ids.view(-1))  # [B * S, hidden]
@@ -258,15 +259,12 @@ class PrefillBuffers:
         last layer), KV deviation, or both fused. -> KV deviation's (normed rows, K, V) of the first
         Patch layer, pre-RoPE, which its Patch pass reuses (else None)."""
         key = self.key
-        scores, scored = None, None
-        if key.signal in QUERY_SIGNALS:
-            scores = self._query_scores(h, is_context)
-        if key.signal in ("kv_dev", "fused"):
-            kv, scored = self._kv_scores(h, start, kv_scores)
-            scores = kv if scores is None else scores
+        query = self._query_scores(h, is_context) if key.signal in QUERY_SIGNALS else None
+        kv, scored = self._kv_scores(h, start, kv_scores) if key.signal in SCORES_ALL_ROWS else (None, None)
         if key.signal == "fused":
-            scores, order = fused_order(kv, scores, is_context)
+            scores, order = fused_order(kv, query, is_context)
         else:
+            scores = kv if query is None else query
             order = torch.sort(scores.masked_fill(~is_context, float("-inf")), dim=1, descending=True,
                                stable=True).indices  # [B, S] positions, best first
         self.scores.copy_(scores)
@@ -302,12 +300,8 @@ class PrefillBuffers:
     def _patch_positions(self) -> torch.Tensor:
         """[B, K + Q] positions of each request's Patch rows: selected context rows, then suffix
         rows; padding slots at the trash row."""
-        key = self.key
-        trash = key.length - 1
-        selected = self.host_selected if key.signal == "position" else self.selected  # on the host, or ranked here
-        slot = torch.arange(key.num_suffix, device=self.positions.device)
-        suffix = torch.where(slot[None, :] < self.num_question[:, None], self.suffix_start[:, None] + slot, trash)
-        return torch.cat([selected, suffix], dim=1)
+        selected = self.host_selected if self.key.signal == "position" else self.selected  # on the host, or ranked here
+        return torch.cat([selected, question_rows(self)[0]], dim=1)
 
     def _patch_layers(self, h: torch.Tensor | None, positions: torch.Tensor, start: int, scored) -> None:
         """Patch layers [start, L) over the selected and suffix rows; the logits of each request's
@@ -341,20 +335,12 @@ class PrefillBuffers:
     def _entropy(self, q: torch.Tensor, k: torch.Tensor, is_context: torch.Tensor) -> None:
         """Layer 0's QCI entropy of each request (`signals.entropy_of` of the suffix rows' attention
         mass on the context), into `self.entropy`."""
-        key, cfg = self.key, self.model.config
-        B, Q = key.num_rows, key.num_suffix
-        slot = torch.arange(Q, device=q.device)
-        is_question = slot[None, :] < self.num_question[:, None]  # [B, Q]
-        rows = torch.where(is_question, self.suffix_start[:, None] + slot, key.length - 1)  # [B, Q]
+        B, Q = self.key.num_rows, self.key.num_suffix
+        rows, is_question = question_rows(self)  # [B, Q] each
         qs = q.gather(1, rows[:, :, None, None].expand(B, Q, *q.shape[2:]))  # [B, Q, H, D]
-        rep = cfg.num_heads // cfg.num_kv_heads
-        qg = qs.float().reshape(B, Q, cfg.num_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4)
-        kg = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, S]
-        logits = torch.matmul(qg.reshape(B, cfg.num_kv_heads, rep * Q, cfg.head_dim), kg) / math.sqrt(cfg.head_dim)
         visible = self.positions[None, None, :] <= rows[:, :, None]  # [B, Q, S]
-        logits = logits.view(B, cfg.num_kv_heads, rep, Q, -1).masked_fill(~visible[:, None, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1) * is_question[:, None, None, :, None]
-        mass = probs.sum(dim=(1, 2, 3))  # [B, S]
+        probs = attention_probs(qs, k, visible)  # [B, H, Q, S]
+        mass = (probs * is_question[:, None, :, None]).sum(dim=(1, 2))  # [B, S]
         p = mass.double().clamp_min(0) * is_context
         total = p.sum(dim=1)
         p = p / total.clamp_min(1e-300)[:, None]

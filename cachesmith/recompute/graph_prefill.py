@@ -31,9 +31,9 @@ replay computes every row of the bucket:
 After the replay each request's cache is its slab rows, lent (`KVCache.lent`, as decode's graph
 lends its rows): the next replay of the bucket, or its eviction, first moves any cache still there
 into slabs of its own (one copy per tensor), and one that decoding moved out already (its move to
-the head-major layout) or released costs nothing more. The outputs of a run are used on the
-runner's thread, as the server's eager runs' are. The selection comes back in one copy (eager
-ranking reads its scores back once too). Eager serves what
+the head-major layout) or released costs nothing more. The selection comes back in one copy (eager
+ranking reads its scores back once too). A run's caches are used on the runner's thread, or moved
+out (`KVCache.own`) before its next run. Eager serves what
 is not graphed (`GraphPrefill.takes`): full prefill, plans decided after layer 0 (they read the
 entropies back), runs with per-layer hooks (staging, the runtime monitor, layer timing)
 and caches staged by the transfer engine.
@@ -100,8 +100,8 @@ class GraphPrefill:
         launches, and a graph would only add its padding (the forecast prices CacheBlend@15% at 8K
         and 16K tokens 3-3.5% slower graphed on an H100). `num_layers`: the model's, or the depth a
         model of these layers would have (the forecast runs the 8B shape at 2 and 3 layers)."""
-        num_layers, cfg = num_layers or self.model.num_layers, self.model.config
-        full = config.warmup + (config.probe if config.signal is Signal.KV_DEV else 0)
+        num_layers = num_layers or self.model.num_layers
+        full = config.patch_start
         probe = {Signal.KV_DEV: 0, Signal.POSITION: 0, Signal.QCI: config.probe}.get(config.signal,
                                                                                    num_layers - config.warmup)
         row_layers = 0
@@ -112,9 +112,7 @@ class GraphPrefill:
             patch = num_selected(config.coverage, num_context) + num_question
             row_layers += (full * (num_prefix + num_context + num_question) + probe * num_question
                            + (num_layers - full) * patch)
-        attention = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        params = attention + 3 * cfg.hidden_size * cfg.intermediate_size
-        return row_layers * params <= self.max_row_params * num_layers
+        return row_layers * self.model.config.num_layer_parameters <= self.max_row_params * num_layers
 
     def run(self, requests: list[RecomputeRequest], config: RecomputeConfig) -> list[RecomputeOutput] | None:
         """The batch's outputs from a replay, or None where no bucket fits the device (eager then).
@@ -149,7 +147,8 @@ class GraphPrefill:
         num_rows = next(b for b in BATCH_BUCKETS if b >= len(layouts))
         length = size_class(max(lay.num_tokens for lay in layouts) + 1, 64)  # + the trash row
         most = max(lay.num_selected for lay in layouts)
-        return BucketKey(config.signal.value, config.warmup, config.probe, config.kv_dev_target, num_rows, length,
+        return BucketKey(config.signal.value, config.warmup, config.probe, config.kv_dev_target, config.patch_start,
+                         num_rows, length,
                          0 if most == 0 else size_class(most, 16),
                          size_class(max(lay.num_suffix for lay in layouts), 16))
 

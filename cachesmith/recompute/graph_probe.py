@@ -65,21 +65,29 @@ def query_scores(bucket, hq: torch.Tensor, layers: range, rows: torch.Tensor, is
     return hq, scores
 
 
-def attend_with_probs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention.attend_with_probs` of a batch, in float32 as it is: q [B, Q, H, D] over keys and
-    values [B, S, Hkv, D] where `visible` [B, Q, S] -> (out [B * Q, H * D] in q's dtype, probs
-    [B, H, Q, S]). The query heads of one KV head go in together, so K is never repeated."""
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`attention.attention_probs` of a batch, in float32 as it is: q [B, Q, H, D] over keys
+    [B, S, Hkv, D] where `visible` [B, Q, S] -> probs [B, H, Q, S]. The query heads of one KV head
+    go in together, so K is never repeated."""
     B, Q, H, D = q.shape
     Hkv = keys.shape[2]
     group = H // Hkv
     qg = q.float().reshape(B, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Q, D)
     logits = torch.matmul(qg, keys.float().permute(0, 2, 3, 1)) / math.sqrt(D)  # [B, Hkv, group * Q, S]
     logits = logits.view(B, Hkv, group, Q, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # [B, Hkv, group, Q, S]
+    return torch.softmax(logits, dim=-1).view(B, H, Q, -1)
+
+
+def attend_with_probs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_probs` and the attention output [B * Q, H * D] in q's dtype (values [B, S, Hkv, D])."""
+    B, Q, H, D = q.shape
+    Hkv = keys.shape[2]
+    group = H // Hkv
+    probs = attention_probs(q, keys, visible)  # [B, H, Q, S]
     out = torch.matmul(probs.view(B, Hkv, group * Q, -1), values.float().transpose(1, 2))  # [B, Hkv, group * Q, D]
     out = out.view(B, Hkv, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H * D)
-    return out.to(q.dtype), probs.view(B, H, Q, -1)
+    return out.to(q.dtype), probs
 
 
 def fused_order(kv_scores: torch.Tensor, qci_scores: torch.Tensor, is_context: torch.Tensor

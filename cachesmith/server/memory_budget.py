@@ -149,12 +149,8 @@ def human_bytes(num_bytes: float) -> str:
 def num_parameters(config: ModelConfig) -> int:
     """Parameters the decoder loads: embeddings, each layer's matrices, biases and norms, the head."""
     c = config
-    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer = (qkv_rows * c.hidden_size + c.num_heads * c.head_dim * c.hidden_size
-                 + 3 * c.intermediate_size * c.hidden_size + 2 * c.hidden_size
-                 + (qkv_rows if c.is_qkv_bias else 0) + (2 * c.head_dim if c.is_qk_norm else 0))
     embeddings = c.vocab_size * c.hidden_size * (1 if c.is_tied_embeddings else 2)
-    return embeddings + c.num_layers * per_layer + c.hidden_size
+    return embeddings + c.num_layers * c.num_layer_parameters + c.hidden_size
 
 
 def weights_bytes(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:

@@ -213,9 +213,7 @@ def test_a_run_whose_device_work_outlasts_its_launches_runs_eager(llama_dir, sim
     model = Decoder(llama_dir, "cuda", torch.float32)
     runner = BatchRunner(model)
     requests = batch(model)
-    cfg = model.config
-    params = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
+    params = model.config.num_layer_parameters
     questions = sum(len(r.suffix_ids) for r in requests)  # full reuse: the question rows, every layer
     runner.graphs.max_row_params = questions * params
     assert runner.graphs.is_launch_bound(requests, full_reuse())
@@ -229,28 +227,53 @@ def test_a_run_whose_device_work_outlasts_its_launches_runs_eager(llama_dir, sim
 
 
 @pytest.mark.sim_cuda
-def test_a_runs_caches_are_its_bucket_rows_until_the_next_replay_moves_them_out(llama_dir, sim_cuda):
+def test_a_runs_caches_are_its_bucket_rows_until_the_next_replay_moves_them_out(llama_dir, sim_cuda, monkeypatch):
     """A replayed run's caches are lent its bucket's rows (no copy out); the bucket's next replay
     first moves the ones still held into slabs of their own, rows intact, with the room their
     requests asked for; a released or dropped one costs nothing; a lent cache takes a decoder's
     writes outside inference mode."""
+    from cachesmith.model import KVCache
+
+    moved = []
+    own = KVCache.own
+    monkeypatch.setattr(KVCache, "own", lambda cache, capacity=None: moved.append(cache) or own(cache, capacity))
     model = Decoder(llama_dir, "cuda", torch.float32)
     runner, plan = BatchRunner(model), cacheblend(0.15)
-    first = runner.run(batch(model), plan)
+    requests = batch(model)
+    for r in requests:
+        r.extra_capacity = 40  # past the bucket's rows: the move makes room for it
+    first = runner.run(requests, plan)
     assert all(o.cache.is_borrowed and not o.cache.is_head_major for o in first)
     pooled = model.kv_pool.num_bytes
     first[2].cache.release()
     assert model.kv_pool.num_bytes == pooled  # the bucket's rows are not the pool's to hand out
-    runner.run(batch(model, seed=3), plan)  # dropped unreleased: nothing to move
+    runner.run(batch(model, seed=3), plan)  # dropped unreleased: nothing to move at the next replay
+    assert moved == [first[0].cache, first[1].cache]
     second = runner.run(batch(model, seed=5), plan)
     assert (runner.graphs.num_captures, runner.graphs.num_replays) == (1, 3)
-    assert not first[0].cache.is_borrowed and not first[1].cache.is_borrowed
+    assert len(moved) == 2 and not first[0].cache.is_borrowed and not first[1].cache.is_borrowed
     cpu = Decoder(llama_dir, "cpu", torch.float32)
     want = BatchRunner(cpu).run(batch(cpu), plan)
     assert_same_outputs(first[:2], want[:2], model.num_layers)
-    assert first[0].cache.capacity >= first[0].cache.num_tokens + batch(model)[0].extra_capacity
+    assert first[0].cache.capacity >= first[0].cache.num_tokens + 40
     cache = second[0].cache
     assert cache.is_borrowed
     row = torch.ones(1, model.config.num_kv_heads, model.config.head_dim, device="cuda")
     cache.write(0, cache.num_tokens, row, row)  # outside inference mode, into the bucket's rows
     assert torch.equal(cache.keys[0][cache.num_tokens].cpu(), row[0].cpu())
+
+
+def test_the_launch_bound_line_is_about_550_question_rows_a_layer_of_the_8b_shape():
+    """What docs/serving.md and ADR 0053 say of `MAX_ROW_PARAMS`: full reuse of the 8B shape
+    (every layer runs only the question's rows) graphs up to about 550 of them, and not beyond."""
+    from types import SimpleNamespace
+
+    from cachesmith.model.config import ModelConfig
+    from cachesmith.recompute.graph_prefill import GraphPrefill
+
+    cfg = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 8192, False, False, False)
+    graphs = GraphPrefill(SimpleNamespace(num_layers=32, config=cfg))
+
+    def asks(num_question: int):
+        return [SimpleNamespace(chunks=[SimpleNamespace(num_tokens=2048)], prefix=None, suffix_ids=[1] * num_question)]
+    assert graphs.is_launch_bound(asks(540), full_reuse()) and not graphs.is_launch_bound(asks(560), full_reuse())
